@@ -1,0 +1,64 @@
+"""What every benchmark shares: a description of the device and the JSON result writer.
+
+Results go to bench/results/<name>-<device slug>-<UTC date>.json with the device, date, git commit,
+shapes and figures, so a result can be traced to the code and the hardware that produced it.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                            "cpu_count": os.cpu_count(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device="cuda", gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda)
+    else:
+        info.update(device="cpu")
+    return info
+
+
+def device_slug() -> str:
+    info = device_info()
+    name = info.get("gpu", "cpu")
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+
+
+def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """Write {name, date, commit, device, **payload} atomically and return the path."""
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    record = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "commit": git_commit(),
+              "device": device_info(), **payload}
+    path = out_dir / f"{name}-{device_slug()}-{now.strftime('%Y%m%d')}.json"
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path

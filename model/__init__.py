@@ -1,0 +1,1 @@
+"""Decoder-only language model: tiers, the model, FLOPs per token."""

@@ -1,0 +1,354 @@
+"""One typed configuration tree for every stage, with named presets and field-path overrides.
+
+    from pipeline.config import load_config
+    cfg = load_config("cpu", ["--train.batch_size=8", "--model.tier=A"])
+
+Every field is addressed by its path (`train.batch_size`); the same paths are used by the CLI, by
+Ray Train's `train_loop_config` and by Ray Tune's `param_space`. Unknown paths and invalid values
+raise `ConfigError`, whose message is one line naming the field and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.tiers import TIERS, get_tier
+
+
+class ConfigError(ValueError):
+    """A user-supplied configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    tier: str = "nano"
+    tie_embeddings: bool = True
+    doc_masking: bool = True  # no attention across document boundaries; positions restart per document
+    compile: str = "auto"  # auto (on for CUDA) | on | off: regional torch.compile, one block at a time
+    activation_checkpointing: str = "none"  # none | all | every_<k> (checkpoint every k-th block)
+    attention: str = "auto"  # auto | flex | sdpa | dense
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"  # builtin | files | hf | synthetic
+    path: str = ""  # files: a file, directory or glob
+    text_column: str = "text"
+    hf_name: str = ""  # hf: dataset name, e.g. roneneldan/TinyStories
+    hf_config: str = ""
+    hf_split: str = "train"
+    hf_streaming: bool = False
+    max_documents: int = 0  # 0 = all
+    tokenizer: str = ""  # path to an existing SentencePiece .model; empty = train one
+    vocab_size: int = 32000
+    tokenizer_sample_bytes: int = 20_000_000  # text sampled to train the tokenizer
+    seq_len: int = 256  # tokens per training row; shards hold seq_len + 1
+    val_fraction: float = 0.02
+    rows_per_shard: int = 2048
+    dataset_dir: str = ""  # empty = <run.root>/datasets/<content hash>
+    split_seed: int = 0
+    tokenize_actors: int = 0  # 0 = one per CPU Ray reports
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 8  # micro-batch, sequences per worker per forward
+    grad_accum: int = 1
+    max_steps: int = 200  # optimizer steps
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
+    ce_chunk_size: int = 4096  # tokens per logits chunk in the fused cross-entropy
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    sample_tokens: int = 48  # tokens generated per prompt at evaluation (0 = off)
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # empty = start a local Ray; "auto" = join the running cluster
+    num_workers: int = 1
+    use_gpu: str = "auto"  # auto | true | false
+    cpus_per_worker: int = 1
+    max_failures: int = 3
+    storage_path: str = ""  # empty = <run.root>/ray_results
+
+
+@dataclass
+class TrackingConfig:
+    tracking_uri: str = ""  # empty = MLFLOW_TRACKING_URI, else sqlite:///<run.root>/mlflow.db
+    experiment: str = "longtrain"
+    enabled: bool = True
+
+
+@dataclass
+class RunConfig:
+    root: str = "runs"  # every output lives under here
+    name: str = ""  # empty = generated from tier and time
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """{"train.batch_size": 8, ...}: the field paths used everywhere."""
+        return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+
+    def replace(self, overrides: dict[str, Any]) -> "Config":
+        """A new validated config with field-path overrides applied."""
+        flat = self.flat()
+        for key, value in overrides.items():
+            if key not in flat:
+                raise ConfigError(_unknown_key_message(key))
+            flat[key] = _coerce(key, value)
+        return from_flat(flat)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+_SECTION_TYPES = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def field_types() -> dict[str, type]:
+    """Every field path and its Python type."""
+    out: dict[str, type] = {}
+    for sec, cls in _SECTION_TYPES.items():
+        for name, typ in typing.get_type_hints(cls).items():
+            out[f"{sec}.{name}"] = typ
+    return out
+
+
+def _unknown_key_message(key: str) -> str:
+    paths = list(field_types())
+    close = [p for p in paths if p.split(".")[-1] == key.split(".")[-1]]
+    hint = f" did you mean {close[0]!r}?" if close else ""
+    return f"unknown config field {key!r};{hint} valid fields: {', '.join(paths)}"
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Turn a CLI string (or a YAML/JSON value) into the field's type, or raise ConfigError."""
+    typ = field_types()[key]
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                low = text.lower()
+                if low not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError
+                return low in ("true", "1", "yes", "on")
+            return typ(float(text)) if typ is int and "e" in text.lower() else typ(text)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not a valid {typ.__name__}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r} is not a valid {typ.__name__}")
+    return value
+
+
+def from_flat(flat: dict[str, Any]) -> Config:
+    """Build a Config from field paths; unknown paths are errors."""
+    sections: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
+    for key, value in flat.items():
+        if key not in field_types():
+            raise ConfigError(_unknown_key_message(key))
+        sec, name = key.split(".", 1)
+        sections[sec][name] = _coerce(key, value)
+    return Config(**{s: _SECTION_TYPES[s](**kw) for s, kw in sections.items()})
+
+
+def from_dict(nested: dict[str, Any]) -> Config:
+    """Build a Config from {"train": {"batch_size": 8}, ...}; unknown sections or keys are errors."""
+    flat: dict[str, Any] = {}
+    for sec, body in nested.items():
+        if sec not in _SECTION_TYPES:
+            raise ConfigError(f"unknown config section {sec!r}; sections: {', '.join(_SECTION_TYPES)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"config section {sec!r} must be a mapping of fields, got {body!r}")
+        for k, v in body.items():
+            flat[f"{sec}.{k}"] = v
+    return Config().replace(flat) if flat else Config()
+
+
+def _one_of(key: str, value: Any, allowed: typing.Iterable[Any]) -> None:
+    allowed = list(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: float, zero_ok: bool = False) -> None:
+    if not (value > 0 or (zero_ok and value == 0)) or (isinstance(value, float) and not math.isfinite(value)):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{key}={value!r} is invalid; it must be {bound}")
+
+
+def validate(cfg: Config) -> None:
+    """Check every field; raise ConfigError with one line naming the field and the allowed values."""
+    m, d, t, r = cfg.model, cfg.data, cfg.train, cfg.ray
+    _one_of("model.tier", m.tier, TIERS)
+    _one_of("model.compile", m.compile, ("auto", "on", "off"))
+    _one_of("model.attention", m.attention, ("auto", "flex", "sdpa", "dense"))
+    ac = m.activation_checkpointing
+    if not (ac in ("none", "all") or (ac.startswith("every_") and ac[6:].isdigit() and int(ac[6:]) >= 1)):
+        raise ConfigError(
+            f"model.activation_checkpointing={ac!r} is not allowed; choose none, all or every_<k> (k >= 1)"
+        )
+    _one_of("data.source", d.source, ("builtin", "files", "hf", "synthetic"))
+    if d.source == "files" and not d.path:
+        raise ConfigError("data.path is empty; data.source=files needs a file, directory or glob in data.path")
+    if d.source == "hf" and not d.hf_name:
+        raise ConfigError("data.hf_name is empty; data.source=hf needs a dataset name, e.g. roneneldan/TinyStories")
+    if not 256 <= d.vocab_size <= 2**31 - 1:
+        raise ConfigError(f"data.vocab_size={d.vocab_size} is invalid; it must be at least 256 (byte fallback)")
+    tier = get_tier(m.tier)
+    if not 8 <= d.seq_len <= tier.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={d.seq_len} is out of range for model.tier={m.tier}; allowed 8..{tier.max_seq_len}"
+        )
+    if not 0.0 <= d.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} is invalid; it must be in [0, 0.5)")
+    for key in ("data.rows_per_shard", "data.tokenizer_sample_bytes"):
+        _positive(key, cfg.flat()[key])
+    for key in ("data.max_documents", "data.tokenize_actors"):
+        _positive(key, cfg.flat()[key], zero_ok=True)
+    for key in ("train.batch_size", "train.grad_accum", "train.max_steps", "train.lr", "train.ce_chunk_size",
+                "train.max_bad_steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
+                "train.keep_checkpoints", "train.eval_batches"):
+        _positive(key, cfg.flat()[key])
+    for key in ("train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.sample_tokens"):
+        _positive(key, cfg.flat()[key], zero_ok=True)
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} is invalid; it must be in [0, 1]")
+    for key, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{key}={beta} is invalid; it must be in [0, 1)")
+    _one_of("train.precision", t.precision, ("auto", "bf16", "fp32"))
+    _positive("ray.num_workers", r.num_workers)
+    _positive("ray.cpus_per_worker", r.cpus_per_worker)
+    _positive("ray.max_failures", r.max_failures, zero_ok=True)
+    _one_of("ray.use_gpu", r.use_gpu, ("auto", "true", "false"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets: small named functions deriving from the base. `default_preset()` picks by hardware.
+
+def _cpu() -> dict[str, Any]:
+    """Runs anywhere in minutes: nano tier, 256-token rows, a 2,000-piece tokenizer."""
+    return {"model.tier": "nano", "data.vocab_size": 2000, "data.seq_len": 256, "train.batch_size": 8,
+            "train.max_steps": 200, "train.lr": 3e-3}
+
+
+def _gpu() -> dict[str, Any]:
+    """One GPU, the product's default: tier B at 32k context."""
+    return {"model.tier": "B", "data.vocab_size": 32000, "data.seq_len": 32768, "train.batch_size": 1,
+            "train.grad_accum": 8, "train.max_steps": 2000, "train.lr": 6e-4, "train.warmup_steps": 100,
+            "train.eval_every": 200, "train.checkpoint_every": 200, "ray.use_gpu": "true"}
+
+
+def _test() -> dict[str, Any]:
+    """The smallest thing that trains end to end; used by the test suite."""
+    return {"model.tier": "nano", "data.vocab_size": 300, "data.seq_len": 64, "data.max_documents": 300,
+            "data.rows_per_shard": 16, "train.batch_size": 4, "train.max_steps": 8, "train.warmup_steps": 2,
+            "train.log_every": 2, "train.eval_every": 4, "train.eval_batches": 2, "train.checkpoint_every": 4,
+            "train.sample_tokens": 8}
+
+
+PRESETS = {"cpu": _cpu, "gpu": _gpu, "test": _test}
+
+
+def default_preset() -> str:
+    """`gpu` when CUDA is present, `cpu` otherwise."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def preset(name: str) -> Config:
+    if name in PRESETS:
+        return Config().replace(PRESETS[name]())
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml", ".json") or p.exists():
+        return load_preset_file(p)
+    raise ConfigError(f"unknown preset {name!r}; built-in presets: {', '.join(PRESETS)}, or a .yaml/.json file")
+
+
+def load_preset_file(path: Path) -> Config:
+    """A YAML/JSON preset: `{base: cpu, overrides: {train.batch_size: 4}}` or a nested config tree."""
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"preset file {str(path)!r} does not exist")
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"preset file {str(path)!r} is not valid YAML/JSON: {exc}".splitlines()[0]) from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"preset file {str(path)!r} must hold a mapping")
+    if "base" in doc or "overrides" in doc:
+        extra = set(doc) - {"base", "overrides"}
+        if extra:
+            raise ConfigError(f"preset file {str(path)!r}: unknown top-level keys {sorted(extra)}; use base and overrides")
+        base = preset(str(doc.get("base", "cpu")))
+        return base.replace(dict(doc.get("overrides") or {}))
+    return from_dict(doc)
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """['--train.batch_size=8', '--model.tier', 'A'] -> {'train.batch_size': '8', 'model.tier': 'A'}."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --train.batch_size=8")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif i + 1 < len(args):
+            i += 1
+            value = args[i]
+        else:
+            raise ConfigError(f"override --{key} has no value; write --{key}=VALUE")
+        if key not in field_types():
+            raise ConfigError(_unknown_key_message(key))
+        out[key] = value
+        i += 1
+    return out
+
+
+def load_config(preset_name: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """The preset (default: by hardware) with overrides applied, validated."""
+    base = preset(preset_name or default_preset())
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    return base.replace(overrides or {})
