@@ -9,23 +9,13 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipeline.tracking import git_commit  # pipeline owns it; bench may import pipeline, never the reverse
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def device_info() -> dict[str, Any]:
@@ -53,7 +43,7 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None
     out_dir = Path(out_dir or RESULTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc)
-    record = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "commit": git_commit(),
+    record = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "commit": git_commit() or "unknown",
               "device": device_info(), **payload}
     path = out_dir / f"{name}-{device_slug()}-{now.strftime('%Y%m%d')}.json"
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".json")
