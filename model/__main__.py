@@ -1,0 +1,56 @@
+"""Print every tier with its exact parameter count and training FLOPs per token.
+
+    python -m model                 # vocabulary of 32,000
+    python -m model --vocab 2000
+
+Models are built on the meta device (no memory, no initialization time), so even tier D prints instantly.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from model.decoder import Decoder
+from model.flops import flops_per_token
+from model.tiers import TIERS
+
+SEQ_LENS = (4096, 32768)
+
+
+def tier_rows(vocab_size: int) -> list[dict]:
+    rows = []
+    for tier in TIERS.values():
+        with torch.device("meta"):
+            model = Decoder(tier, vocab_size)
+        row = {"tier": tier.name, "d_model": tier.d_model, "layers": tier.n_layers, "heads": tier.n_heads,
+               "kv_heads": tier.n_kv_heads, "head_dim": tier.head_dim, "d_ff": tier.d_ff,
+               "max_seq_len": tier.max_seq_len, "params": model.num_params(),
+               "non_embedding": model.num_params(exclude_embedding=True)}
+        for T in SEQ_LENS:
+            row[f"flops_per_token@{T}"] = flops_per_token(tier, T, vocab_size)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m model", description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
+    args = parser.parse_args(argv)
+    if args.vocab < 1:
+        parser.error(f"--vocab={args.vocab} must be a positive vocabulary size")
+    header = ["tier", "d_model", "layers", "heads", "kv_heads", "head_dim", "d_ff", "max_seq_len", "params",
+              "non_embedding"] + [f"GFLOP/tok@{T}" for T in SEQ_LENS]
+    table = [header]
+    for r in tier_rows(args.vocab):
+        table.append([r["tier"], str(r["d_model"]), str(r["layers"]), str(r["heads"]), str(r["kv_heads"]),
+                      str(r["head_dim"]), str(r["d_ff"]), str(r["max_seq_len"]), f"{r['params']:,}",
+                      f"{r['non_embedding']:,}"] + [f"{r[f'flops_per_token@{T}'] / 1e9:.3f}" for T in SEQ_LENS])
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    print(f"vocab_size={args.vocab:,}  tied embeddings  (FLOPs: training fwd+bwd per token, causal attention)")
+    for row in table:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    main()

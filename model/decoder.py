@@ -1,0 +1,369 @@
+"""Llama-style decoder-only transformer that returns hidden states, not logits.
+
+    from model.decoder import build_model
+    model = build_model("nano", vocab_size=2000)
+    hidden = model(tokens[:, :-1], doc_ids[:, :-1])          # (B, T, D) after the final RMSNorm
+    # the loss head is cuda_ops.cross_entropy.linear_cross_entropy(hidden, model.output_weight, ...)
+
+Architecture: token embedding -> n_layers x [x + Attn(RMSNorm(x)), x + SwiGLU(RMSNorm(x))] -> RMSNorm.
+No biases; RoPE (rotate-half form) on queries and keys; grouped-query attention when n_kv_heads < n_heads;
+the output projection is the token embedding (tied, default) or a separate (V, D) weight.
+
+Packed rows and document masking. A training row packs several documents; `doc_ids` (B, T) int32 says which
+document each token belongs to (0-based, non-decreasing along the row). With doc masking on, a token attends
+only to earlier tokens of its own document, and RoPE positions restart at 0 at every document start, so a
+document's outputs do not depend on its neighbours. Attention backends (`attention=`):
+    auto   flex_attention + BlockMask on CUDA with doc masking; SDPA(is_causal) without doc masking;
+           a dense boolean (B, 1, T, T) mask through SDPA on CPU with doc masking
+    flex   flex_attention (compiled on CUDA; the eager, unfused reference on CPU, for tests only)
+    sdpa   SDPA(is_causal) without doc masking; a dense mask through SDPA with doc masking
+    dense  always a dense boolean mask through SDPA (the simple, obviously correct path)
+
+Generation (no doc masking; one prompt per row) with a KV cache:
+    cache = model.new_kv_cache(batch_size=B, max_len=P + N, left_pad=pad)   # pad: (B,) int64 or None
+    h = model(prompt, kv_cache=cache)                  # prompt (B, P): prefill, keys/values cached
+    next_tok = model.logits(h[:, -1]).argmax(-1)       # (B,)
+    h = model(next_tok[:, None], kv_cache=cache)       # one new token per row; positions continue
+Prompts of different lengths are LEFT-padded to a common length P (any token id in the pad slots) and
+`left_pad[b]` gives row b's number of pad tokens: real tokens never attend to pad slots and their RoPE
+positions start at 0 at the first real token, so each row matches running its prompt alone. Equal-length
+prompts need no left_pad. Generation runs the blocks eagerly even after `compile_blocks` (a compiled block
+would recompile for every new cache length).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
+
+from model.tiers import Tier, get_tier
+
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "dense")
+
+# ----------------------------------------------------------------------------------------------
+# Positions and masks from document ids (computed once per forward, shared by every layer)
+
+
+def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) int document ids -> (B, T) int64 position of each token within its document (0 at each start)."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)  # (B, T)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    # index of the most recent document start at or before each token: a running max over start indices
+    start = torch.where(is_start, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, T)
+    return idx - start
+
+
+def dense_mask(doc_ids: torch.Tensor | None, T: int, device: torch.device) -> torch.Tensor:
+    """Boolean (B, 1, T, T) mask (True = may attend): causal, and same document when doc_ids is given."""
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T) causal
+    if doc_ids is None:
+        return mask[None, None]  # (1, 1, T, T)
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    return (same_doc & mask)[:, None]  # (B, 1, T, T)
+
+
+def flex_mask(doc_ids: torch.Tensor | None, T: int, device: torch.device) -> BlockMask:
+    """BlockMask for flex_attention: causal, and same document when doc_ids is given."""
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def causal_same_doc(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    on_cuda = torch.device(device).type == "cuda"
+    if doc_ids is None:
+        return create_block_mask(causal, None, None, T, T, device=device, _compile=on_cuda)
+    # _compile on CUDA builds the block mask without materializing a (T, T) grid per row (32k^2 otherwise)
+    return create_block_mask(causal_same_doc, doc_ids.shape[0], None, T, T, device=device, _compile=on_cuda)
+
+
+_compiled_flex = None  # torch.compile(flex_attention), created on first CUDA use
+
+
+def _flex_attention_for(device: torch.device):
+    """flex_attention is only fast compiled (eager runs an unfused reference); compile it once, lazily."""
+    global _compiled_flex
+    if torch.device(device).type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (B|1, T) -> cos, sin each (B|1, T, 1, head_dim/2) fp32."""
+    # angles in float64: fp32 products lose ~3 digits of the angle at position 32k; the cost is negligible
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # (B|1, T, hd/2)
+    return angles.cos().float()[:, :, None, :], angles.sin().float()[:, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, T, n_head, head_dim) by the per-token angles; computed in fp32, returned in x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, n_head, hd/2) each
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache for generation
+
+
+class KVCache:
+    """Keys/values of every layer for incremental decoding; see the module docstring for the protocol.
+
+    Per layer a (B, n_kv_heads, max_len, head_dim) buffer, allocated on the first write in the dtype of the
+    keys (so it follows autocast). `length` counts the slots filled so far (pad slots included).
+    left_pad: optional (B,) int64, the number of left-pad tokens at the start of each row's prompt.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None):
+        self.batch_size, self.max_len = batch_size, max_len
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+        self.length = 0
+        if left_pad is not None and tuple(left_pad.shape) != (batch_size,):
+            raise ValueError(f"left_pad must have shape ({batch_size},), got {tuple(left_pad.shape)}")
+        self.left_pad = None if left_pad is None else left_pad.to(torch.int64)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def positions_and_mask(self, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RoPE positions (B|1, T) of the next T tokens, and a boolean (B|1, 1, T, length+T) mask or None.
+
+        None means "attend to every cached key" (one new token) or plain causal (prefill of an empty cache).
+        """
+        if B != self.batch_size:
+            raise ValueError(f"KV cache was made for batch size {self.batch_size}, got a batch of {B}")
+        if self.length + T > self.max_len:
+            raise ValueError(f"KV cache is full: {self.length} + {T} tokens > max_len={self.max_len}; "
+                             "create the cache with a larger max_len")
+        q_abs = torch.arange(self.length, self.length + T, device=device)  # (T,) slot of each new token
+        if self.left_pad is None:
+            mask = None
+            if T > 1 and self.length > 0:  # several new tokens after a prefix: bottom-right aligned causal
+                k_abs = torch.arange(self.length + T, device=device)
+                mask = (k_abs[None, :] <= q_abs[:, None])[None, None]  # (1, 1, T, S)
+            return q_abs[None], mask
+        pad = self.left_pad.to(device)[:, None]  # (B, 1)
+        positions = (q_abs[None] - pad).clamp_min(0)  # (B, T): real tokens start at 0
+        k_abs = torch.arange(self.length + T, device=device)  # (S,)
+        causal = k_abs[None, :] <= q_abs[:, None]  # (T, S)
+        # real keys only; a pad query also sees itself so its softmax row is never empty (its output is unused)
+        real_key = (k_abs[None, None, :] >= pad[:, :, None]) | (k_abs[None, None, :] == q_abs[None, :, None])
+        return positions, (causal[None] & real_key)[:, None]  # (B, 1, T, S)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, n_kv_heads, T, head_dim) at the current length; return all keys/values so far."""
+        B, H, T, D = k.shape
+        if self.k[layer] is None:
+            self.k[layer] = k.new_zeros(B, H, self.max_len, D)
+            self.v[layer] = v.new_zeros(B, H, self.max_len, D)
+        end = self.length + T
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)  # (B, H, S, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# The blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # normalize in fp32 even under bf16 autocast
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, tier: Tier):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = tier.n_heads, tier.n_kv_heads, tier.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.wqkv = nn.Linear(tier.d_model, q_dim + 2 * kv_dim, bias=False)  # one matmul for q, k, v
+        self.wo = nn.Linear(q_dim, tier.d_model, bias=False)
+
+    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q = apply_rope(q.view(B, T, H, hd), cos, sin).transpose(1, 2)  # (B, H, T, hd)
+        k = apply_rope(k.view(B, T, Hkv, hd), cos, sin).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = v.view(B, T, Hkv, hd).transpose(1, 2)  # (B, Hkv, T, hd)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)  # (B, Hkv, S, hd), S = cached + T
+        gqa = H != Hkv
+        if isinstance(mask, BlockMask):
+            y = _flex_attention_for(q.device)(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            # mask None: causal when queries and keys line up, else one new token that sees the whole cache
+            is_causal = mask is None and q.size(2) == k.size(2)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H * hd)
+        return self.wo(y)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, tier: Tier):
+        super().__init__()
+        self.w_gate_up = nn.Linear(tier.d_model, 2 * tier.d_ff, bias=False)  # gate and up in one matmul
+        self.w_down = nn.Linear(tier.d_ff, tier.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, d_ff) each
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, tier: Tier):
+        super().__init__()
+        self.attn_norm = RMSNorm(tier.d_model, tier.norm_eps)
+        self.attn = Attention(tier)
+        self.mlp_norm = RMSNorm(tier.d_model, tier.norm_eps)
+        self.mlp = SwiGLU(tier)
+
+    def forward(self, x, cos, sin, mask, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, layer)  # (B, T, D)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+def _checkpointed_layers(spec: str, n_layers: int) -> frozenset[int]:
+    """'none' | 'all' | 'every_<k>' (blocks 0, k, 2k, ...) -> the block indices to recompute in backward."""
+    if spec == "none":
+        return frozenset()
+    if spec == "all":
+        return frozenset(range(n_layers))
+    if spec.startswith("every_") and spec[6:].isdigit() and int(spec[6:]) >= 1:
+        return frozenset(range(0, n_layers, int(spec[6:])))
+    raise ValueError(f"activation_checkpointing={spec!r} is not allowed; choose none, all or every_<k> (k >= 1)")
+
+
+class Decoder(nn.Module):
+    def __init__(self, tier: Tier, vocab_size: int, *, tie_embeddings: bool = True, doc_masking: bool = True,
+                 attention: str = "auto", activation_checkpointing: str = "none"):
+        super().__init__()
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention={attention!r} is not allowed; choose one of: {', '.join(ATTENTION_BACKENDS)}")
+        if tier.d_model % tier.n_heads or tier.n_heads % tier.n_kv_heads or tier.head_dim % 2:
+            raise ValueError(f"tier {tier.name}: d_model must split into n_heads even-sized heads and n_heads "
+                             "must be a multiple of n_kv_heads")
+        self.tier, self.vocab_size = tier, vocab_size
+        self.tie_embeddings, self.doc_masking, self.attention = tie_embeddings, doc_masking, attention
+        self.checkpointed = _checkpointed_layers(activation_checkpointing, tier.n_layers)
+        self.tok_emb = nn.Embedding(vocab_size, tier.d_model)
+        self.blocks = nn.ModuleList(Block(tier) for _ in range(tier.n_layers))
+        self.norm = RMSNorm(tier.d_model, tier.norm_eps)
+        self.lm_head = None if tie_embeddings else nn.Linear(tier.d_model, vocab_size, bias=False)
+        self.init_weights()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V, D) weight of the output projection: logits = hidden @ output_weight.T."""
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, 0.02) everywhere; the two projections that write into the residual stream get
+        0.02 / sqrt(2 * n_layers), so the residual's variance does not grow with depth (GPT-2); norms at 1."""
+        resid_std = 0.02 / math.sqrt(2 * self.tier.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+                p.normal_(0.0, resid_std)
+            else:
+                p.normal_(0.0, 0.02)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Exact parameter count; exclude_embedding drops every vocabulary-sized matrix (the token
+        embedding, and the separate output weight when untied), leaving the transformer body."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.tok_emb.weight.numel() + (0 if self.lm_head is None else self.lm_head.weight.numel())
+        return n
+
+    def compile_blocks(self, **compile_kwargs) -> "Decoder":
+        """torch.compile each block separately (regional compilation: one block's graph, compiled once and
+        reused by the identical blocks, so compile time stays short). State-dict keys do not change."""
+        for block in self.blocks:
+            block.compile(**compile_kwargs)
+        return self
+
+    def new_kv_cache(self, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None) -> KVCache:
+        return KVCache(self.tier.n_layers, batch_size, max_len, left_pad)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., V) fp32 logits, for generation and inspection of a few positions only; training
+        never forms full logits (cuda_ops' fused cross-entropy takes hidden and output_weight)."""
+        return F.linear(hidden, self.output_weight.to(hidden.dtype)).float()
+
+    def _mask(self, doc_ids: torch.Tensor | None, T: int, device: torch.device):
+        """The attention mask for a training/eval forward: None (SDPA is_causal), dense tensor or BlockMask."""
+        backend = self.attention
+        if backend == "auto":
+            backend = ("flex" if device.type == "cuda" else "dense") if doc_ids is not None else "sdpa"
+        if backend == "flex":
+            _flex_attention_for(device)  # create the compiled kernel here, outside any compiled block
+            return flex_mask(doc_ids, T, device)
+        if backend == "sdpa" and doc_ids is None:
+            return None
+        return dense_mask(doc_ids, T, device)
+
+    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) int64, doc_ids (B, T) int32 or None -> hidden states (B, T, D) after the final RMSNorm."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
+        B, T = idx.shape
+        if doc_ids is not None and doc_ids.shape != idx.shape:
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}")
+        if kv_cache is not None:
+            if doc_ids is not None:
+                raise ValueError("generation with a KV cache has no document masking; pass doc_ids=None")
+            positions, mask = kv_cache.positions_and_mask(B, T, idx.device)
+        else:
+            if not self.doc_masking:
+                doc_ids = None
+            positions = doc_positions(doc_ids) if doc_ids is not None else torch.arange(T, device=idx.device)[None]
+            mask = self._mask(doc_ids, T, idx.device)
+        cos, sin = rope_cos_sin(positions, self.tier.head_dim, self.tier.rope_base)  # (B|1, T, 1, hd/2)
+
+        x = self.tok_emb(idx)  # (B, T, D)
+        for i, block in enumerate(self.blocks):
+            if kv_cache is not None:
+                x = block.forward(x, cos, sin, mask, kv_cache, i)  # .forward: eager even if compiled
+            elif self.training and i in self.checkpointed and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)  # recompute in backward
+            else:
+                x = block(x, cos, sin, mask)
+        if kv_cache is not None:
+            kv_cache.length += T
+        return self.norm(x)  # (B, T, D)
+
+
+def build_model(tier_name: str, vocab_size: int, **kw) -> Decoder:
+    """Decoder for the named tier (see model/tiers.py); kw: tie_embeddings, doc_masking, attention,
+    activation_checkpointing."""
+    return Decoder(get_tier(tier_name), vocab_size, **kw)
