@@ -1,0 +1,197 @@
+"""The chunked linear cross-entropy (reference path, CPU) against torch.nn.functional.cross_entropy on full logits.
+
+    .venv/bin/python -m pytest tests/cuda_ops/test_cross_entropy.py -q
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cuda_ops.cross_entropy import CEResult, linear_cross_entropy, linear_cross_entropy_reference
+
+N, D, V = 11, 16, 37  # V = 37 is not a multiple of any chunk size used below
+
+
+def make_inputs(n=N, d=D, v=V, dtype=torch.float32, seed=0, ignored=(2, 5)):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=g, dtype=torch.float64) / d ** 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[list(ignored)] = -100
+    return hidden, weight, targets
+
+
+def full_logits_oracle(hidden, weight, targets, z_loss=0.0, ignore_index=-100):
+    """Sum loss and its gradients computed in float64 on full logits (the ground truth), plus the correct count."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    logits = h @ w.t()
+    loss = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    keep = targets != ignore_index
+    if z_loss:
+        lse = torch.logsumexp(logits, dim=1)
+        loss = loss + z_loss * (lse[keep] ** 2).sum()
+    loss.backward()
+    n_correct = ((logits.argmax(dim=1) == targets) & keep).sum()
+    return loss.detach(), h.grad, w.grad, int(keep.sum()), int(n_correct)
+
+
+def run(fn, hidden, weight, targets, **kw):
+    hidden.grad = weight.grad = None
+    res = fn(hidden, weight, targets, **kw)
+    res.loss_sum.backward()
+    return res, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, N, N + 5])
+def test_matches_full_logits_cross_entropy(chunk_size):
+    hidden, weight, targets = make_inputs()
+    res, gh, gw = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=chunk_size)
+    loss, gh_ref, gw_ref, n_tok, n_cor = full_logits_oracle(hidden, weight, targets)
+    assert isinstance(res, CEResult)
+    assert res.loss_sum.dtype == torch.float32 and res.loss_sum.dim() == 0
+    assert res.n_tokens.dtype == torch.int64 and res.n_correct.dtype == torch.int64
+    torch.testing.assert_close(res.loss_sum.double(), loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh.double(), gh_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw.double(), gw_ref, rtol=1e-5, atol=1e-6)
+    assert int(res.n_tokens) == n_tok == N - 2
+    assert int(res.n_correct) == n_cor
+
+
+def test_torch_f_cross_entropy_mean_and_its_gradients():
+    """Straight against the float32 torch recipe people use: F.cross_entropy(h @ w.T, t) with mean reduction."""
+    hidden, weight, targets = make_inputs(seed=3)
+    mean = linear_cross_entropy(hidden, weight, targets, chunk_size=4, reduction="mean")
+    mean.backward()
+    gh, gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref = F.cross_entropy(hidden @ weight.t(), targets)
+    ref.backward()
+    torch.testing.assert_close(mean, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gh, hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_n_correct_counts_argmax_hits_on_counted_rows_only():
+    hidden, weight, targets = make_inputs(n=40, seed=1, ignored=())
+    argmax = (hidden @ weight.t()).argmax(dim=1)
+    targets = torch.where(torch.arange(40) % 2 == 0, argmax, targets)  # force hits on even rows
+    targets[[0, 2, 4]] = -100                                          # ignored hits must not count
+    res = linear_cross_entropy_reference(hidden, weight, targets, chunk_size=6)
+    expected = ((argmax == targets) & (targets != -100)).sum()
+    assert int(res.n_correct) == int(expected) >= 17
+    assert int(res.n_tokens) == 37
+
+
+def test_all_rows_ignored_give_zero_loss_zero_grads_and_mean_zero():
+    hidden, weight, targets = make_inputs()
+    targets[:] = -100
+    res, gh, gw = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=4)
+    assert float(res.loss_sum.detach()) == 0.0 and int(res.n_tokens) == 0 and int(res.n_correct) == 0
+    assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+    assert float(res.mean().detach()) == 0.0  # not NaN: a pure-padding batch must not poison training
+
+
+def test_custom_ignore_index():
+    hidden, weight, targets = make_inputs(ignored=())
+    targets[[1, 4]] = 7                      # class 7 is the ignored one
+    res, gh, gw = run(linear_cross_entropy_reference, hidden, weight, targets, ignore_index=7, chunk_size=5)
+    loss, gh_ref, gw_ref, n_tok, _ = full_logits_oracle(hidden, weight, targets, ignore_index=7)
+    assert int(res.n_tokens) == n_tok == N - int((targets == 7).sum())
+    torch.testing.assert_close(res.loss_sum.double(), loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh.double(), gh_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_z_loss_against_hand_computed_version(chunk_size):
+    z = 1e-2
+    hidden, weight, targets = make_inputs(seed=2)
+    hidden.data.mul_(3)  # larger logits so the z term matters
+    res, gh, gw = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=chunk_size, z_loss=z)
+    loss, gh_ref, gw_ref, _, _ = full_logits_oracle(hidden, weight, targets, z_loss=z)
+    loss_no_z, _, _, _, _ = full_logits_oracle(hidden, weight, targets)
+    assert float(loss - loss_no_z) > 1e-3  # the check below would not notice a missing z term otherwise
+    torch.testing.assert_close(res.loss_sum.double(), loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh.double(), gh_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw.double(), gw_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype):
+    """Loss compared to the float64 oracle on the same (already rounded) inputs: the softmax math is fp32, so the
+    loss is tight (1e-4 rel); gradients are rounded once to the input dtype (8 bits of mantissa for bf16), so they
+    get 1e-2 relative to the largest gradient entry."""
+    hidden, weight, targets = make_inputs(n=29, dtype=dtype)
+    res, gh, gw = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=8, z_loss=1e-3)
+    loss, gh_ref, gw_ref, _, n_cor = full_logits_oracle(hidden, weight, targets, z_loss=1e-3)
+    assert gh.dtype == dtype and gw.dtype == dtype and res.loss_sum.dtype == torch.float32
+    torch.testing.assert_close(res.loss_sum.double(), loss, rtol=1e-4, atol=1e-4)
+    assert (gh.double() - gh_ref).abs().max() <= 1e-2 * gh_ref.abs().max()
+    assert (gw.double() - gw_ref).abs().max() <= 1e-2 * gw_ref.abs().max()
+    assert int(res.n_correct) == n_cor
+
+
+def test_large_logits_stay_finite():
+    hidden, weight, targets = make_inputs()
+    with torch.no_grad():
+        hidden.mul_(1e3)  # logits of order 1e3..1e4: exp overflows without max subtraction
+    res, gh, gw = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=3)
+    loss, gh_ref, _, _, _ = full_logits_oracle(hidden, weight, targets)
+    assert torch.isfinite(res.loss_sum) and torch.isfinite(gh).all() and torch.isfinite(gw).all()
+    torch.testing.assert_close(res.loss_sum.double(), loss, rtol=1e-5, atol=1e-2)
+    torch.testing.assert_close(gh.double(), gh_ref, rtol=1e-4, atol=1e-3)
+
+
+def test_batched_leading_dims_and_upstream_scale():
+    hidden, weight, targets = make_inputs(n=12)
+    h3 = hidden.detach().reshape(3, 4, D).requires_grad_()
+    res = linear_cross_entropy_reference(h3, weight, targets.reshape(3, 4), chunk_size=5)
+    (res.loss_sum * 2.5).backward()  # backward scales the gradients stored during forward
+    loss, gh_ref, gw_ref, _, _ = full_logits_oracle(hidden, weight, targets)
+    torch.testing.assert_close(h3.grad.reshape(12, D).double(), 2.5 * gh_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad.double(), 2.5 * gw_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_only_for_inputs_that_require_it():
+    hidden, weight, targets = make_inputs()
+    res = linear_cross_entropy_reference(hidden, weight.detach(), targets)
+    res.loss_sum.backward()
+    assert hidden.grad is not None
+    with torch.no_grad():
+        res = linear_cross_entropy_reference(hidden, weight, targets)
+    assert not res.loss_sum.requires_grad
+    torch.testing.assert_close(res.loss_sum.double(), full_logits_oracle(hidden, weight, targets)[0])
+
+
+def test_second_backward_is_refused():
+    hidden, weight, targets = make_inputs()
+    res = linear_cross_entropy_reference(hidden, weight, targets)
+    res.loss_sum.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        res.loss_sum.backward()
+
+
+def test_out_of_range_target_gives_nan_loss_not_a_crash():
+    hidden, weight, targets = make_inputs()
+    targets[0] = V + 3
+    res = linear_cross_entropy_reference(hidden, weight, targets)
+    assert torch.isnan(res.loss_sum)
+    assert int(res.n_tokens) == N - 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(weight=torch.zeros(V, D + 1)), "disagree on D"),
+    (dict(targets=torch.zeros(N + 1, dtype=torch.long)), "targets shape"),
+    (dict(targets=torch.zeros(N)), "integer"),
+    (dict(weight=torch.zeros(V, D, dtype=torch.float64)), "float64"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(reduction="avg"), "reduction"),
+])
+def test_input_errors_name_the_problem(bad, match):
+    hidden, weight, targets = make_inputs()
+    kw = dict(hidden=hidden, weight=weight, targets=targets)
+    kw.update({k: v for k, v in bad.items() if k in kw})
+    opts = {k: v for k, v in bad.items() if k not in kw}
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(kw["hidden"], kw["weight"], kw["targets"], **opts)
