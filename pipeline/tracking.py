@@ -1,7 +1,8 @@
 """MLflow tracking from rank 0: one run per training job, one parent run per sweep with a child per trial.
 
-    from pipeline.tracking import check_tracking_uri, open_tracker, resolve_tracking_uri
-    check_tracking_uri(resolve_tracking_uri(cfg))           # before any worker starts: fail fast, clearly
+    from pipeline.tracking import check_tracking_uri, open_tracker, pin_tracking_uri
+    cfg = pin_tracking_uri(cfg)                             # driver: one store for every worker, any cwd/node
+    check_tracking_uri(cfg.tracking.tracking_uri)           # before any worker starts: fail fast, clearly
     with open_tracker(cfg, rank=rank, run_name="nano-lr3e-3") as tracker:   # NullTracker off rank 0
         tracker.log_config({PARAM_WORLD_SIZE: 2, PARAM_MODEL_PARAMS: n_params})
         tracker.log_metrics({TRAIN_LOSS: 3.2, TRAIN_LR: 3e-3}, step=10)
@@ -33,6 +34,8 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `train/mfu`                | model FLOPs utilisation, fraction of peak (0..1)               |
 | metric | `train/peak_mem_gib`       | peak accelerator memory on rank 0 (GiB)                        |
 | metric | `train/tokens_seen`        | training tokens consumed so far, all workers together          |
+| metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
+| metric | `train/bad_steps`          | optimizer steps skipped so far for a non-finite loss/gradient  |
 | metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
 | metric | `val/ppl`                  | exp(val/loss)                                                  |
 | metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
@@ -76,11 +79,13 @@ TRAIN_TOKENS_PER_S = "train/tokens_per_s"
 TRAIN_MFU = "train/mfu"
 TRAIN_PEAK_MEM_GIB = "train/peak_mem_gib"
 TRAIN_TOKENS_SEEN = "train/tokens_seen"
+TRAIN_ACCURACY = "train/accuracy"
+TRAIN_BAD_STEPS = "train/bad_steps"
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
 METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_PEAK_MEM_GIB,
-           TRAIN_TOKENS_SEEN, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+           TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
@@ -165,6 +170,22 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
     if not os.access(directory, os.W_OK):
         raise TrackingError(f"the MLflow store directory {directory} for {uri} is not writable; "
                             f"set run.root or tracking.tracking_uri to a writable location")
+
+
+def pin_tracking_uri(cfg: "Config") -> "Config":
+    """cfg with tracking.tracking_uri set to resolve_tracking_uri(cfg), for the config shipped to workers.
+
+    A Ray worker may run in another directory (a relative run.root would name another database) or on another
+    node (without the driver's MLFLOW_TRACKING_URI); pinning on the driver makes every process use one store.
+    """
+    return cfg.replace({"tracking.tracking_uri": resolve_tracking_uri(cfg)})
+
+
+def ui_command_for(uri: str) -> str:
+    """`mlflow ui --backend-store-uri <uri> --host 127.0.0.1 --port 5000` for a local store; the URL for a server."""
+    if urllib.parse.urlparse(uri).scheme in ("http", "https"):
+        return uri
+    return f"mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000"
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
@@ -361,11 +382,7 @@ class Tracker:
     # -- where to look ------------------------------------------------------------------------
     def ui_command(self) -> str:
         """The exact command that opens the MLflow UI on this store, or the server URL when remote."""
-        scheme = urllib.parse.urlparse(self.tracking_uri).scheme
-        if scheme in ("http", "https"):
-            return self.tracking_uri
-        return (f"mlflow ui --backend-store-uri {shlex.quote(self.tracking_uri)} "
-                f"--host 127.0.0.1 --port 5000")
+        return ui_command_for(self.tracking_uri)
 
     def run_url(self) -> str | None:
         """Link to this run in a served UI (None for a local store: run ui_command() first)."""
