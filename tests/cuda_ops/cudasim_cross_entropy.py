@@ -1,0 +1,152 @@
+"""Cross-entropy Numba kernel under the CUDA simulator vs the torch reference, on awkward tiny shapes.
+
+Run by tests/cuda_ops/test_cross_entropy_cudasim.py in a subprocess (NUMBA_ENABLE_CUDASIM=1 must be set before
+numba is imported). By hand:
+
+    NUMBA_ENABLE_CUDASIM=1 .venv/bin/python tests/cuda_ops/cudasim_cross_entropy.py
+
+Prints one JSON object {case name: "ok" | traceback}. The simulator runs each GPU thread as a Python thread, so
+shapes stay tiny (8 x 300 logits) and the block is lowered to 32 threads; 300 is not a multiple of 32, and a
+5-class vocabulary leaves most threads of a block without a single element.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    sys.exit("set NUMBA_ENABLE_CUDASIM=1 before running this file (numba reads it at import)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+import cuda_ops.cross_entropy as ce  # noqa: E402
+
+BLOCK = 32
+ce.ROWWISE_BLOCK = BLOCK  # the torch-tensor path (_rowwise_numba) reads this at call time
+
+
+def awkward_logits(n=8, v=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g) * 3
+    targets = torch.randint(0, v, (n,), generator=g)
+    logits[2, 5] = 1e4                                  # one huge logit: exp overflows without max subtraction
+    logits[3] = -1e4
+    logits[3, 7] = 1e4                                  # +-1e4 row whose argmax is the target
+    targets[3] = 7
+    logits[4] = 2.0                                     # all tied: argmax must be the first index (0)
+    targets[4] = 0
+    logits[6, v - 1] = 50.0                             # argmax in the vocab tail past the last full block
+    targets[6] = v - 1
+    logits[7, 64] = logits[7, 33] = 40.0                # tie across threads: the lower-tid partial holds the
+    targets[7] = 33                                     # later index (64), the first one (33) must win
+    targets[1] = -100                                   # ignored row
+    targets[5] = v + 3                                  # out of range: NaN loss, like the reference
+    return logits, targets
+
+
+def rowwise_both(logits, targets, z_loss=0.0, write_grad=True, ignore_index=-100):
+    """(loss_rows, correct_rows, logits after) from the reference and from the kernel."""
+    out = []
+    for fn in (ce._rowwise_reference, ce._rowwise_numba):
+        buf = logits.clone()
+        loss_rows = torch.full((len(targets),), -7.0)
+        correct_rows = torch.full((len(targets),), -7, dtype=torch.int32)
+        fn(buf, targets, ignore_index, z_loss, write_grad, loss_rows, correct_rows)
+        out.append((loss_rows, correct_rows, buf))
+    return out
+
+
+def assert_rowwise_equal(ref, ker, loss_tol=1e-5):
+    (l_ref, c_ref, g_ref), (l_ker, c_ker, g_ker) = ref, ker
+    torch.testing.assert_close(l_ker, l_ref, rtol=loss_tol, atol=loss_tol, equal_nan=True)
+    assert torch.equal(c_ker, c_ref), (c_ker, c_ref)
+    torch.testing.assert_close(g_ker, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def case_rowwise_awkward():
+    logits, targets = awkward_logits()
+    ref, ker = rowwise_both(logits, targets)
+    assert_rowwise_equal(ref, ker)
+    assert ker[1][3] == ker[1][4] == ker[1][6] == ker[1][7] == 1     # the argmax cases above were exercised
+    assert torch.isnan(ker[0][5]) and ker[0][1] == 0 and torch.count_nonzero(ker[2][1]) == 0
+
+
+def case_rowwise_z_loss():
+    logits, targets = awkward_logits(seed=1)
+    ref, ker = rowwise_both(logits, targets, z_loss=1e-2)
+    assert_rowwise_equal(ref, ker, loss_tol=1e-4)                      # 1e-2 * (1e4)^2 = 1e6: relative tolerance
+
+
+def case_rowwise_all_rows_ignored():
+    logits, targets = awkward_logits()
+    targets[:] = -1
+    ref, ker = rowwise_both(logits, targets, ignore_index=-1)
+    assert_rowwise_equal(ref, ker)
+    assert torch.count_nonzero(ker[0]) == 0 and torch.count_nonzero(ker[2]) == 0
+
+
+def case_rowwise_vocab_smaller_than_block():
+    logits = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+    targets = torch.tensor([0, 4, -100, 2])
+    ref, ker = rowwise_both(logits, targets)
+    assert_rowwise_equal(ref, ker)
+    assert torch.isfinite(ker[0]).all()                                 # empty partials must not produce NaN
+
+
+def case_rowwise_without_grad_leaves_logits():
+    logits, targets = awkward_logits()
+    ref, ker = rowwise_both(logits, targets, write_grad=False)
+    assert_rowwise_equal(ref, ker)
+    assert torch.equal(ker[2], logits)
+
+
+def end_to_end(dtype, tol_loss, tol_grad):
+    """linear_cross_entropy through the kernel (backend forced past dispatch: host tensors under the simulator)
+    against the reference path, 3 chunks of <= 3 rows, the first chunk fully ignored."""
+    g = torch.Generator().manual_seed(5)
+    n, d, v = 8, 24, 300
+    hidden = torch.randn(n, d, generator=g).to(torch.bfloat16).to(dtype)   # bf16-rounded values
+    weight = (torch.randn(v, d, generator=g) / 2).to(torch.bfloat16).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[:3] = -100
+    results = []
+    for backend in ("reference", "numba"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        res = ce._linear_cross_entropy(h, w, targets, -100, 3, 1e-3, backend)
+        (res.loss_sum * 0.5).backward()
+        results.append((res, h.grad, w.grad))
+    (r_ref, gh_ref, gw_ref), (r_ker, gh_ker, gw_ker) = results
+    torch.testing.assert_close(r_ker.loss_sum, r_ref.loss_sum, rtol=tol_loss, atol=tol_loss)
+    assert int(r_ker.n_tokens) == int(r_ref.n_tokens) == 5
+    assert int(r_ker.n_correct) == int(r_ref.n_correct)
+    assert gh_ker.dtype == gw_ker.dtype == dtype
+    for got, want in ((gh_ker, gh_ref), (gw_ker, gw_ref)):
+        err = (got.double() - want.double()).abs().max()
+        assert err <= tol_grad * want.double().abs().max(), (dtype, float(err))
+    assert torch.count_nonzero(gh_ker[:3]) == 0
+
+
+def case_end_to_end_fp32():
+    end_to_end(torch.float32, 1e-5, 1e-5)
+
+
+def case_end_to_end_bf16():
+    # bf16 inputs: the kernel backend keeps matmuls in bf16 and rounds dL/dlogits to bf16 before the gradient
+    # matmuls (8-bit mantissa), while the reference does all in fp32. Logits on CPU come back in bf16 too.
+    end_to_end(torch.bfloat16, 2e-2, 2e-2)
+
+
+if __name__ == "__main__":
+    report = {}
+    for name, fn in sorted(globals().items()):
+        if name.startswith("case_"):
+            try:
+                fn()
+                report[name] = "ok"
+            except Exception:  # report every case; the pytest side fails each one separately
+                report[name] = traceback.format_exc()
+    print(json.dumps(report))

@@ -1,0 +1,42 @@
+"""The cross-entropy Numba kernel under the CUDA simulator, compared with the torch reference (awkward tiny shapes).
+
+    .venv/bin/python -m pytest tests/cuda_ops/test_cross_entropy_cudasim.py -q      (~15 s)
+
+NUMBA_ENABLE_CUDASIM must be set before numba is first imported, and other test modules may already have imported
+it in this process, so the cases (tests/cuda_ops/cudasim_cross_entropy.py) run once in a subprocess; each case is
+then reported here as its own test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+
+SCRIPT = Path(__file__).with_name("cudasim_cross_entropy.py")
+CASES = ["case_end_to_end_bf16", "case_end_to_end_fp32", "case_rowwise_all_rows_ignored", "case_rowwise_awkward",
+         "case_rowwise_vocab_smaller_than_block", "case_rowwise_without_grad_leaves_logits", "case_rowwise_z_loss"]
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, str]:
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    env.pop("LONGTRAIN_KERNELS", None)
+    out = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"simulator run crashed:\n{out.stdout}\n{out.stderr}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_case_ran(report):
+    assert sorted(report) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference_under_simulator(report, case):
+    result = report.get(case, "missing from the simulator run")
+    assert result == "ok", result
