@@ -54,9 +54,13 @@ def filtered_probs(logits_row, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -
     return w / w.sum()
 
 
-def fragile_rows(logits, temps, ks, ps, minps, seeds, steps, rel=1e-5) -> np.ndarray:
+def fragile_rows(logits, temps, ks, ps, minps, seeds, steps, rel=1e-6) -> np.ndarray:
     """(B,) bool: rows where an fp difference of relative size `rel` could change the token (CDF boundary within
-    rel of the target, top-p cumulative mass within rel of p * total, a weight within rel of min_p)."""
+    rel of the target, top-p cumulative mass within rel of p * total, a weight within rel of min_p).
+
+    Why 1e-6: both sides compute w = exp((l - m) / T) in fp32 with correctly rounded - and /, and exp within 1 ulp
+    (torch CPU) or 2 ulp (CUDA expf); sums of nonnegative w in fp64 then differ by at most ~3 ulp of fp32 = 3.6e-7
+    relative to the sum, and a single w by the same relative amount."""
     x = np.asarray(logits, dtype=np.float64)
     B, V = x.shape
     u = counter_uniform(torch.as_tensor(np.broadcast_to(seeds, (B,)).copy()),
