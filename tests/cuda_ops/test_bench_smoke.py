@@ -1,0 +1,58 @@
+"""The decoder benchmarks run end to end at tiny size (--smoke) and write the JSON they promise.
+
+    .venv/bin/python -m pytest tests/cuda_ops/test_bench_smoke.py -q      (~20 s on 2 cores)
+
+Only structure and sanity are asserted (keys, shapes, positive figures); timings are never assertions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, out_dir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "LONGTRAIN_KERNELS"}
+    # Run as the docs say (`python bench/NAME.py`) from outside the repo: the script must find its own imports.
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--smoke", "--out", str(out_dir)],
+                          cwd=out_dir, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = list(out_dir.glob(f"{script[:-3]}-*.json"))
+    assert len(files) == 1, files
+    record = json.loads(files[0].read_text())
+    assert record["benchmark"] == script[:-3] and record["smoke"] is True
+    assert {"date", "commit", "device"} <= record.keys()
+    assert "ratio" in proc.stdout
+    return record
+
+
+def test_decoder_memory_smoke(tmp_path):
+    rec = run_bench("decoder_memory.py", tmp_path)
+    assert rec["shapes"] == {"tokens": 64, "hidden": 32, "vocab": 500, "dtype": rec["shapes"]["dtype"]}
+    assert rec["full_logits_peak_bytes"] > rec["grads_bytes"] > 0
+    assert [r["chunk_size"] for r in rec["chunked"]] == [16, 64]
+    for row in rec["chunked"]:
+        # the grads alone are allocated by both methods, so every honest peak is at least their size
+        assert row["peak_bytes"] >= rec["grads_bytes"]
+        assert row["ratio_to_full"] == row["peak_bytes"] / rec["full_logits_peak_bytes"]
+    # the 64 x 500 fp32 logits alone (128 KB) exceed a 16-row chunk's buffer: the smaller chunk must use less
+    assert rec["chunked"][0]["peak_bytes"] < rec["chunked"][1]["peak_bytes"] <= rec["full_logits_peak_bytes"]
+
+
+def test_decoder_smoke(tmp_path):
+    rec = run_bench("decoder.py", tmp_path.resolve())
+    assert rec["settings"]["compile_backend"] == "eager"
+    shapes = [(r["shape"]["tokens"], r["shape"]["hidden"]) for r in rec["cross_entropy"]]
+    assert shapes == [(64, 32), (96, 32)]
+    for row in rec["cross_entropy"]:
+        assert set(row["methods"]) == {"eager", "compiled", "fused", "chunked"}
+        for m in row["methods"].values():
+            assert m["median_ms"] > 0 and m["first_call_ms"] > 0 and m["peak_bytes"] > 0
+        assert {"eager_time_over_fused", "compiled_time_over_fused", "eager_peak_over_fused"} <= row["ratios"].keys()
+    samp = rec["sampling"]
+    assert samp["shape"]["batch"] == 4 and set(samp["methods"]) == {"cuda_ops", "torch_sort"}
+    assert samp["ratios"]["torch_sort_time_over_cuda_ops"] > 0
