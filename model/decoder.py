@@ -87,11 +87,19 @@ def flex_mask(doc_ids: torch.Tensor | None, T: int, device: torch.device) -> Blo
 _compiled_flex = None  # torch.compile(flex_attention), created on first CUDA use
 
 
+@torch.compiler.disable
+def _flex_attention_eager(q, k, v, *, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
+    # Kept out of compiled graphs: inductor's CPU flex template (torch 2.13) returns wrong values when q and k
+    # are both computed inside the same graph (RoPE in a compiled block). CPU flex is a test path only.
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
 def _flex_attention_for(device: torch.device):
-    """flex_attention is only fast compiled (eager runs an unfused reference); compile it once, lazily."""
+    """flex_attention is only fast compiled (eager runs an unfused reference); compile it once, lazily.
+    Off CUDA: the eager reference, also inside compiled blocks (see _flex_attention_eager)."""
     global _compiled_flex
     if torch.device(device).type != "cuda":
-        return flex_attention
+        return _flex_attention_eager
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex

@@ -1,0 +1,80 @@
+"""FLOPs per token against counted matmuls, and the `python -m model` tier table."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.decoder import Decoder
+from model.flops import flops_per_token, matmul_params
+from model.tiers import TIERS
+from tests.model.tiny import TINY
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", list(TIERS))
+def test_matmul_params_are_the_model_matrices_plus_the_output_projection(name):
+    """Every 2-D weight except the embedding lookup is a matmul; the output projection is one even when tied."""
+    with torch.device("meta"):
+        model = Decoder(TIERS[name], 32000, tie_embeddings=False)
+    in_matmuls = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "tok_emb.weight")
+    assert matmul_params(TIERS[name], 32000) == in_matmuls
+
+
+def test_flops_per_token_formula():
+    tier, V = TIERS["B"], 32000
+    d, L = tier.d_model, tier.n_layers
+    n = L * (4 * d * d + 3 * d * tier.d_ff) + V * d  # MHA tier: q, k, v, o are d x d
+    assert flops_per_token(tier, 4096, V) == 6 * n + 6 * L * d * 4096
+    # attention grows linearly with context: exactly 6 * L * d FLOPs per extra token of context
+    assert flops_per_token(tier, 32768, V) - flops_per_token(tier, 32767, V) == 6 * L * d
+    assert flops_per_token(tier, 4096, V, tie_embeddings=False) == flops_per_token(tier, 4096, V)
+
+
+def test_gqa_flops_count_the_smaller_key_value_projections():
+    hd = TINY.head_dim
+    attn = TINY.d_model * hd * (2 * TINY.n_heads + 2 * TINY.n_kv_heads)
+    assert matmul_params(TINY, 100) == TINY.n_layers * (attn + 3 * TINY.d_model * TINY.d_ff) + 100 * TINY.d_model
+
+
+def test_flops_match_a_measured_forward_count():
+    """torch's FlopCounterMode counts the matmuls of a real forward (SDPA's math backend runs attention as
+    two full T x T batched matmuls, so no causal discount):
+    forward = 2 * matmul_params + 4 * L * (H * hd) * T per token, i.e. one third of training with unmasked
+    attention; our formula halves the attention term for causality."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = Decoder(TINY, 100)
+    T = 64
+    tokens = torch.randint(0, 100, (1, T))
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        h = model(tokens)
+        model.logits(h)
+    measured_fwd_per_token = counter.get_total_flops() / T
+    attn_fwd_full = 4 * TINY.n_layers * TINY.n_heads * TINY.head_dim * T
+    assert measured_fwd_per_token == 2 * matmul_params(TINY, 100) + attn_fwd_full
+    assert flops_per_token(TINY, T, 100) == 3 * measured_fwd_per_token - 3 * attn_fwd_full / 2
+
+
+def test_python_m_model_prints_every_tier():
+    out = subprocess.run([sys.executable, "-m", "model", "--vocab", "32000"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    lines = out.strip().splitlines()
+    assert "vocab_size=32,000" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert list(rows) == list(TIERS)
+    for name, tier in TIERS.items():
+        with torch.device("meta"):
+            model = Decoder(tier, 32000)
+        cells = rows[name]
+        assert cells[1:8] == [str(v) for v in (tier.d_model, tier.n_layers, tier.n_heads, tier.n_kv_heads,
+                                               tier.head_dim, tier.d_ff, tier.max_seq_len)]
+        assert cells[8] == f"{model.num_params():,}"
+        assert cells[9] == f"{model.num_params(exclude_embedding=True):,}"
+        assert cells[10] == f"{flops_per_token(tier, 4096, 32000) / 1e9:.3f}"
+        assert cells[11] == f"{flops_per_token(tier, 32768, 32000) / 1e9:.3f}"

@@ -1,0 +1,31 @@
+"""Tiny, deterministic models and packed rows shared by the model tests (CPU, fp32)."""
+from __future__ import annotations
+
+import torch
+
+from model.decoder import Decoder
+from model.tiers import Tier
+
+VOCAB = 97
+# GQA (4 query heads share 2 key/value heads), 3 layers so every_2 checkpoints a strict subset
+TINY = Tier("tiny", d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=256)
+
+
+def make_model(**kw) -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder(TINY, VOCAB, **kw).eval()
+    # init_weights' 0.02 std makes every block nearly the identity; larger weights make the tests sharper
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def packed_row(lengths: list[int], batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens (batch, sum(lengths)) int64 and doc_ids (batch, sum(lengths)) int32 for documents of these lengths."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    tokens = torch.randint(0, VOCAB, (batch, T), generator=g)
+    doc_ids = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+    return tokens, doc_ids.expand(batch, T).contiguous()
