@@ -349,17 +349,25 @@ def _check_inputs(hidden, weight, targets, chunk_size):
 
 def _linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, z_loss, backend) -> CEResult:
     """Shared body once the backend is fixed (tests drive the "numba" backend on host tensors under the simulator)."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Under autocast the projection runs in the autocast dtype, as nn.Linear would; the casts sit outside the
+        # Function so autograd carries the gradient back to fp32 master weights.
+        amp_dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(amp_dtype), weight.to(amp_dtype)
     _check_inputs(hidden, weight, targets, chunk_size)
     D = hidden.shape[-1]
     if backend == "numba" and hidden.is_cuda:
         check_same_device(hidden)
     args = (hidden.reshape(-1, D).contiguous(), weight.contiguous(), targets.reshape(-1).long().contiguous(),
             int(ignore_index), int(chunk_size), float(z_loss), backend)
-    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
-        # Eval / no_grad: skip the Function, whose needs_input_grad would still ask for gradients under no_grad.
-        loss_sum, n_tokens, n_correct, _, _ = _forward_chunks(*args, need_gh=False, need_gw=False)
-        return CEResult(loss_sum, n_tokens, n_correct)
-    return CEResult(*LinearCrossEntropyFunction.apply(*args))
+    # Autocast off inside: the reference's fp32 matmuls and the fp32 logits buffer must stay fp32.
+    with torch.autocast(device_type, enabled=False):
+        if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+            # Eval / no_grad: skip the Function, whose needs_input_grad would still ask for gradients under no_grad.
+            loss_sum, n_tokens, n_correct, _, _ = _forward_chunks(*args, need_gh=False, need_gw=False)
+            return CEResult(loss_sum, n_tokens, n_correct)
+        return CEResult(*LinearCrossEntropyFunction.apply(*args))
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -368,7 +376,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """Cross-entropy of `hidden @ weight.T` against `targets`, never holding more than chunk_size x V logits.
 
     hidden (N, D) or (B, T, D); weight (V, D); targets (N,) or (B, T) integer classes, ignore_index rows skipped.
-    dtype float32 / bfloat16 / float16 (softmax math in fp32; gradients come back in the input dtype).
+    dtype float32 / bfloat16 / float16 (softmax math in fp32; gradients come back in the input dtype); under
+    torch.autocast both are cast to the autocast dtype first, so fp32 master weights get fp32 gradients.
     backend: None / "auto" / "numba" / "reference" (see cuda_ops.dispatch.resolve_backend).
     reduction="sum" -> CEResult(loss_sum, n_tokens, n_correct) (caller divides: loss_sum / n_tokens);
     reduction="mean" -> the 0-dim mean loss over counted tokens (0 when none), like F.cross_entropy.

@@ -132,6 +132,20 @@ def test_half_precision_inputs(dtype):
     assert int(res.n_correct) == n_cor
 
 
+def test_autocast_runs_the_projection_in_the_autocast_dtype():
+    """fp32 hidden and master weight under bf16 autocast: same result as casting both to bf16 by hand, and the
+    gradients reach the fp32 leaves in fp32."""
+    hidden, weight, targets = make_inputs(n=29)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res, gh, gw = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=8)
+    assert gh.dtype == gw.dtype == torch.float32
+    h16, w16 = (x.detach().to(torch.bfloat16).requires_grad_() for x in (hidden, weight))
+    res16, gh16, gw16 = run(linear_cross_entropy_reference, h16, w16, targets, chunk_size=8)
+    torch.testing.assert_close(res.loss_sum, res16.loss_sum, rtol=0, atol=0)
+    torch.testing.assert_close(gh, gh16.float(), rtol=0, atol=0)
+    torch.testing.assert_close(gw, gw16.float(), rtol=0, atol=0)
+
+
 def test_large_logits_stay_finite():
     hidden, weight, targets = make_inputs()
     with torch.no_grad():
