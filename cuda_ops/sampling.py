@@ -157,6 +157,18 @@ def _order_key(bits):
     return b
 
 
+@functools.lru_cache(maxsize=1)
+def _register_helpers() -> None:
+    """Make the plain-Python helpers callable from device code (once per process; the simulator calls them as
+    ordinary Python, and the same functions run on torch tensors in the reference)."""
+    try:
+        from numba.cuda.extending import register_jitable
+    except ImportError:  # simulator builds without the extending module
+        return
+    for fn in (_mul32, _fmix32, _counter_bits53, _order_key):
+        register_jitable(fn)
+
+
 @functools.lru_cache(maxsize=None)
 def _build_kernel(block: int):
     """Compile-once factory: `block` is a compile-time constant (shared-memory sizes, reduction trees)."""
@@ -167,12 +179,7 @@ def _build_kernel(block: int):
     # launch_bounds caps registers so `block` threads fit one SM (64 per thread at 1024; the simulator lacks it)
     kernel_options = {} if config.ENABLE_CUDASIM else {"launch_bounds": block}
 
-    try:  # hardware target: make the plain-Python helpers callable from device code
-        from numba.cuda.extending import register_jitable
-        for fn in (_mul32, _fmix32, _counter_bits53, _order_key):
-            register_jitable(fn)
-    except ImportError:  # the simulator calls them as ordinary Python
-        pass
+    _register_helpers()
 
     @cuda.jit(device=True)
     def block_sum(sh, v, tid):
