@@ -269,6 +269,10 @@ def _checkpointed_layers(spec: str, n_layers: int) -> frozenset[int]:
 
 
 class Decoder(nn.Module):
+    """Token ids (B, T) -> hidden states (B, T, D) after the final RMSNorm; see the module docstring.
+    Under bf16 autocast the residual stream stays fp32 (embeddings and norm weights are fp32), so the
+    hidden states come out fp32 while the matmuls inside run in bf16."""
+
     def __init__(self, tier: Tier, vocab_size: int, *, tie_embeddings: bool = True, doc_masking: bool = True,
                  attention: str = "auto", activation_checkpointing: str = "none"):
         super().__init__()
@@ -294,7 +298,8 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, 0.02) everywhere; the two projections that write into the residual stream get
-        0.02 / sqrt(2 * n_layers), so the residual's variance does not grow with depth (GPT-2); norms at 1."""
+        0.02 / sqrt(2 * n_layers), so the residual's variance does not grow with depth (GPT-2); norms at 1.
+        Call again after `to_empty(device=...)` when the model was built on the meta device."""
         resid_std = 0.02 / math.sqrt(2 * self.tier.n_layers)
         for name, p in self.named_parameters():
             if p.dim() == 1:
