@@ -77,6 +77,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     sample_tokens: int = 48  # tokens generated per prompt at evaluation (0 = off)
+    memory_limit_gib: float = 0.0  # > 0: train as on a device of this many GiB (OOM above it); 0 = the real device
 
 
 @dataclass
@@ -245,7 +246,8 @@ def validate(cfg: Config) -> None:
                 "train.max_bad_steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
                 "train.keep_checkpoints", "train.eval_batches"):
         _positive(key, cfg.flat()[key])
-    for key in ("train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.sample_tokens"):
+    for key in ("train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.sample_tokens",
+                "train.memory_limit_gib"):
         _positive(key, cfg.flat()[key], zero_ok=True)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} is invalid; it must be in [0, 1]")
