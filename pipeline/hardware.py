@@ -1,0 +1,69 @@
+"""Device facts the engine needs: which device to train on, its dense bf16 peak for MFU, the autocast dtype.
+
+Peaks are the vendors' dense (no sparsity) bf16 tensor-core figures with fp32 accumulation; MFU is
+model FLOPs actually done per second over that peak.
+"""
+from __future__ import annotations
+
+import torch
+
+# Dense bf16 peak FLOP/s by a substring of torch.cuda.get_device_name(); first match wins, so the
+# more specific names come first.
+PEAK_BF16_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),  # AWS g5: lower clocks than A10
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),  # fp16 (no bf16 on Volta)
+]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of `device`, or None when unknown (CPU, unlisted GPU): MFU is then not reported."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    return None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA under precision auto|bf16; None (plain fp32) on CPU or with precision fp32.
+
+    bf16 autocast on CPU is slow and numerically different from what a CPU test expects, so CPU runs
+    are fp32 whatever the precision field says.
+    """
+    if precision == "fp32" or device.type != "cuda":
+        return None
+    return torch.bfloat16
+
+
+def configure_cuda_math() -> None:
+    """TF32 for the fp32 matmuls that remain under autocast (optimizer math, norms)."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated memory since the last reset, in GiB (0 on CPU, where torch keeps no counter)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return 0.0
