@@ -74,7 +74,7 @@ def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int
         step_time = wall / steps
         row.update(
             params=engine.n_params, flops_per_token=engine.flops_per_token, tokens_per_s=m["train/tokens_per_s"],
-            mfu=m["train/mfu"], peak_mem_gib=m["train/peak_mem_gib"], step_time_s=step_time,
+            mfu=m.get("train/mfu", float("nan")), peak_mem_gib=m["train/peak_mem_gib"], step_time_s=step_time,
             first_step_s=t_first, compile_s_estimate=max(0.0, (t_first or 0) - step_time),
             data_wait_frac=data_wait / wall, loss=m["train/loss"], device=str(engine.device),
             peak_flops=engine.peak_flops)

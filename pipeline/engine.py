@@ -218,9 +218,9 @@ class Engine:
             "train/tokens_per_s": tokens_per_s, "train/tokens_seen": float(self.tokens_seen),
             "train/peak_mem_gib": (self.memory_limit.peak_gib() if self.memory_limit is not None
                                    else peak_memory_gib(self.device)), "train/bad_steps": float(self.bad_steps_total),
-            "train/mfu": (self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
-                          if self.peak_flops else float("nan")),
         }
+        if self.peak_flops:  # MFU only where the device's peak is known (not on a CPU)
+            out["train/mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
         self._interval_start, self._interval_tokens = now, 0
         return out
 

@@ -155,7 +155,7 @@ def test_metrics_are_finite_and_named(tmp_path):
                 "train/peak_mem_gib", "train/tokens_seen"):
         assert math.isfinite(logged[-1][key]), key
     assert logged[-1]["train/ppl"] == pytest.approx(math.exp(logged[-1]["train/loss"]), rel=1e-5)
-    assert math.isnan(logged[-1]["train/mfu"])  # no peak table entry for a CPU
+    assert "train/mfu" not in logged[-1]  # no peak table entry for a CPU: MFU is not reported
     assert logged[-1]["train/tokens_seen"] == 8 * 4 * SEQ
     assert evals[-1]["val/ppl"] == pytest.approx(math.exp(evals[-1]["val/loss"]), rel=1e-5)
 

@@ -1,0 +1,209 @@
+#!/usr/bin/env python
+"""longtrain: raw text to a trained, tracked, comparable model, one command.
+
+    python pipeline/run.py                                   # prepare -> train -> eval -> generate, embedded defaults
+    python pipeline/run.py prepare --data.source=files --data.path='corpus/*.jsonl'
+    python pipeline/run.py validate runs/datasets/<hash>
+    python pipeline/run.py train --preset gpu --ray.num_workers=8
+    python pipeline/run.py train --resume runs/<run>         # continue a run from its latest checkpoint
+    python pipeline/run.py train --phases phases.yaml        # a curriculum: one dataset and step count per phase
+    python pipeline/run.py train --no-ray                    # the same engine in one plain process
+    python pipeline/run.py eval --checkpoint runs/<run>/checkpoint
+    python pipeline/run.py generate --checkpoint runs/<run>/checkpoint --prompt "Once upon a time"
+    python pipeline/run.py tune --space tune_spaces/bs_tier.yaml
+    ray job submit --working-dir . -- python pipeline/run.py --address auto
+
+Every config field can be overridden by its path (--train.batch_size=8); `--preset` picks a named
+preset (cpu, gpu, test) or a YAML file; the default preset is gpu when CUDA is present, else cpu.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python pipeline/run.py`: make the project importable without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import Config, ConfigError, from_flat, load_config  # noqa: E402
+
+STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune")
+RUN_FILE = "run.json"
+
+
+class UsageError(ValueError):
+    """Bad command-line usage; printed as one line."""
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python pipeline/run.py", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Config fields (override with --<field>=VALUE):\n  " + "\n  ".join(
+                                    __import__("pipeline.config", fromlist=["field_types"]).field_types()))
+    p.add_argument("stage", nargs="?", default="all", choices=STAGES)
+    p.add_argument("target", nargs="?", help="validate: the dataset directory")
+    p.add_argument("--preset", help="cpu | gpu | test | a YAML preset file (default: by hardware)")
+    p.add_argument("--resume", metavar="RUN", help="a run directory (or name under run.root) to continue")
+    p.add_argument("--address", help="join this Ray cluster ('auto' = the running one); same as --ray.address")
+    p.add_argument("--no-ray", action="store_true", help="train in this process with the Ray-free engine")
+    p.add_argument("--phases", help="YAML list of phases: [{steps: N, overrides: {data.source: ...}}, ...]")
+    p.add_argument("--checkpoint", help="eval/generate: a checkpoint directory (default: the run's latest)")
+    p.add_argument("--prompt", action="append", help="generate: a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="generate: a file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--space", help="tune: a search space file from tune_spaces/")
+    p.add_argument("--audit-data", action="store_true", help="log the seq_ids each step consumed (data_audit/)")
+    return p.parse_known_args(argv)
+
+
+def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
+    overrides = list(rest)
+    if args.address:
+        overrides.append(f"--ray.address={args.address}")
+    return load_config(args.preset, overrides)
+
+
+# ------------------------------------------------------------------------------------------ run dirs
+def new_run_dir(cfg: Config) -> Path:
+    name = cfg.run.name or f"{cfg.model.tier}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.run.root).resolve() / name
+    if (run_dir / RUN_FILE).exists():
+        raise UsageError(f"run {run_dir} already exists; continue it with --resume {run_dir} or pick another "
+                         f"--run.name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def find_run(cfg: Config, resume: str) -> Path:
+    for candidate in (Path(resume), Path(cfg.run.root) / resume):
+        if (candidate / RUN_FILE).is_file():
+            return candidate.resolve()
+    raise UsageError(f"--resume {resume}: no run there (no {RUN_FILE}); pass a directory under {cfg.run.root}/ "
+                     f"that an earlier `python pipeline/run.py train` created")
+
+
+def write_run_file(run_dir: Path, record: dict) -> None:
+    tmp = run_dir / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+    os.replace(tmp, run_dir / RUN_FILE)
+
+
+def read_run_file(run_dir: Path) -> dict:
+    return json.loads((run_dir / RUN_FILE).read_text())
+
+
+# ------------------------------------------------------------------------------------------ stages
+def stage_prepare(cfg: Config) -> Path:
+    from pipeline.data_cli import prepare_main
+
+    return prepare_main(cfg)
+
+
+def stage_train(cfg: Config, args: argparse.Namespace):
+    """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
+    from pipeline.session import TrainSession, load_phases
+
+    if args.resume:
+        run_dir = find_run(cfg, args.resume)
+        record = read_run_file(run_dir)
+        saved = from_flat(record["config"])
+        cli = {k: v for k, v in cfg.flat().items() if v != load_config(args.preset).flat()[k]}
+        cfg = saved.replace(cli)  # the run's own config, with what this command line changed on top
+        phases = record.get("phases") or load_phases(None, cfg)
+    else:
+        run_dir = new_run_dir(cfg)
+        phases = load_phases(args.phases, cfg)
+    session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=args.audit_data)
+    return run_dir, session.run(resume=bool(args.resume))
+
+
+def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path:
+    from pipeline.engine import CheckpointError
+
+    if args.checkpoint:
+        return Path(args.checkpoint)
+    if args.resume:
+        run_dir = find_run(cfg, args.resume)
+        ckpt = read_run_file(run_dir).get("checkpoint")
+        if ckpt:
+            return Path(ckpt)
+    raise CheckpointError("no checkpoint given; pass --checkpoint DIR or --resume RUN (a finished run)")
+
+
+def stage_eval(cfg: Config, checkpoint: Path, dataset_dir: Path | None = None) -> dict[str, float]:
+    from pipeline.evaluate import evaluate_checkpoint
+
+    metrics = evaluate_checkpoint(checkpoint, dataset_dir)
+    print("eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+def stage_generate(checkpoint: Path, args: argparse.Namespace, prompts: list[str] | None = None) -> list[str]:
+    from pipeline.generate import generate_from_checkpoint
+
+    prompts = prompts or list(args.prompt or [])
+    if args.prompts_file:
+        prompts += [ln for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
+    if not prompts:
+        prompts = ["The ", "def ", "In this module"]
+    out = generate_from_checkpoint(checkpoint, prompts, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    for p, text in zip(prompts, out.texts):
+        print(f"--- {p!r}\n{text}")
+    print(f"generate: {out.tokens_per_s:.1f} tokens/s ({out.new_tokens} new tokens, batch {len(prompts)})")
+    return out.texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.stage == "validate":
+            from pipeline.data_cli import validate_main
+
+            if not args.target:
+                raise UsageError("validate needs a dataset directory: python pipeline/run.py validate DIR")
+            return validate_main(Path(args.target))
+        cfg = build_config(args, rest)
+        if args.stage == "prepare":
+            print(f"dataset: {stage_prepare(cfg)}")
+            return 0
+        if args.stage == "tune":
+            from pipeline.tune import tune_main
+
+            return tune_main(cfg, args.space)
+        if args.stage == "eval":
+            stage_eval(cfg, latest_checkpoint(cfg, args))
+            return 0
+        if args.stage == "generate":
+            stage_generate(latest_checkpoint(cfg, args), args)
+            return 0
+        run_dir, result = stage_train(cfg, args)
+        if args.stage == "all" and result.checkpoint is not None:
+            stage_eval(result.cfg, result.checkpoint)
+            stage_generate(result.checkpoint, args)
+        print(f"\noutputs:    {run_dir}\ncheckpoint: {result.checkpoint}\ndatasets:   {', '.join(result.dataset_dirs)}\n"
+              f"compare runs in the MLflow UI:\n  {result.ui_command}")
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, UsageError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as exc:
+        # The project's own user-facing errors (DatasetError, CheckpointError, TrackingError, ...) carry
+        # one clear line naming the problem and the fix; anything else is a bug and keeps its traceback.
+        if type(exc).__module__.split(".")[0] in ("pipeline", "model", "cuda_ops"):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Ray Train over the shards: a TorchTrainer whose workers run pipeline/loop.py's `fit` around the one
+Engine, with exact resume, fault tolerance and MLflow tracking from rank 0.
+
+    python pipeline/run.py train --ray.num_workers=2            # through the CLI
+    ray job submit --working-dir . -- python pipeline/run.py    # on a running cluster
+
+Exact resume. Ray Data's streaming_split is not resumable (after a restart a worker's iterator starts
+over, so data is silently repeated or skipped). Instead every worker builds its own Ray Dataset for
+its rank from the (epoch, cursor) stored in the checkpoint (pipeline/shards.py `ray_batches`): the
+global order is a seeded permutation of the split, so after any restart each worker continues at the
+exact next sequence. The checkpoint is the engine's full state (weights, optimizer, scheduler, RNG,
+counters) reported through `ray.train.report`; Ray keeps the newest K by validation loss plus the
+latest, and FailureConfig restarts the worker group from the latest after a worker dies.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config, from_flat
+
+from pipeline.local import AUDIT_DIR  # <run_dir>/data_audit/rank_<r>.jsonl: seq_ids consumed per step
+
+
+@dataclass
+class TrainOutcome:
+    run_dir: Path
+    checkpoint: Path | None  # the latest checkpoint directory (local storage) or None
+    metrics: dict[str, Any]
+    mlflow_run_id: str | None
+
+
+# ------------------------------------------------------------------------------------------ worker
+def train_loop_per_worker(lc: dict[str, Any]) -> None:
+    """Runs in every Ray Train worker. `lc` is built by `run_training`; see its keys there."""
+    import ray.data
+    import ray.train
+    import ray.train.torch
+
+    from pipeline.engine import Engine
+    from pipeline.loop import AuditLog, fit, standard_hooks
+    from pipeline.shards import ray_batches
+    from pipeline.tracking import open_tracker
+
+    cfg: Config = from_flat(lc["config"])
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the rank-0 tqdm bar is the one to watch
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    engine = Engine(cfg, lc["vocab_size"], device, rank=rank, world_size=world,
+                    wrap=lambda m: ray.train.torch.prepare_model(m, move_to_device=False))
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            engine.load(d)
+    elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
+        engine.load(lc["init_from"])
+        engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
+    run_dir = Path(lc["run_dir"])
+    tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
+    t = cfg.train
+    dataset_dir = lc["dataset_dir"]
+
+    def train_batches(epoch: int, start: int):
+        ds = ray_batches(dataset_dir, "train", t.batch_size, t.seed, epoch, start, rank, world)
+        return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=2, drop_last=True)
+
+    def val_batches():
+        ds = ray_batches(dataset_dir, "val", t.batch_size, 0, 0, 0, rank, world)
+        return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=1, drop_last=True)
+
+    audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl") if lc.get("audit_data") else None
+    extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
+
+    def on_checkpoint(e, metrics) -> None:
+        # Every worker reports (Ray Train synchronises on it); rank 0 attaches the one copy of the state.
+        report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase,
+                  **metrics, "val/loss": metrics.get("val/loss", float("inf"))}
+        with tempfile.TemporaryDirectory() as tmp:
+            if rank == 0:
+                path = e.save(Path(tmp) / "state", extra={**extra, "metrics": metrics})
+                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
+            else:
+                ray.train.report(report)
+
+    try:
+        fit(engine, train_batches, val_batches if lc.get("has_val", True) else None,
+            standard_hooks(tracker, audit, on_checkpoint), max_steps=lc.get("max_steps"), progress=rank == 0)
+    finally:
+        if audit is not None:
+            audit.close()
+
+
+# ------------------------------------------------------------------------------------------ driver
+def _use_gpu(cfg: Config) -> bool:
+    if cfg.ray.use_gpu == "auto":
+        import ray
+
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    return cfg.ray.use_gpu == "true"
+
+
+def ensure_ray(cfg: Config) -> None:
+    """Join cfg.ray.address (e.g. 'auto'), or start a local Ray with enough logical CPUs that Ray Data
+    still gets some while the training workers hold theirs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, log_to_driver=True)
+        return
+    need = cfg.ray.num_workers * cfg.ray.cpus_per_worker + 4
+    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=True)
+
+
+def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, mlflow_run_id: str | None = None,
+                 init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
+                 audit_data: bool = False, callbacks: list | None = None) -> TrainOutcome:
+    """Train with Ray Train. Checks inputs before any worker starts; returns the latest checkpoint.
+
+    `callbacks` go to Ray Train's RunConfig (a Tune trial passes TuneReportCallback: pipeline/tune.py).
+
+    Rerunning with the same run_dir resumes from the latest checkpoint in its Ray storage (Ray Train
+    restores the run by name). `init_from` starts from another checkpoint's full state (phases).
+    """
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from pipeline.engine import check_checkpoint_fits, read_checkpoint_meta
+    from pipeline.shards import check_compatible, load_manifest
+
+    run_dir = Path(run_dir).resolve()
+    manifest = load_manifest(dataset_dir)
+    check_compatible(manifest, seq_len=cfg.data.seq_len)
+    if init_from is not None:
+        check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
+    ensure_ray(cfg)
+    storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else run_dir / "ray"
+    run_name = f"phase{phase}"
+    lc = {"config": cfg.flat(), "dataset_dir": str(Path(dataset_dir).resolve()), "vocab_size": manifest.vocab_size,
+          "run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id, "init_from": str(init_from) if init_from else None,
+          "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
+          "has_val": manifest.rows("val") >= cfg.train.batch_size * cfg.ray.num_workers}
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=lc,
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=_use_gpu(cfg),
+                                               resources_per_worker={"CPU": cfg.ray.cpus_per_worker}),
+        run_config=ray.train.RunConfig(
+            name=run_name, storage_path=str(storage),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
+                                                         checkpoint_score_attribute="val/loss",
+                                                         checkpoint_score_order="min"),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
+            callbacks=callbacks),
+    )
+    result = trainer.fit()
+    ckpt = Path(result.checkpoint.path) if result.checkpoint is not None else None
+    return TrainOutcome(run_dir, ckpt, dict(result.metrics or {}), mlflow_run_id)
