@@ -1,5 +1,7 @@
 """Shared test fixtures.
 
+`mlflow_server`: ONE real MLflow server on 127.0.0.1 for the session (see the fixture).
+
 `ray_session`: ONE Ray instance for the whole test session (starting Ray takes ~10 s on 2 cores). It
 advertises 8 logical CPUs on purpose: with num_cpus=2, tokenizer actors or training workers take every
 CPU and Ray Data's read tasks would wait forever. Tests that need Ray depend on this fixture and never call
@@ -7,7 +9,19 @@ ray.init/ray.shutdown themselves.
 """
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
 import pytest
+
+# Before mlflow is imported anywhere in the test process: no telemetry from tests (there is no network either).
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +35,62 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+SERVER_START_TIMEOUT_S = 90
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """(tracking URI, artifacts destination) of a real `mlflow server` on 127.0.0.1 for the whole session.
+
+    Started once (~10 s on 2 cores) with artifacts proxied through it (--serve-artifacts); torn down with
+    its whole process group (it forks a uvicorn and a job runner)."""
+    root = tmp_path_factory.mktemp("mlflow_server")
+    artifacts = root / "artifacts"
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    log_path = root / "server.log"
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--serve-artifacts",
+           "--artifacts-destination", str(artifacts), "--workers", "1"]
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    with open(log_path, "wb") as log_file:
+        # Own session: the server's uvicorn and job-runner children share its process group, killed together.
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=root, env=env,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(uri + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow server not ready after {SERVER_START_TIMEOUT_S} s:\n"
+                            f"{log_path.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield uri, artifacts
+    finally:
+        # SIGTERM, a short grace period (the data is throwaway), then SIGKILL whatever of the group is left,
+        # so no uvicorn or job runner outlives the module.
+        for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass

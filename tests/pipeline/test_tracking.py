@@ -2,20 +2,14 @@
 
     .venv/bin/python -m pytest tests/pipeline/test_tracking.py -q
 
-The server is started once for this module (about 10 s on 2 cores) with artifacts proxied through it
-(--serve-artifacts), and torn down with its whole process group (it forks a uvicorn and a job runner).
+The server is tests/conftest.py's `mlflow_server`: one per test session, artifacts proxied through it.
 """
 from __future__ import annotations
 
 import inspect
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,6 +18,7 @@ import pytest
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
 
+from tests.conftest import _free_port  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.curves import plot_training_curves  # noqa: E402
 from pipeline.tracking import (  # noqa: E402
@@ -31,62 +26,6 @@ from pipeline.tracking import (  # noqa: E402
     TRAIN_TOKENS_PER_S, TRAIN_TOKENS_SEEN, VAL_LOSS, NullTracker, Tracker, TrackingError, check_tracking_uri,
     git_commit, open_tracker, pin_tracking_uri, resolve_tracking_uri, ui_command_for,
 )
-
-SERVER_START_TIMEOUT_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """(tracking URI, artifacts destination) of a real MLflow server that lives for this module."""
-    root = tmp_path_factory.mktemp("mlflow_server")
-    artifacts = root / "artifacts"
-    port = _free_port()
-    uri = f"http://127.0.0.1:{port}"
-    log_path = root / "server.log"
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--serve-artifacts",
-           "--artifacts-destination", str(artifacts), "--workers", "1"]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    with open(log_path, "wb") as log_file:
-        # Own session: the server's uvicorn and job-runner children share its process group, killed together.
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=root, env=env,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(uri + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server not ready after {SERVER_START_TIMEOUT_S} s:\n"
-                            f"{log_path.read_text()[-3000:]}")
-            time.sleep(0.25)
-        yield uri, artifacts
-    finally:
-        # SIGTERM, a short grace period (the data is throwaway), then SIGKILL whatever of the group is left,
-        # so no uvicorn or job runner outlives the module.
-        for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-
 
 def _history() -> list[dict]:
     train = [{"step": s, TRAIN_LOSS: 6.0 - 0.25 * s, TRAIN_LR: 1e-3 * min(1.0, s / 4), TRAIN_TOKENS_PER_S: 900.0 + s,
