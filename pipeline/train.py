@@ -41,6 +41,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     import ray.train.torch
 
     from pipeline.engine import Engine
+    from pipeline.generate import eval_samples_hook
     from pipeline.loop import AuditLog, fit, standard_hooks
     from pipeline.shards import ray_batches
     from pipeline.tracking import open_tracker
@@ -87,8 +88,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
                 ray.train.report(report)
 
     try:
+        samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens) if rank == 0 else None
         fit(engine, train_batches, val_batches if lc.get("has_val", True) else None,
-            standard_hooks(tracker, audit, on_checkpoint), max_steps=lc.get("max_steps"), progress=rank == 0)
+            standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
+            progress=rank == 0)
     finally:
         if audit is not None:
             audit.close()
@@ -140,6 +143,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
     ensure_ray(cfg)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else run_dir / "ray"
+    if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
+        storage = cfg.ray.storage_path
     run_name = f"phase{phase}"
     lc = {"config": cfg.flat(), "dataset_dir": str(Path(dataset_dir).resolve()), "vocab_size": manifest.vocab_size,
           "run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id, "init_from": str(init_from) if init_from else None,
