@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.engine import Engine
+from pipeline.generate import eval_samples_hook
 from pipeline.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.shards import ShardReader, load_manifest
 
@@ -41,7 +42,8 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     has_val = manifest.rows("val") >= t.batch_size
     audit = AuditLog(run_dir / AUDIT_DIR / "rank_0.jsonl") if audit_data else None
     extra = {"dataset_dir": str(Path(dataset_dir).resolve()), "phase": phase}
-    hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}))
+    hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
+                           on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens))
     try:
         with StopRequest() as stop:
             fit(engine, train_batches, val_batches if has_val else None, hooks, max_steps=max_steps, stop=stop)
