@@ -45,6 +45,7 @@ from pipeline.corpus import CleanStats, DataSourceError, clean_texts, describe_s
 from pipeline.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,
                              load_manifest, rows_per_row_group, shard_schema, token_numpy_type, windows_table,
                              write_manifest, write_shard)
+from pipeline.ray_runtime import ensure_ray
 from pipeline.tokenizer import Tokenizer, TokenizerError, file_sha256, train_tokenizer
 
 if TYPE_CHECKING:
@@ -320,17 +321,6 @@ def clear_dataset_dir(out: Path) -> None:
     shutil.rmtree(out / PARTS_DIR, ignore_errors=True)
 
 
-def ensure_ray(address: str | None) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:  # logical CPUs beyond the cores leave room for read/write tasks beside one tokenizer actor per core
-        ray.init(num_cpus=(os.cpu_count() or 1) + 2, include_dashboard=False, logging_level=logging.WARNING)
-
-
 def default_actor_count() -> int:
     import ray
 
@@ -394,7 +384,8 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     import ray.data
 
     d = cfg.data
-    ensure_ray(ray_address or cfg.ray.address or None)
+    ensure_ray(ray_address or cfg.ray.address or None,
+               train_cpus=cfg.ray.num_workers * cfg.ray.cpus_per_worker)
     ds = read_documents(d)
     tok_path = out / TOKENIZER_FILE
     if d.tokenizer:

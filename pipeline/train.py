@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, from_flat
+from pipeline.ray_runtime import ensure_ray
 
 from pipeline.local import AUDIT_DIR  # <run_dir>/data_audit/rank_<r>.jsonl: seq_ids consumed per step
 
@@ -106,20 +107,6 @@ def _use_gpu(cfg: Config) -> bool:
     return cfg.ray.use_gpu == "true"
 
 
-def ensure_ray(cfg: Config) -> None:
-    """Join cfg.ray.address (e.g. 'auto'), or start a local Ray with enough logical CPUs that Ray Data
-    still gets some while the training workers hold theirs."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=True)
-        return
-    need = cfg.ray.num_workers * cfg.ray.cpus_per_worker + 4
-    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, log_to_driver=True)
-
-
 def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, mlflow_run_id: str | None = None,
                  init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
                  audit_data: bool = False, callbacks: list | None = None) -> TrainOutcome:
@@ -141,7 +128,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     check_compatible(manifest, seq_len=cfg.data.seq_len)
     if init_from is not None:
         check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
-    ensure_ray(cfg)
+    ensure_ray(cfg.ray.address, train_cpus=cfg.ray.num_workers * cfg.ray.cpus_per_worker)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else run_dir / "ray"
     if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
         storage = cfg.ray.storage_path

@@ -1,0 +1,26 @@
+"""Joining or starting Ray, the same way for every stage (prepare, train, tune).
+
+    ensure_ray("auto")    # join the running cluster (also what `ray job submit` jobs do via RAY_ADDRESS)
+    ensure_ray("")        # start a local Ray sized so Ray Data keeps CPUs while training workers hold theirs
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+
+def ensure_ray(address: str | None = None, *, train_cpus: int = 1) -> None:
+    """Connect once per process. `address` (e.g. "auto" or "ray://host:10001") or the RAY_ADDRESS that Ray
+    jobs set means an existing cluster, whose resources are its own; otherwise a local instance with
+    more logical CPUs than cores: training workers take `train_cpus`, and Ray Data's read, tokenize
+    and write tasks still get CPUs (on a 2-core machine, num_cpus=2 with two workers would hang)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
+    cpus = max((os.cpu_count() or 1) + 2, train_cpus + 4)
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
