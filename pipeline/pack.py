@@ -405,7 +405,9 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     tokens = ds.map_batches(_TokenizeBatch, fn_constructor_args=(str(tok_path), dtype.name),
                             batch_size=DOCS_PER_BATCH, batch_format="pyarrow", num_cpus=1,
                             compute=ray.data.ActorPoolStrategy(size=n_actors))
+    t0 = time.perf_counter()
     tokens.write_datasink(sink)
+    timings = {"tokenize_s": round(time.perf_counter() - t0, 2)}
     stats = StreamStats()
     for p in sink.parts:
         stats.merge(StreamStats.from_dict(p["stats"]))
@@ -432,7 +434,9 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
           "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
     shard_ds = ray.data.from_items(specs, override_num_blocks=min(len(specs), 4 * n_actors))
     shard_ds.context.execution_options.preserve_order = True
+    t0 = time.perf_counter()
     written = shard_ds.map_batches(_write_shard_batch, fn_kwargs=kw, batch_size=None).take_all()
+    timings["shards_s"] = round(time.perf_counter() - t0, 2)
     _hold(out, "shards")
     shutil.rmtree(parts_dir, ignore_errors=True)
 
@@ -452,4 +456,4 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
         tokenizer_file=TOKENIZER_FILE, tokenizer_sha256=tok.sha256, settings_hash=key, source=settings["source"],
         settings=settings, counts=counts_out, packing_efficiency=kept / stats.tokens, remainder_policy=REMAINDER_POLICY,
         doc_length=stats.doc_length(), shards=shards, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        extra={"tokenize_actors": n_actors, "parts": len(parts), "split_rule": dataclasses.asdict(rule)})
+        extra={"tokenize_actors": n_actors, "parts": len(parts), "split_rule": dataclasses.asdict(rule), **timings})
