@@ -34,10 +34,14 @@ from torch.utils._pytree import tree_leaves
 GIB = 2**30
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _oom(needed: int, limit: int, device: str) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(
-        f"{device} out of memory (simulated device of {limit / GIB:.3f} GiB, train.memory_limit_gib): "
-        f"{needed / GIB:.3f} GiB would be live; lower train.batch_size or data.seq_len, or raise the limit")
+        f"{device} out of memory: {_size(needed)} would be live on a simulated {_size(limit)} device "
+        f"(train.memory_limit_gib); lower train.batch_size or data.seq_len, or raise the limit")
 
 
 class _LiveStorages:
