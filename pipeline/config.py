@@ -87,6 +87,7 @@ class RayConfig:
     use_gpu: str = "auto"  # auto | true | false
     cpus_per_worker: int = 1
     max_failures: int = 3
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one worker per node)
     storage_path: str = ""  # empty = <run.root>/ray_results
 
 
@@ -259,6 +260,7 @@ def validate(cfg: Config) -> None:
     _positive("ray.cpus_per_worker", r.cpus_per_worker)
     _positive("ray.max_failures", r.max_failures, zero_ok=True)
     _one_of("ray.use_gpu", r.use_gpu, ("auto", "true", "false"))
+    _one_of("ray.placement_strategy", r.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
 
 
 # ----------------------------------------------------------------------------------------------

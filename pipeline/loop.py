@@ -162,8 +162,8 @@ class AuditLog:
     """Append-only record of the seq_ids each step consumed (one JSON line per step, flushed per line),
     so a run's data order can be checked after the fact: exactly once per epoch, across restarts."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, extra: dict | None = None):
+        self.path, self.extra = Path(path), dict(extra or {})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", buffering=1)
 
@@ -173,7 +173,7 @@ class AuditLog:
 
         ids = [int(i) for b in micro for i in b["seq_id"]]
         self._f.write(json.dumps({"step": engine.step, "skipped": outcome.skipped, "epoch": engine.epoch,
-                                  "phase": engine.phase, "pid": os.getpid(), "seq_ids": ids}) + "\n")
+                                  "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids}) + "\n")
 
     def close(self) -> None:
         self._f.close()

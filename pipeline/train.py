@@ -74,7 +74,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         ds = ray_batches(dataset_dir, "val", t.batch_size, 0, 0, 0, rank, world)
         return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=1, drop_last=True)
 
-    audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl") if lc.get("audit_data") else None
+    audit = None
+    if lc.get("audit_data"):
+        node = ray.get_runtime_context().get_node_id()
+        audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl", extra={"node": node})
     extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
 
     def on_checkpoint(e, metrics) -> None:
@@ -141,7 +144,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         train_loop_per_worker,
         train_loop_config=lc,
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=_use_gpu(cfg),
-                                               resources_per_worker={"CPU": cfg.ray.cpus_per_worker}),
+                                               resources_per_worker={"CPU": cfg.ray.cpus_per_worker},
+                                               placement_strategy=cfg.ray.placement_strategy),
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=str(storage),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
