@@ -52,7 +52,7 @@ class DataConfig:
     rows_per_shard: int = 2048
     dataset_dir: str = ""  # empty = <run.root>/datasets/<content hash>
     split_seed: int = 0
-    tokenize_actors: int = 0  # 0 = one per CPU Ray reports
+    tokenize_actors: int = 0  # 0 = one per core (local Ray) / per Ray CPU less one per node (cluster)
 
 
 @dataclass
