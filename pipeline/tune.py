@@ -171,7 +171,7 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
         outcome = run_training(cfg, ctx.dataset_dir, run_dir, mlflow_run_id=tracker.run_id,
                                callbacks=[TuneReportCallback()])
     except Exception as exc:  # noqa: BLE001 -- every failure is recorded, then re-raised for Tune
-        fail(OOM, _reason(exc), exc) if is_oom(exc) else fail(FAILED, _reason(exc), exc)
+        fail(OOM if is_oom(exc) else FAILED, _reason(exc), exc)
     tracker.set_tags({TAG_STATUS: OK})
     tracker.finish("FINISHED")
     last = outcome.metrics
@@ -275,6 +275,9 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
         cfg = pin_tracking_uri(cfg)  # trials run in other processes and directories: one store for all
     name = cfg.run.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = Path(cfg.run.root) / "tune" / name
+    if sweep_dir.exists() and any(sweep_dir.iterdir()):
+        raise SpaceError(f"sweep directory {sweep_dir} already exists; pick another --run.name (or none: "
+                         f"a name with the time is generated)")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "space.yaml").write_text(space.path.read_text())
 

@@ -272,8 +272,10 @@ def load_space(path: str | Path, base: Config | None = None) -> Space:
         if key in space.overrides():
             raise _fail(path, f"params {key} is also fixed; a key is either searched or fixed")
         space.params[key] = _parse_dist(path, key, spec, fixed_base)
-    if space.skip_unfit_batch and "train.batch_size" not in space.params:
-        raise _fail(path, "skip_unfit_batch needs train.batch_size in params (it skips batch sizes that cannot fit)")
+    if space.skip_unfit_batch and (space.params.get("train.batch_size") is None
+                                   or space.params["train.batch_size"].values() is None):
+        raise _fail(path, "skip_unfit_batch needs train.batch_size in params as a grid or choice (the finder "
+                          "searches up to the largest one)")
     if sched["type"] == "asha" and sched["max_t"] and sched["max_t"] <= sched["grace_period"]:
         raise _fail(path, f"scheduler.max_t={sched['max_t']} must exceed grace_period={sched['grace_period']}")
     return space

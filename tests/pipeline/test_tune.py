@@ -79,6 +79,8 @@ def _space(tmp_path: Path, doc: dict) -> Path:
     ({"params": {"train.lr": 1e-3}, "fixed": {"ray.num_worker": 2}}, ["fixed key 'ray.num_worker' is not a config"]),
     ({"params": {"train.lr": 1e-3}, "resources_per_trial": {"gpus": 1}}, ["resources_per_trial: unknown key(s) ['gpus']"]),
     ({"params": {}}, ["params is empty"]),
+    ({"params": {"train.batch_size": {"randint": [1, 9]}}, "skip_unfit_batch": True},
+     ["skip_unfit_batch needs train.batch_size in params as a grid or choice"]),
 ])
 def test_a_bad_space_gets_one_clear_error(tmp_path, doc, expected):
     path = _space(tmp_path, doc)
