@@ -140,7 +140,7 @@ def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[s
     tracker.set_tags({TAG_SWEEP: ctx.sweep_name, TAG_TRIAL: trial_id})
     tracker.log_config({PARAM_MODEL_PARAMS: n_params, PARAM_WORLD_SIZE: cfg.ray.num_workers,
                         PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
-                        PARAM_MANIFEST_HASH: getattr(manifest, "content_hash", None) or manifest.settings_hash})
+                        PARAM_MANIFEST_HASH: manifest.settings_hash})
     return tracker
 
 
