@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _SURROGATES = re.compile("[\ud800-\udfff]")
-_BLOCK_BYTES = 8 << 20  # text per block the JSON reader yields
+_BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
 
 
 class DataSourceError(ValueError):
@@ -198,7 +198,7 @@ def read_document_file(f: Any, path: str, kind: str, column: str) -> Iterator[pa
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=4096, columns=[column]):
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, columns=[column]):
             col = batch.column(0)
             if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
                 try:  # Parquet does not guarantee valid UTF-8 in string columns
