@@ -18,10 +18,10 @@ AUDIT_DIR = "data_audit"
 
 def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, tracker=None, *,
                 init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
-                audit_data: bool = False) -> Path | None:
+                audit_data: bool = False):
     """Train to max_steps (default cfg.train.max_steps); resumes from this phase's latest checkpoint if
     there is one, else starts from `init_from` (the previous phase) or from scratch. Returns the
-    latest checkpoint directory."""
+    latest checkpoint directory and whether a Ctrl+C stopped the run early: (checkpoint, stopped)."""
     run_dir, dataset_dir = Path(run_dir), str(dataset_dir)
     manifest = load_manifest(dataset_dir)
     engine = Engine(cfg, manifest.vocab_size)
@@ -46,8 +46,8 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
                            on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens))
     try:
         with StopRequest() as stop:
-            fit(engine, train_batches, val_batches if has_val else None, hooks, max_steps=max_steps, stop=stop)
+            res = fit(engine, train_batches, val_batches if has_val else None, hooks, max_steps=max_steps, stop=stop)
     finally:
         if audit is not None:
             audit.close()
-    return ckpts.latest()
+    return ckpts.latest(), res.stopped_early

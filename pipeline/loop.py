@@ -35,11 +35,17 @@ class Hooks:
 
 
 class StopRequest:
-    """First Ctrl+C (or SIGTERM) asks the loop to checkpoint and stop after the current step; a second
-    Ctrl+C interrupts at once. Only installs handlers in the main thread (Ray workers run elsewhere)."""
+    """A request to checkpoint and stop after the current step.
 
-    def __init__(self) -> None:
+    In a plain process the first Ctrl+C (or SIGTERM) sets it and a second Ctrl+C interrupts at once;
+    handlers are installed only in the main thread. Ray Train workers cannot see the driver's Ctrl+C,
+    so the driver creates `stop_file` and workers read it. `poll` is collective under DDP (every rank
+    calls it at the same steps and they agree), so all workers stop at the same step.
+    """
+
+    def __init__(self, stop_file: str | Path | None = None) -> None:
         self.requested = False
+        self.stop_file = Path(stop_file) if stop_file else None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopRequest":
@@ -57,6 +63,15 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def poll(self, device: torch.device) -> bool:
+        local = self.requested or (self.stop_file is not None and self.stop_file.exists())
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([1.0 if local else 0.0], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            local = bool(flag.item())
+        self.requested = local
+        return local
 
 
 @dataclass
@@ -105,7 +120,8 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                 continue
             bar.update(1)
             step, last = engine.step, engine.step == max_steps
-            stopping = stop is not None and stop.requested
+            # Checked at log steps: under DDP this is a (tiny) collective every rank makes at the same step.
+            stopping = stop is not None and (step % t.log_every == 0 or last) and stop.poll(engine.device)
             if step % t.log_every == 0 or last or stopping:
                 result.last_train = engine.pull_train_metrics()
                 bar.set_postfix(loss=f"{result.last_train['train/loss']:.3f}",

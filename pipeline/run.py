@@ -107,7 +107,7 @@ def stage_prepare(cfg: Config) -> Path:
 
 def stage_train(cfg: Config, args: argparse.Namespace):
     """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
-    from pipeline.session import TrainSession, load_phases
+    from pipeline.session import Phase, TrainSession, load_phases
 
     if args.resume:
         run_dir = find_run(cfg, args.resume)
@@ -115,11 +115,12 @@ def stage_train(cfg: Config, args: argparse.Namespace):
         saved = from_flat(record["config"])
         cli = {k: v for k, v in cfg.flat().items() if v != load_config(args.preset).flat()[k]}
         cfg = saved.replace(cli)  # the run's own config, with what this command line changed on top
-        phases = record.get("phases") or load_phases(None, cfg)
+        phases = [Phase(**p) for p in record["phases"]] if record.get("phases") else load_phases(None, cfg)
     else:
         run_dir = new_run_dir(cfg)
         phases = load_phases(args.phases, cfg)
-    session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=args.audit_data)
+    audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))
+    session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit)
     return run_dir, session.run(resume=bool(args.resume))
 
 
@@ -184,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             stage_generate(latest_checkpoint(cfg, args), args)
             return 0
         run_dir, result = stage_train(cfg, args)
+        if result.stopped:
+            print(f"\nstopped after a checkpoint: {result.checkpoint}\n"
+                  f"continue with: python pipeline/run.py train --resume {run_dir}")
+            return 0
         if args.stage == "all" and result.checkpoint is not None:
             stage_eval(result.cfg, result.checkpoint)
             stage_generate(result.checkpoint, args)

@@ -70,6 +70,7 @@ class SessionResult:
     cfg: Config
     ui_command: str
     dataset_dirs: list[str]
+    stopped: bool = False  # Ctrl+C: checkpointed before the end; continue with --resume
 
 
 class TrainSession:
@@ -100,7 +101,8 @@ class TrainSession:
                                        PARAM_WORLD_SIZE, check_tracking_uri, open_tracker, resolve_tracking_uri)
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
-        record = self._record(config=cfg.flat(), phases=[asdict(p) for p in self.phases], status="running")
+        record = self._record(config=cfg.flat(), phases=[asdict(p) for p in self.phases], status="running",
+                              audit_data=self.audit_data)
         if cfg.tracking.enabled:
             check_tracking_uri(resolve_tracking_uri(cfg))  # fail fast, before any data or worker work
         tracker = open_tracker(cfg, run_id=record.get("mlflow_run_id"), run_name=self.run_dir.name)
@@ -137,27 +139,32 @@ class TrainSession:
 
                     out = run_training(pcfg, dataset, self.run_dir, mlflow_run_id=tracker.run_id, init_from=init_from,
                                        max_steps=end_step, phase=i, audit_data=self.audit_data)
-                    checkpoint = out.checkpoint
+                    checkpoint, stopped = out.checkpoint, out.stopped
                 else:
                     from pipeline.local import train_local
 
-                    checkpoint = train_local(pcfg, dataset, self.run_dir, tracker, init_from=init_from,
-                                             max_steps=end_step, phase=i, audit_data=self.audit_data)
+                    checkpoint, stopped = train_local(pcfg, dataset, self.run_dir, tracker, init_from=init_from,
+                                                      max_steps=end_step, phase=i, audit_data=self.audit_data)
+                if stopped:  # Ctrl+C: a checkpoint was written; `--resume` continues this phase
+                    record = self._record(checkpoint=str(checkpoint) if checkpoint else None)
+                    status = "KILLED"
+                    break
                 record = self._record(checkpoint=str(checkpoint) if checkpoint else None, phases_done=i + 1)
-            status = "FINISHED"
+            else:
+                status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
             raise
         finally:
             self._finish(tracker, status)
-        return SessionResult(checkpoint, pcfg, tracker.ui_command(), datasets)
+        return SessionResult(checkpoint, pcfg, tracker.ui_command(), datasets, stopped=status == "KILLED")
 
     def _finish(self, tracker, status: str) -> None:
         """Curves from the MLflow history, the run record, and the run's final status."""
         from pipeline.curves import plot_training_curves
         from pipeline.tracking import METRICS
 
-        self._record(status=status.lower())
+        self._record(status={"FINISHED": "finished", "KILLED": "stopped", "FAILED": "failed"}[status])
         if tracker.run_id is None:
             return
         try:

@@ -15,7 +15,9 @@ latest, and FailureConfig restarts the worker group from the latest after a work
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,8 @@ from pipeline.ray_runtime import ensure_ray
 
 from pipeline.local import AUDIT_DIR  # <run_dir>/data_audit/rank_<r>.jsonl: seq_ids consumed per step
 
+STOP_FILE = "STOP"  # <run_dir>/STOP: the driver's Ctrl+C, seen by every worker
+
 
 @dataclass
 class TrainOutcome:
@@ -32,6 +36,7 @@ class TrainOutcome:
     checkpoint: Path | None  # the latest checkpoint directory (local storage) or None
     metrics: dict[str, Any]
     mlflow_run_id: str | None
+    stopped: bool = False  # a Ctrl+C stopped it (after a checkpoint) before max_steps
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -43,7 +48,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
     from pipeline.engine import Engine
     from pipeline.generate import eval_samples_hook
-    from pipeline.loop import AuditLog, fit, standard_hooks
+    from pipeline.loop import AuditLog, StopRequest, fit, standard_hooks
     from pipeline.shards import ray_batches
     from pipeline.tracking import open_tracker
 
@@ -79,11 +84,13 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         node = ray.get_runtime_context().get_node_id()
         audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl", extra={"node": node})
     extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
+    has_val = lc.get("has_val", True)
 
     def on_checkpoint(e, metrics) -> None:
         # Every worker reports (Ray Train synchronises on it); rank 0 attaches the one copy of the state.
-        report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase,
-                  **metrics, "val/loss": metrics.get("val/loss", float("inf"))}
+        if has_val and "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
+            metrics = {**metrics, **e.evaluate(val_batches(), max_batches=t.eval_batches)}
+        report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics}
         with tempfile.TemporaryDirectory() as tmp:
             if rank == 0:
                 path = e.save(Path(tmp) / "state", extra={**extra, "metrics": metrics})
@@ -93,9 +100,9 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
     try:
         samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens) if rank == 0 else None
-        fit(engine, train_batches, val_batches if lc.get("has_val", True) else None,
+        fit(engine, train_batches, val_batches if has_val else None,
             standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
-            progress=rank == 0)
+            progress=rank == 0, stop=StopRequest(run_dir / STOP_FILE))
     finally:
         if audit is not None:
             audit.close()
@@ -136,10 +143,11 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
         storage = cfg.ray.storage_path
     run_name = f"phase{phase}"
+    has_val = manifest.rows("val") >= cfg.train.batch_size * cfg.ray.num_workers
     lc = {"config": cfg.flat(), "dataset_dir": str(Path(dataset_dir).resolve()), "vocab_size": manifest.vocab_size,
           "run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id, "init_from": str(init_from) if init_from else None,
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
-          "has_val": manifest.rows("val") >= cfg.train.batch_size * cfg.ray.num_workers}
+          "has_val": has_val}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=lc,
@@ -149,11 +157,54 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=str(storage),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
-                                                         checkpoint_score_attribute="val/loss",
+                                                         checkpoint_score_attribute="val/loss" if has_val else None,
                                                          checkpoint_score_order="min"),
             failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
             callbacks=callbacks),
     )
-    result = trainer.fit()
+    result = fit_with_clean_stop(trainer, run_dir / STOP_FILE)
     ckpt = Path(result.checkpoint.path) if result.checkpoint is not None else None
-    return TrainOutcome(run_dir, ckpt, dict(result.metrics or {}), mlflow_run_id)
+    metrics = dict(result.metrics or {})
+    stopped = metrics.get("step", 0) < (max_steps or cfg.train.max_steps)
+    return TrainOutcome(run_dir, ckpt, metrics, mlflow_run_id, stopped)
+
+
+def fit_with_clean_stop(trainer, stop_file: Path):
+    """trainer.fit(), where the first Ctrl+C makes every worker checkpoint and stop at the same step.
+
+    Ray Train's own Ctrl+C handler aborts the run without a checkpoint, and it only installs itself from
+    the main thread; so fit() runs in a helper thread while the main thread turns Ctrl+C into the stop
+    file the workers poll. A second Ctrl+C interrupts at once. In a Tune trial (not the main thread)
+    this is plain trainer.fit().
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return trainer.fit()
+    stop_file.unlink(missing_ok=True)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    def on_sigint(signum, frame) -> None:
+        if stop_file.exists():
+            raise KeyboardInterrupt
+        stop_file.parent.mkdir(parents=True, exist_ok=True)
+        stop_file.touch()
+        print("\nstop requested: the workers checkpoint and stop at their next log step "
+              "(Ctrl+C again to abort without a checkpoint)", flush=True)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    thread = threading.Thread(target=run, name="ray-train-fit", daemon=True)
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        stop_file.unlink(missing_ok=True)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

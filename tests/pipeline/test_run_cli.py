@@ -1,0 +1,104 @@
+"""`python pipeline/run.py` as a user runs it: Ctrl+C stops after a checkpoint and --resume finishes the
+run with every sequence seen exactly once; phases carry the model from one dataset to the next; bad
+command lines get one clear line."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def audit(run_dir: Path) -> list[dict]:
+    f = run_dir / "data_audit" / "rank_0.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(tmp_path):
+    run_dir = tmp_path / "runs" / "ctrlc"
+    args = ["train", "--preset", "test", f"--run.root={tmp_path / 'runs'}", "--run.name=ctrlc",
+            "--train.max_steps=30", "--train.log_every=1", "--train.checkpoint_every=10", "--train.eval_every=10",
+            "--train.sample_tokens=0", "--audit-data"]
+    proc = subprocess.Popen([*RUN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(r["step"] >= 4 for r in audit(run_dir)):
+            proc.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.02)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "stopped after a checkpoint" in out and "--resume" in out
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "stopped" and record.get("phases_done", 0) == 0
+    stopped_at = max(r["step"] for r in audit(run_dir))
+    assert 4 <= stopped_at < 30
+    meta = json.loads((Path(record["checkpoint"]) / "meta.json").read_text())
+    assert meta["counters"]["step"] == stopped_at, "the checkpoint is not at the step the run stopped"
+
+    res = run_cli("train", "--resume", str(run_dir))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "finished" and record["phases_done"] == 1
+    last = {}
+    for r in audit(run_dir):
+        last[r["step"]] = r
+    assert sorted(last) == list(range(1, 31))
+    ids = [i for r in last.values() for i in r["seq_ids"]]
+    assert len(ids) == len(set(ids)) == 30 * 4
+
+
+def test_phases_carry_the_model_and_schedule(tmp_path):
+    """Two phases on two corpora (Ray-free path): phase 2 starts from phase 1's final state with its own
+    data, one LR schedule spans both, and the second dataset reuses the first tokenizer."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, word in ((a, "alpha"), (b, "omega")):
+        with open(path, "w") as f:
+            for i in range(200):
+                f.write(json.dumps({"text": f"{word} story {i}: " + " ".join([word, "and", "the", "cat"] * (5 + i % 7))})
+                        + "\n")
+    phases = tmp_path / "phases.yaml"
+    phases.write_text(f"- steps: 4\n  overrides: {{data.path: '{a}'}}\n- steps: 6\n  overrides: {{data.path: '{b}'}}\n")
+    res = run_cli("train", "--no-ray", "--preset", "test", f"--run.root={tmp_path / 'runs'}", "--run.name=ph",
+                  "--data.source=files", f"--data.path={a}", "--data.vocab_size=300", "--phases", str(phases),
+                  "--train.checkpoint_every=2", "--train.eval_every=2", "--train.sample_tokens=0")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads((tmp_path / "runs" / "ph" / "run.json").read_text())
+    assert record["phases_done"] == 2 and len(record["datasets"]) == 2
+    assert record["datasets"][0] != record["datasets"][1]
+    meta = json.loads((Path(record["checkpoint"]) / "meta.json").read_text())
+    assert meta["counters"]["step"] == 10 and meta["counters"]["phase"] == 1
+    assert meta["counters"]["epoch"] == 0 and meta["counters"]["cursor"] == 6 * 4  # phase 2's own data cursor
+    assert meta["config"]["train"]["max_steps"] == 10  # one schedule over both phases
+    m1 = json.loads(Path(record["datasets"][1], "manifest.json").read_text())
+    m0 = json.loads(Path(record["datasets"][0], "manifest.json").read_text())
+    assert m1["tokenizer_sha256"] == m0["tokenizer_sha256"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--train.batch_size=0"], "train.batch_size=0 is invalid; it must be > 0"),
+    (["train", "--model.tier=Z"], "model.tier='Z' is not allowed; choose one of: nano, A, B, C, D"),
+    (["train", "--train.bogus=1"], "unknown config field 'train.bogus'"),
+    (["train", "--preset", "cpu", "--data.seq_len=99999"], "data.seq_len=99999 is out of range for model.tier=nano"),
+    (["train", "--resume", "/nonexistent/run"], "--resume /nonexistent/run: no run there"),
+    (["eval", "--checkpoint", "/nonexistent/ckpt"], "is not a checkpoint"),
+    (["validate"], "validate needs a dataset directory"),
+])
+def test_bad_command_lines_get_one_clear_line(args, message):
+    res = run_cli(*args, timeout=120)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
