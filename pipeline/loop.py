@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -188,7 +189,7 @@ class AuditLog:
         import os
 
         ids = [int(i) for b in micro for i in b["seq_id"]]
-        self._f.write(json.dumps({"step": engine.step, "skipped": outcome.skipped, "epoch": engine.epoch,
+        self._f.write(json.dumps({"step": engine.step, "time": time.time(), "skipped": outcome.skipped, "epoch": engine.epoch,
                                   "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids}) + "\n")
 
     def close(self) -> None:
