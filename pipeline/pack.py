@@ -45,7 +45,7 @@ from pipeline.corpus import CleanStats, DataSourceError, clean_texts, describe_s
 from pipeline.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,
                              load_manifest, rows_per_row_group, shard_schema, token_numpy_type, windows_table,
                              write_manifest, write_shard)
-from pipeline.ray_runtime import ensure_ray
+from pipeline.ray_runtime import ensure_ray, find_cause
 from pipeline.tokenizer import Tokenizer, TokenizerError, file_sha256, train_tokenizer
 
 if TYPE_CHECKING:
@@ -149,6 +149,10 @@ def _part_sink(parts_dir: Path):
 
         def __init__(self) -> None:
             self.parts: list[dict[str, Any]] = []
+
+        @property
+        def min_rows_per_write(self) -> int:
+            return 8  # rows are tokenizer batches (~1 MB of text each): fewer, larger write tasks
 
         def write(self, blocks, ctx) -> dict[str, Any]:
             path = parts_dir / f"part-{ctx.task_idx:06d}.bin"
@@ -335,16 +339,8 @@ def _user_error(exc: BaseException) -> BaseException | None:
     """The DataSourceError/TokenizerError/DatasetError inside a Ray exception chain, if any."""
     from ray.exceptions import RayError
 
-    stack, seen = [exc], set()
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (DataSourceError, TokenizerError, DatasetError)) and not isinstance(e, RayError):
-            return e
-        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-    return None
+    return find_cause(exc, lambda e: isinstance(e, (DataSourceError, TokenizerError, DatasetError))
+                      and not isinstance(e, RayError))
 
 
 def _hold(out: Path, stage: str) -> None:

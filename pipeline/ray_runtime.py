@@ -24,3 +24,23 @@ def ensure_ray(address: str | None = None, *, train_cpus: int = 1) -> None:
         return
     cpus = max((os.cpu_count() or 1) + 2, train_cpus + 4)
     ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+
+
+def find_cause(exc: BaseException | None, predicate) -> BaseException | None:
+    """The first exception in `exc`'s chain for which predicate(e) is true, or None.
+
+    Ray wraps what a task or a Train worker raised (RayTaskError, TrainingFailedError with
+    worker_failures, ControllerError); the chain followed here is __cause__, __context__, Ray's
+    `cause`, and Ray Train's controller and worker failures, so a user-facing error or an OOM raised
+    deep inside a worker is still found by type."""
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if predicate(e):
+            return e
+        stack += [e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "controller_failure", None),
+                  *(getattr(e, "worker_failures", None) or {}).values()]
+    return None

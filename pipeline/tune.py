@@ -76,17 +76,10 @@ def is_oom(exc: BaseException | None) -> bool:
     out-of-memory error: torch.OutOfMemoryError, MemoryError or Ray's own OutOfMemoryError."""
     import torch
 
-    stack, seen = [exc], set()
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or type(e).__name__ == "OutOfMemoryError":
-            return True
-        stack += [e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "controller_failure", None),
-                  *getattr(e, "worker_failures", {}).values()]
-    return False
+    from pipeline.ray_runtime import find_cause
+
+    return find_cause(exc, lambda e: isinstance(e, (torch.OutOfMemoryError, MemoryError))
+                      or type(e).__name__ == "OutOfMemoryError") is not None
 
 
 def _reason(exc: BaseException) -> str:
