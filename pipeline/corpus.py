@@ -1,18 +1,20 @@
 """Text sources, each a Ray Dataset of documents, and the cleaning step every document goes through.
 
     from pipeline.corpus import read_documents, describe_source
-    ds = read_documents(cfg.data)        # ray.data.Dataset with a `text` column (string or binary)
+    ds = read_documents(cfg.data)        # ray.data.Dataset with a `text` column, in source order
 
 Sources (`data.source`):
   builtin  text that ships with Python: pydoc_data's help topics and the docstrings of the standard library
            (one document per topic and per module, parsed with `ast` from the .py files, never imported);
            about 2 MB, no download.
-  files    `data.path` is a file, a directory (searched recursively) or a glob of .txt, .jsonl, .json, .parquet.
-           A .txt file is one document. A .jsonl file holds one JSON object per line and a .json file a
-           list of objects; the document is the `data.text_column` field. Parquet: that column, string or binary.
+  files    `data.path` is a file, a directory (searched recursively) or a glob of .txt, .jsonl, .json, .parquet,
+           read by one Ray Data file datasource in sorted path order. A .txt file is one document. A .jsonl
+           file holds one JSON object per line and a .json file a list of objects; the document is the
+           `data.text_column` field. Parquet: that column, string or binary.
   hf       a Hugging Face dataset through `datasets.load_dataset(data.hf_name, data.hf_config,
-           split=data.hf_split, streaming=data.hf_streaming)` and `ray.data.from_huggingface`. With
-           `data.path` set, it is passed as `data_files` (e.g. hf_name=json with local .jsonl files).
+           split=data.hf_split, streaming=data.hf_streaming)` and `ray.data.from_huggingface` (streaming:
+           a datasource reading the dataset's shards in parallel). With `data.path` set, it is passed as
+           `data_files` (e.g. hf_name=json with local .jsonl files, as the tests do: no hub access here).
 
 Cleaning (`clean_texts`, run inside the tokenizer actors): invalid UTF-8 is replaced with U+FFFD and
 counted, NUL characters are removed and counted, empty and whitespace-only documents (and JSON nulls)

@@ -55,6 +55,7 @@ log = logging.getLogger("longtrain.data")
 PACK_VERSION = 1
 PARTS_DIR = "_parts"
 DOCS_PER_BATCH = 256  # documents per tokenizer call: ~1 MB of text, a fraction of a second of encoding
+BATCHES_PER_PART = 8  # tokenizer batches per write task / part file: fewer, larger tasks
 HIST_BINS = 128  # document-length histogram: 4 bins per octave of token count
 REMAINDER_POLICY = "global concat-then-split; the final partial window (< seq_len+1 tokens) is dropped; no padding"
 
@@ -152,7 +153,7 @@ def _part_sink(parts_dir: Path):
 
         @property
         def min_rows_per_write(self) -> int:
-            return 8  # rows are tokenizer batches (~1 MB of text each): fewer, larger write tasks
+            return BATCHES_PER_PART
 
         def write(self, blocks, ctx) -> dict[str, Any]:
             path = parts_dir / f"part-{ctx.task_idx:06d}.bin"

@@ -65,6 +65,25 @@ def test_windows_reproduce_the_token_stream_in_order(messy_dataset, tok_path):
     assert m.packing_efficiency == pytest.approx(n * width / len(stream))
 
 
+def test_order_holds_across_many_batches_parts_and_actors(ray_session, tok_path, tmp_path, monkeypatch):
+    """Small batches and parts (planned in the driver, so patchable here): two actors finish batches out of
+    order, yet the parts, concatenated by write-task index, are the corpus stream in source order."""
+    import pipeline.pack as pack
+
+    monkeypatch.setattr(pack, "DOCS_PER_BATCH", 7)
+    monkeypatch.setattr(pack, "BATCHES_PER_PART", 2)
+    docs = sample_docs(80, 600)
+    for k in range(6):
+        write_jsonl(tmp_path / f"part{k}.jsonl", docs[k * 13:(k + 1) * 13] + docs[:k])
+    raw = [d for k in range(6) for d in docs[k * 13:(k + 1) * 13] + docs[:k]]
+    out = prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path)))
+    m = load_manifest(out)
+    assert m.extra["parts"] >= 5
+    stream = expected_stream(Tokenizer(tok_path), raw)
+    rows = read_rows(out)
+    assert np.array_equal(rows["tokens"].reshape(-1), stream[:rows["tokens"].size])
+
+
 def test_every_boundary_sits_at_an_eos(messy_dataset):
     out, _, _ = messy_dataset
     rows = read_rows(out)
