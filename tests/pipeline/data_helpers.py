@@ -42,7 +42,7 @@ def make_tokenizer(out_dir: Path, vocab: int = VOCAB) -> Path:
 def write_jsonl(path: Path, docs: list, column: str = "text") -> Path:
     with open(path, "w") as f:
         for d in docs:
-            f.write(json.dumps({column: d, "id": len(d)}) + "\n")
+            f.write(json.dumps({column: d, "id": len(d or "")}) + "\n")
     return path
 
 
