@@ -319,7 +319,7 @@ def main() -> None:
           f"{ray_big['driver_peak_rss_mb']:.0f} MB at {mb_big:.0f} MB (baseline process: {base['peak_rss_mb']:.0f} MB)")
     if not identical:
         raise SystemExit("the Ray and baseline shards differ: the comparison is not like for like")
-    name = "data_throughput_smoke" if args.smoke else "data_throughput"
+    name = "data_throughput_smoke" if args.smoke else "data_throughput" + ("" if args.mb == 110 else f"_{args.mb:g}mb")
     print(f"wrote {write_result(name, figures, args.out_dir)}")
 
 

@@ -22,12 +22,14 @@ is a pure function of (source, tokenizer, settings): the number of actors or blo
 
 Cache: the key hashes the source description (paths, sizes, mtimes), the tokenizer (file sha256, or the
 training settings), seq_len, val_fraction, rows_per_shard, split_seed and the schema version. A manifest
-with the same key is reused without starting Ray. Test hook: LONGTRAIN_PREPARE_HOLD=parts|shards makes the
+with the same key is reused without starting Ray; concurrent prepares of one directory serialize on a
+file lock (the second one then reuses the first one's result). Test hook: LONGTRAIN_PREPARE_HOLD=parts|shards makes the
 driver wait (forever) after that stage, so a test can SIGKILL it at a known point.
 """
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -363,16 +365,21 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path:
         log.info("reusing dataset %s (settings hash %s)", out, key[:16])
         return out
     out.mkdir(parents=True, exist_ok=True)
-    clear_dataset_dir(out)
-    try:
-        manifest = _build(cfg, settings, key, out, ray_address)
-    except Exception as exc:
-        err = _user_error(exc)
-        if err is not None and err is not exc:
-            raise type(err)(str(err)) from None
-        raise
-    manifest.extra["build_seconds"] = round(time.time() - t0, 2)
-    write_manifest(out, manifest)  # last: from here on the directory is a dataset
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent prepare of the same directory waits, then reuses
+        if reusable(out, key) is not None:
+            log.info("reusing dataset %s, built meanwhile by another process", out)
+            return out
+        clear_dataset_dir(out)
+        try:
+            manifest = _build(cfg, settings, key, out, ray_address)
+        except Exception as exc:
+            err = _user_error(exc)
+            if err is not None and err is not exc:
+                raise type(err)(str(err)) from None
+            raise
+        manifest.extra["build_seconds"] = round(time.time() - t0, 2)
+        write_manifest(out, manifest)  # last: from here on the directory is a dataset
     log.info("dataset ready: %s", out)
     return out
 
