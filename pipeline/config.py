@@ -36,7 +36,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # builtin | files | hf | synthetic
+    source: str = "builtin"  # builtin | files | hf
     path: str = ""  # files: a file, directory or glob
     text_column: str = "text"
     hf_name: str = ""  # hf: dataset name, e.g. roneneldan/TinyStories
@@ -225,7 +225,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"model.activation_checkpointing={ac!r} is not allowed; choose none, all or every_<k> (k >= 1)"
         )
-    _one_of("data.source", d.source, ("builtin", "files", "hf", "synthetic"))
+    _one_of("data.source", d.source, ("builtin", "files", "hf"))
     if d.source == "files" and not d.path:
         raise ConfigError("data.path is empty; data.source=files needs a file, directory or glob in data.path")
     if d.source == "hf" and not d.hf_name:

@@ -356,8 +356,6 @@ def _hold(out: Path, stage: str) -> None:
 def prepare(cfg: "Config", ray_address: str | None = None) -> Path:
     """Build (or reuse) the packed dataset for cfg.data; returns the dataset directory."""
     t0 = time.time()
-    if cfg.data.source == "synthetic":
-        raise DataSourceError("data.source=synthetic has no corpus to prepare; use builtin, files or hf")
     settings = dataset_settings(cfg)
     key = settings_hash(settings)
     out = Path(cfg.data.dataset_dir) if cfg.data.dataset_dir else Path(cfg.run.root) / "datasets" / key[:16]
