@@ -41,9 +41,19 @@ SERVER_START_TIMEOUT_S = 90
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 now (all held open together, so none is handed out twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.fixture(scope="session")

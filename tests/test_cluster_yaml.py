@@ -18,7 +18,6 @@ import copy
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import _free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_YAML = ROOT / "cluster.yaml"
@@ -84,16 +85,6 @@ def test_every_key_in_cluster_yaml_is_commented():
 
 
 # ------------------------------------------------------------------------------ ray up, for real
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _missing_tools() -> str | None:
     if os.geteuid() != 0:
         return "needs root (sshd and unshare)"
