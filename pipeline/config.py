@@ -85,7 +85,7 @@ class RayConfig:
     address: str = ""  # empty = start a local Ray; "auto" = join the running cluster
     num_workers: int = 1
     use_gpu: str = "auto"  # auto | true | false
-    cpus_per_worker: int = 1
+    cpus_per_worker: int = 0  # 0 = auto: CPU training on a local Ray splits the cores; GPUs or a joined cluster: 1
     max_failures: int = 3
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one worker per node)
     storage_path: str = ""  # empty = <run.root>/ray_results
@@ -257,7 +257,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={beta} is invalid; it must be in [0, 1)")
     _one_of("train.precision", t.precision, ("auto", "bf16", "fp32"))
     _positive("ray.num_workers", r.num_workers)
-    _positive("ray.cpus_per_worker", r.cpus_per_worker)
+    _positive("ray.cpus_per_worker", r.cpus_per_worker, zero_ok=True)
     _positive("ray.max_failures", r.max_failures, zero_ok=True)
     _one_of("ray.use_gpu", r.use_gpu, ("auto", "true", "false"))
     _one_of("ray.placement_strategy", r.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))

@@ -2,11 +2,18 @@
 
     ensure_ray("auto")    # join the running cluster (also what `ray job submit` jobs do via RAY_ADDRESS)
     ensure_ray("")        # start a local Ray sized so Ray Data keeps CPUs while training workers hold theirs
+
+A Ray Train worker gets `worker_cpus(cfg)` CPUs, and Ray sets its OMP_NUM_THREADS (so torch's thread
+count) to that number: on CPU the machine's cores are split among the workers, not one core each.
 """
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 def ensure_ray(address: str | None = None, *, train_cpus: int = 1) -> None:
@@ -18,12 +25,34 @@ def ensure_ray(address: str | None = None, *, train_cpus: int = 1) -> None:
 
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
+    if joins_cluster(address):
+        address = address or os.environ["RAY_ADDRESS"]
         ray.init(address=address, logging_level=logging.WARNING)
         return
     cpus = max((os.cpu_count() or 1) + 2, train_cpus + 4)
     ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+
+
+def joins_cluster(address: str | None = None) -> bool:
+    """Whether ensure_ray(address) joins an existing cluster rather than starting a local Ray."""
+    return bool(address or os.environ.get("RAY_ADDRESS"))
+
+
+def worker_cpus(cfg: "Config") -> int:
+    """CPUs each Ray Train worker reserves (and so its torch threads): `ray.cpus_per_worker`, or for 0
+    (auto) the local machine's cores split among the workers when training on CPU with a local Ray, and
+    1 with GPUs (the GPU computes; Ray Data keeps the other CPUs) or on a joined cluster, whose nodes may
+    differ from this one."""
+    if cfg.ray.cpus_per_worker > 0:
+        return cfg.ray.cpus_per_worker
+    if joins_cluster(cfg.ray.address) or cfg.ray.use_gpu == "true":
+        return 1
+    if cfg.ray.use_gpu == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return 1
+    return max(1, (os.cpu_count() or 1) // cfg.ray.num_workers)
 
 
 def find_cause(exc: BaseException | None, predicate) -> BaseException | None:

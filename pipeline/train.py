@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, from_flat
-from pipeline.ray_runtime import ensure_ray
+from pipeline.ray_runtime import ensure_ray, worker_cpus
 
 from pipeline.local import AUDIT_DIR  # <run_dir>/data_audit/rank_<r>.jsonl: seq_ids consumed per step
 
@@ -81,8 +81,11 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
     audit = None
     if lc.get("audit_data"):
-        node = ray.get_runtime_context().get_node_id()
-        audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl", extra={"node": node})
+        import torch
+
+        node = ray.get_runtime_context().get_node_id()  # threads: Ray's OMP_NUM_THREADS = the worker's CPUs
+        audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl",
+                         extra={"node": node, "threads": torch.get_num_threads()})
     extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
     has_val = lc.get("has_val", True)
 
@@ -138,7 +141,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     check_compatible(manifest, seq_len=cfg.data.seq_len)
     if init_from is not None:
         check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
-    ensure_ray(cfg.ray.address, train_cpus=cfg.ray.num_workers * cfg.ray.cpus_per_worker)
+    ensure_ray(cfg.ray.address, train_cpus=cfg.ray.num_workers * worker_cpus(cfg))
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else run_dir / "ray"
     if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
         storage = cfg.ray.storage_path
@@ -152,7 +155,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         train_loop_per_worker,
         train_loop_config=lc,
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=_use_gpu(cfg),
-                                               resources_per_worker={"CPU": cfg.ray.cpus_per_worker},
+                                               resources_per_worker={"CPU": worker_cpus(cfg)},
                                                placement_strategy=cfg.ray.placement_strategy),
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=str(storage),

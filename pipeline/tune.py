@@ -259,10 +259,12 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     from pipeline.data_cli import prepare_main
     from pipeline.shards import load_manifest
     from pipeline.tracking import check_tracking_uri, open_tracker, pin_tracking_uri, resolve_tracking_uri
-    from pipeline.ray_runtime import ensure_ray
+    from pipeline.ray_runtime import ensure_ray, worker_cpus
 
     space = load_space(space_path, cfg)
     cfg = cfg.replace({**space.overrides(), "run.root": str(Path(cfg.run.root).resolve())})
+    if cfg.ray.cpus_per_worker == 0:  # auto: 1 CPU per worker in a sweep, so trials run side by side
+        cfg = cfg.replace({"ray.cpus_per_worker": 1})
     if cfg.tracking.enabled:
         check_tracking_uri(resolve_tracking_uri(cfg))  # fail fast, before data or Ray work
         cfg = pin_tracking_uri(cfg)  # trials run in other processes and directories: one store for all
@@ -276,7 +278,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
 
     dataset = Path(prepare_main(cfg)).resolve()
     manifest = load_manifest(dataset)
-    ensure_ray(cfg.ray.address, train_cpus=cfg.ray.num_workers * cfg.ray.cpus_per_worker)
+    ensure_ray(cfg.ray.address, train_cpus=cfg.ray.num_workers * worker_cpus(cfg))
     parent = open_tracker(cfg, run_name=name)
     parent.set_tags({TAG_SWEEP: name})
     parent.log_params({"sweep.space": space.path.name, "sweep.metric": space.metric, "sweep.mode": space.mode,

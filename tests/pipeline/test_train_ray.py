@@ -16,6 +16,7 @@ import torch
 from pipeline.config import load_config
 from pipeline.engine import CheckpointError, Engine
 from pipeline.loop import Hooks, fit
+from pipeline.ray_runtime import worker_cpus
 from pipeline.shards import DatasetError, ShardReader
 from pipeline.synthetic import write_synthetic_dataset
 from pipeline.tracking import TrackingError
@@ -105,6 +106,8 @@ def test_exactly_once_across_two_worker_kills(ray_session, synthetic_dataset, tm
     assert out.metrics["step"] == 20
     records = audit_records(run_dir)
     assert set(records) == {0, 1}
+    # each worker computes with the CPUs it reserved (auto: this machine's cores split between the two)
+    assert {r["threads"] for recs in records.values() for r in recs} == {worker_cpus(cfg)}
     for rank, recs in records.items():
         assert len({r["pid"] for r in recs}) >= 3, f"rank {rank} was not restarted twice"
     consumed = []

@@ -1,0 +1,37 @@
+"""How many CPUs (and so torch threads) a Ray Train worker reserves: `ray.cpus_per_worker`, auto by default."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ConfigError, load_config
+from pipeline.ray_runtime import joins_cluster, worker_cpus
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("pipeline.ray_runtime.os.cpu_count", lambda: 16)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    return 16
+
+
+def test_auto_splits_the_local_cores_among_cpu_workers(cores):
+    assert worker_cpus(load_config("cpu")) == cores  # one worker: the whole machine, as --no-ray would use
+    assert worker_cpus(load_config("cpu", {"ray.num_workers": 4})) == 4
+    assert worker_cpus(load_config("cpu", {"ray.num_workers": 32})) == 1  # never 0
+
+
+def test_auto_is_one_cpu_with_gpus_or_on_a_joined_cluster(cores, monkeypatch):
+    assert worker_cpus(load_config("cpu", {"ray.use_gpu": "true"})) == 1
+    assert worker_cpus(load_config("cpu", {"ray.address": "auto"})) == 1
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert worker_cpus(load_config("cpu")) == 1  # use_gpu=auto with CUDA present
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # inside `ray job submit`
+    assert joins_cluster(None) and worker_cpus(load_config("cpu")) == 1
+
+
+def test_an_explicit_count_is_kept_and_negative_is_refused(cores):
+    assert worker_cpus(load_config("cpu", {"ray.cpus_per_worker": 3, "ray.use_gpu": "true"})) == 3
+    with pytest.raises(ConfigError, match="ray.cpus_per_worker"):
+        load_config("cpu", {"ray.cpus_per_worker": -1})
