@@ -345,6 +345,11 @@ class ShardReader:
         return group, r - int(group_start[g])
 
 
+BATCHES_PER_TASK = 8  # batches one Ray Data read task yields (ray_batches)
+MAX_BLOCKS = 1024  # at most this many read tasks per epoch: planning cost stays bounded on huge splits
+READ_TASKS = 2  # read tasks in flight per stream: one reading ahead while the other's output is consumed
+
+
 @functools.lru_cache(maxsize=8)
 def _worker_reader(*args: Any) -> ShardReader:
     """One reader per argument set per Ray worker process, so open files and the row-group cache are reused."""
@@ -368,9 +373,13 @@ def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int =
     reader = ShardReader(dataset_dir, split, batch_size, seed, epoch, start, rank, world_size)  # validates args
     n_batches = len(reader)
     args = (str(Path(dataset_dir).resolve()), split, batch_size, seed, epoch, start, rank, world_size)
-    ds = ray.data.range(n_batches, override_num_blocks=max(1, min(n_batches, 64)))
+    # A Ray task reads BATCHES_PER_TASK batches, at most READ_TASKS at a time: reading a batch takes
+    # milliseconds, and every task or worker process more is CPU taken from the training step.
+    blocks = max(1, min(-(-n_batches // BATCHES_PER_TASK), MAX_BLOCKS))
+    ds = ray.data.range(n_batches, override_num_blocks=blocks)
     ds.context.execution_options.preserve_order = True  # batch j must come j-th, as in ShardReader
-    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args}, batch_size=1, batch_format="numpy")
+    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args}, batch_size=1, batch_format="numpy",
+                          concurrency=READ_TASKS)
 
 
 def validate_dataset(dataset_dir: Path | str, *, sample_windows: int = 16) -> "ValidationReport":
