@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "tracking.enabled": False, "run.root": str(tmp),
                                   "ray.cpus_per_worker": a.cpus_per_worker})
         threads = worker_cpus(cfg)
-        ensure_ray(None, train_cpus=threads)
+        ensure_ray(None, cfg)
         torch.set_num_threads(threads)  # what the Ray Train worker computes with (its OMP_NUM_THREADS)
         for r in range(a.repeat):
             local = run_local(cfg, tmp / "ds", tmp / f"local{r}", a.warmup)
@@ -95,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{med['local'] * 1e3:.1f} ms, Ray Train {med['ray'] * 1e3:.1f} ms, ratio {ratio:.3f} "
           f"(per repeat {min(ratios):.3f}-{max(ratios):.3f}; goal <= 1.05)")
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-    path = write_result(f"ray_overhead_{a.tier}_s{a.seq_len}_b{a.batch_size}", {"median_step_s": med, "ratio": ratio, "ratio_per_repeat": ratios,
-                                         "torch_threads": threads,
-                                         "samples": {k: len(v) for k, v in rows.items()},
-                                         "load_average": list(__import__("os").getloadavg()), "args": args}, a.out)
+    payload = {"median_step_s": med, "ratio": ratio, "ratio_per_repeat": ratios, "torch_threads": threads,
+               "samples": {k: len(v) for k, v in rows.items()}, "load_average": list(os.getloadavg()), "args": args}
+    path = write_result(f"ray_overhead_{a.tier}_s{a.seq_len}_b{a.batch_size}", payload, a.out)
     print(f"wrote {path}")
     ray.shutdown()
     return 0

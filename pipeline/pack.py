@@ -47,7 +47,7 @@ from pipeline.corpus import CleanStats, DataSourceError, clean_texts, describe_s
 from pipeline.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,
                              load_manifest, rows_per_row_group, shard_schema, token_numpy_type, windows_table,
                              write_manifest, write_shard)
-from pipeline.ray_runtime import ensure_ray, find_cause, worker_cpus
+from pipeline.ray_runtime import ensure_ray, find_cause
 from pipeline.tokenizer import Tokenizer, TokenizerError, file_sha256, train_tokenizer
 
 if TYPE_CHECKING:
@@ -386,8 +386,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     import ray.data
 
     d = cfg.data
-    ensure_ray(ray_address or cfg.ray.address or None,
-               train_cpus=cfg.ray.num_workers * worker_cpus(cfg))
+    ensure_ray(ray_address or cfg.ray.address or None, cfg)
     ds = read_documents(d)
     tok_path = out / TOKENIZER_FILE
     if d.tokenizer:

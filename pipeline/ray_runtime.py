@@ -16,11 +16,12 @@ if TYPE_CHECKING:
     from pipeline.config import Config
 
 
-def ensure_ray(address: str | None = None, *, train_cpus: int = 1) -> None:
+def ensure_ray(address: str | None = None, cfg: "Config | None" = None) -> None:
     """Connect once per process. `address` (e.g. "auto" or "ray://host:10001") or the RAY_ADDRESS that Ray
     jobs set means an existing cluster, whose resources are its own; otherwise a local instance with
-    more logical CPUs than cores: training workers take `train_cpus`, and Ray Data's read, tokenize
-    and write tasks still get CPUs (on a 2-core machine, num_cpus=2 with two workers would hang)."""
+    more logical CPUs than cores: `cfg`'s training workers take theirs (num_workers x worker_cpus), and
+    Ray Data's read, tokenize and write tasks still get CPUs (on a 2-core machine, num_cpus=2 with two
+    workers would hang)."""
     import ray
 
     if ray.is_initialized():
@@ -29,6 +30,7 @@ def ensure_ray(address: str | None = None, *, train_cpus: int = 1) -> None:
         address = address or os.environ["RAY_ADDRESS"]
         ray.init(address=address, logging_level=logging.WARNING)
         return
+    train_cpus = cfg.ray.num_workers * worker_cpus(cfg) if cfg is not None else 1
     cpus = max((os.cpu_count() or 1) + 2, train_cpus + 4)
     ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
 

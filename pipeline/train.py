@@ -141,7 +141,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     check_compatible(manifest, seq_len=cfg.data.seq_len)
     if init_from is not None:
         check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
-    ensure_ray(cfg.ray.address, train_cpus=cfg.ray.num_workers * worker_cpus(cfg))
+    ensure_ray(cfg.ray.address, cfg)
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else run_dir / "ray"
     if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
         storage = cfg.ray.storage_path

@@ -259,7 +259,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     from pipeline.data_cli import prepare_main
     from pipeline.shards import load_manifest
     from pipeline.tracking import check_tracking_uri, open_tracker, pin_tracking_uri, resolve_tracking_uri
-    from pipeline.ray_runtime import ensure_ray, worker_cpus
+    from pipeline.ray_runtime import ensure_ray
 
     space = load_space(space_path, cfg)
     cfg = cfg.replace({**space.overrides(), "run.root": str(Path(cfg.run.root).resolve())})
@@ -278,7 +278,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
 
     dataset = Path(prepare_main(cfg)).resolve()
     manifest = load_manifest(dataset)
-    ensure_ray(cfg.ray.address, train_cpus=cfg.ray.num_workers * worker_cpus(cfg))
+    ensure_ray(cfg.ray.address, cfg)
     parent = open_tracker(cfg, run_name=name)
     parent.set_tags({TAG_SWEEP: name})
     parent.log_params({"sweep.space": space.path.name, "sweep.metric": space.metric, "sweep.mode": space.mode,
