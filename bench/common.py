@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.tracking import git_commit  # pipeline owns it; bench may import pipeline, never the reverse
+from pipeline.tracking.tracker import git_commit  # pipeline owns it; bench may import pipeline, never the reverse
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from pipeline.corpus import builtin_document, builtin_items, clean_texts, read_document_file  # noqa: E402
-from pipeline.pack import DOCS_PER_BATCH, SplitRule, encode_stream  # noqa: E402
-from pipeline.shards import (rows_per_row_group, shard_schema, token_numpy_type, windows_table,  # noqa: E402
+from pipeline.data.corpus import builtin_document, builtin_items, clean_texts, read_document_file  # noqa: E402
+from pipeline.data.pack import DOCS_PER_BATCH, SplitRule, encode_stream  # noqa: E402
+from pipeline.data.shards import (rows_per_row_group, shard_schema, token_numpy_type, windows_table,  # noqa: E402
                              write_shard)
-from pipeline.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
+from pipeline.data.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
 
 FILE_MB = 8  # corpus file size: several files so Ray reads in parallel
 
@@ -125,9 +125,9 @@ class TreeCPU:
 
 def run_ray(corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: int) -> dict:
     from pipeline.config import load_config
-    from pipeline.pack import prepare
+    from pipeline.data.pack import prepare
     from pipeline.ray_runtime import ensure_ray
-    from pipeline.shards import load_manifest
+    from pipeline.data.shards import load_manifest
 
     t0 = time.perf_counter()
     ensure_ray(None)

@@ -1,6 +1,6 @@
 """Training throughput of the Ray-free engine: tokens/s, MFU, peak memory, compile time and the share
 of step time spent waiting on data, for one tier / seq_len / micro-batch. Data comes from real
-Parquet shards on disk (synthetic rows written by pipeline.synthetic), read by the same ShardReader
+Parquet shards on disk (synthetic rows written by pipeline.data.synthetic), read by the same ShardReader
 a single-GPU run uses, so the data path is measured too.
 
     python bench/engine_throughput.py --tier B --seq-len 32768 --batch-size 1 --steps 20
@@ -24,9 +24,9 @@ import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.engine import Engine  # noqa: E402
-from pipeline.shards import ShardReader  # noqa: E402
-from pipeline.synthetic import write_synthetic_dataset  # noqa: E402
+from pipeline.train.engine import Engine  # noqa: E402
+from pipeline.data.shards import ShardReader  # noqa: E402
+from pipeline.data.synthetic import write_synthetic_dataset  # noqa: E402
 
 
 def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int, vocab_size: int = 32000,
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(vocab_size=a.vocab_size, grad_accum=a.grad_accum, compile_mode=a.compile,
               doc_masking=not a.no_doc_masking, activation_checkpointing=a.activation_checkpointing)
     if a.batch_size == "max":
-        from pipeline.max_batch import find_max_batch
+        from pipeline.train.max_batch import find_max_batch
 
         cfg = load_config("cpu", {"model.tier": a.tier, "data.seq_len": a.seq_len, "data.vocab_size": a.vocab_size,
                                   "model.compile": a.compile, "model.doc_masking": not a.no_doc_masking,

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.synthetic import write_synthetic_dataset  # noqa: E402
+from pipeline.data.synthetic import write_synthetic_dataset  # noqa: E402
 
 
 def step_intervals(audit_file: Path, warmup: int) -> list[float]:
@@ -36,14 +36,14 @@ def step_intervals(audit_file: Path, warmup: int) -> list[float]:
 
 
 def run_local(cfg, dataset: Path, run_dir: Path, warmup: int) -> list[float]:
-    from pipeline.local import train_local
+    from pipeline.train.local import train_local
 
     train_local(cfg, dataset, run_dir, None, audit_data=True)
     return step_intervals(run_dir / "data_audit" / "rank_0.jsonl", warmup)
 
 
 def run_ray(cfg, dataset: Path, run_dir: Path, warmup: int) -> list[float]:
-    from pipeline.train import run_training
+    from pipeline.train.ray_train import run_training
 
     run_training(cfg, dataset, run_dir, audit_data=True)
     return step_intervals(run_dir / "data_audit" / "rank_0.jsonl", warmup)

@@ -40,6 +40,16 @@ def joins_cluster(address: str | None = None) -> bool:
     return bool(address or os.environ.get("RAY_ADDRESS"))
 
 
+def use_gpu(cfg: "Config") -> bool:
+    """Whether Ray Train workers (and the max-batch probe) take a GPU: `ray.use_gpu`, where auto means the
+    connected cluster has at least one."""
+    if cfg.ray.use_gpu == "auto":
+        import ray
+
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    return cfg.ray.use_gpu == "true"
+
+
 def worker_cpus(cfg: "Config") -> int:
     """CPUs each Ray Train worker reserves (and so its torch threads): `ray.cpus_per_worker`, or for 0
     (auto) the local machine's cores split among the workers when training on CPU with a local Ray, and

@@ -19,19 +19,16 @@ preset (cpu, gpu, test) or a YAML file; the default preset is gpu when CUDA is p
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python pipeline/run.py`: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import Config, ConfigError, from_flat, load_config  # noqa: E402
+from pipeline.train.run_dir import find_run, new_run_dir, read_run_file  # noqa: E402
 
 STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune")
-RUN_FILE = "run.json"
 
 
 class UsageError(ValueError):
@@ -69,45 +66,16 @@ def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
     return load_config(args.preset, overrides)
 
 
-# ------------------------------------------------------------------------------------------ run dirs
-def new_run_dir(cfg: Config) -> Path:
-    name = cfg.run.name or f"{cfg.model.tier}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.run.root).resolve() / name
-    if (run_dir / RUN_FILE).exists():
-        raise UsageError(f"run {run_dir} already exists; continue it with --resume {run_dir} or pick another "
-                         f"--run.name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
-def find_run(cfg: Config, resume: str) -> Path:
-    for candidate in (Path(resume), Path(cfg.run.root) / resume):
-        if (candidate / RUN_FILE).is_file():
-            return candidate.resolve()
-    raise UsageError(f"--resume {resume}: no run there (no {RUN_FILE}); pass a directory under {cfg.run.root}/ "
-                     f"that an earlier `python pipeline/run.py train` created")
-
-
-def write_run_file(run_dir: Path, record: dict) -> None:
-    tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
-    os.replace(tmp, run_dir / RUN_FILE)
-
-
-def read_run_file(run_dir: Path) -> dict:
-    return json.loads((run_dir / RUN_FILE).read_text())
-
-
 # ------------------------------------------------------------------------------------------ stages
 def stage_prepare(cfg: Config) -> Path:
-    from pipeline.data_cli import prepare_main
+    from pipeline.data.stages import prepare_main
 
     return prepare_main(cfg)
 
 
 def stage_train(cfg: Config, args: argparse.Namespace):
     """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
-    from pipeline.session import Phase, TrainSession, load_phases
+    from pipeline.train.session import Phase, TrainSession, load_phases
 
     if args.resume:
         run_dir = find_run(cfg, args.resume)
@@ -125,7 +93,7 @@ def stage_train(cfg: Config, args: argparse.Namespace):
 
 
 def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path:
-    from pipeline.engine import CheckpointError
+    from pipeline.train.engine import CheckpointError
 
     if args.checkpoint:
         return Path(args.checkpoint)
@@ -138,7 +106,7 @@ def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path:
 
 
 def stage_eval(cfg: Config, checkpoint: Path, dataset_dir: Path | None = None) -> dict[str, float]:
-    from pipeline.evaluate import evaluate_checkpoint
+    from pipeline.train.evaluate import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(checkpoint, dataset_dir)
     print("eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
@@ -146,7 +114,7 @@ def stage_eval(cfg: Config, checkpoint: Path, dataset_dir: Path | None = None) -
 
 
 def stage_generate(checkpoint: Path, args: argparse.Namespace, prompts: list[str] | None = None) -> list[str]:
-    from pipeline.generate import generate_from_checkpoint
+    from pipeline.train.generate import generate_from_checkpoint
 
     prompts = prompts or list(args.prompt or [])
     if args.prompts_file:
@@ -165,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.stage == "validate":
-            from pipeline.data_cli import validate_main
+            from pipeline.data.stages import validate_main
 
             if not args.target:
                 raise UsageError("validate needs a dataset directory: python pipeline/run.py validate DIR")
@@ -175,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dataset: {stage_prepare(cfg)}")
             return 0
         if args.stage == "tune":
-            from pipeline.tune import tune_main
+            from pipeline.sweep.tune import tune_main
 
             return tune_main(cfg, args.space)
         if args.stage == "eval":

@@ -208,7 +208,7 @@ def test_ray_up_local_variant_job_submit_and_down(sshd_namespace, tmp_path):
         assert up.returncode == 0, (up.stdout + up.stderr)[-12000:]
         # cluster.yaml's setup ran on the head: its env file, the synced project and token
         assert "export RAY_AUTH_MODE=token" in (home / "longtrain.env").read_text()
-        assert (home / "longtrain/pipeline/tune.py").is_file()
+        assert (home / "longtrain/pipeline/sweep/tune.py").is_file()
         assert (home / ".ray/auth_token").read_text() == (Path.home() / ".ray/auth_token").read_text()
         dash = f"http://127.0.0.1:{ports['dashboard']}"
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['mlflow']}/health", timeout=10) as r:
@@ -217,7 +217,7 @@ def test_ray_up_local_variant_job_submit_and_down(sshd_namespace, tmp_path):
         job = ("import os, urllib.request, ray; ray.init(); "
                "print('CPUS', ray.cluster_resources()['CPU']); "
                f"print('MLFLOW', urllib.request.urlopen('http://127.0.0.1:{ports['mlflow']}/health').status); "
-               "import pipeline.tune, pipeline.config; print('PROJECT', pipeline.config.load_config('test').model.tier); "
+               "import pipeline.sweep.tune, pipeline.config; print('PROJECT', pipeline.config.load_config('test').model.tier); "
                "print('AUTH', os.environ.get('RAY_AUTH_MODE'))")
         sub = _ray("job", "submit", "--address", dash, "--working-dir", str(ROOT), "--", "python", "-c", job,
                    env=env, timeout=300)

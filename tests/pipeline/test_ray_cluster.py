@@ -96,8 +96,8 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 from pipeline.config import load_config
-from pipeline.synthetic import write_synthetic_dataset
-from pipeline.train import run_training
+from pipeline.data.synthetic import write_synthetic_dataset
+from pipeline.train.ray_train import run_training
 
 out = Path(sys.argv[1])
 write_synthetic_dataset(out / "ds", n_train=64, n_val=8, seq_len=32, vocab_size=128)

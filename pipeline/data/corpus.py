@@ -1,0 +1,481 @@
+"""Text sources, each a Ray Dataset of documents, and the cleaning step every document goes through.
+
+    from pipeline.data.corpus import read_documents, describe_source
+    ds = read_documents(cfg.data)        # ray.data.Dataset with a `text` column, in source order
+
+Sources (`data.source`):
+  builtin  text that ships with Python: pydoc_data's help topics and the docstrings of the standard library
+           (one document per topic and per module, parsed with `ast` from the .py files, never imported);
+           about 2 MB, no download.
+  files    `data.path` is a file, a directory (searched recursively) or a glob of .txt, .jsonl, .json, .parquet,
+           read by one Ray Data file datasource in sorted path order. A .txt file is one document. A .jsonl
+           file holds one JSON object per line and a .json file a list of objects; the document is the
+           `data.text_column` field. Parquet: that column, string or binary.
+  hf       a Hugging Face dataset through `datasets.load_dataset(data.hf_name, data.hf_config,
+           split=data.hf_split, streaming=data.hf_streaming)` and `ray.data.from_huggingface` (streaming:
+           a datasource reading the dataset's shards in parallel). With `data.path` set, it is passed as
+           `data_files` (e.g. hf_name=json with local .jsonl files, as the tests do: no hub access here).
+
+Cleaning (`clean_texts`, run inside the tokenizer actors): invalid UTF-8 is replaced with U+FFFD and
+counted, NUL characters are removed and counted, empty and whitespace-only documents (and JSON nulls)
+are dropped and counted. Nothing is dropped silently; a missing or non-string text field is an error
+naming the file and line.
+"""
+from __future__ import annotations
+
+import ast
+import glob
+import hashlib
+import io
+import json
+import platform
+import re
+import sysconfig
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    import ray.data
+
+    from pipeline.config import DataConfig
+
+FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
+
+
+class DataSourceError(ValueError):
+    """The corpus cannot be read as configured; the message names the file or setting and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Cleaning: shared by the Ray pipeline and the single-process baseline.
+
+@dataclass
+class CleanStats:
+    documents: int = 0  # kept (non-empty after cleaning)
+    dropped_empty: int = 0  # empty, whitespace-only or null
+    replaced_invalid_utf8: int = 0  # invalid UTF-8 sequences (and lone surrogates) replaced by U+FFFD
+    nul_removed: int = 0  # NUL characters deleted
+    text_chars: int = 0  # characters of the kept documents
+
+    def add(self, other: "CleanStats") -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+def decode_utf8(data: bytes) -> tuple[str, int]:
+    """Decode with invalid sequences replaced by U+FFFD; returns (text, number replaced)."""
+    text = data.decode("utf-8", "replace")
+    if "\ufffd" not in text:
+        return text, 0
+    return text, text.count("\ufffd") - data.count(b"\xef\xbf\xbd")
+
+
+def fix_surrogates(text: str) -> tuple[str, int]:
+    """Lone surrogates (from JSON escapes like \\ud800) cannot be UTF-8 encoded: replace them, count them."""
+    try:
+        text.encode("utf-8")
+        return text, 0
+    except UnicodeEncodeError:
+        return _SURROGATES.subn("\ufffd", text)
+
+
+def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None) -> tuple[list[str], CleanStats]:
+    """Clean one batch of documents. `column` is string or binary (nulls allowed); `replaced` optionally
+    carries per-row counts of invalid UTF-8 already replaced by a reader. Returns (kept texts, stats)."""
+    stats = CleanStats()
+    if isinstance(column, (pa.Array, pa.ChunkedArray)):
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            try:
+                column.validate(full=True)  # Parquet/Arrow strings are not guaranteed to be valid UTF-8
+            except pa.ArrowInvalid:
+                column = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+        values = column.to_pylist()
+    else:
+        values = list(column)
+    if replaced is not None:
+        stats.replaced_invalid_utf8 += int(sum(x or 0 for x in (replaced.to_pylist() if hasattr(replaced, "to_pylist")
+                                                                  else replaced)))
+    out: list[str] = []
+    for v in values:
+        if v is None:
+            stats.dropped_empty += 1
+            continue
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            v, n = decode_utf8(bytes(v))
+            stats.replaced_invalid_utf8 += n
+        elif not isinstance(v, str):
+            raise DataSourceError(f"a document is a {type(v).__name__}, not text; point data.text_column at a "
+                                  "string column")
+        if "\x00" in v:
+            stats.nul_removed += v.count("\x00")
+            v = v.replace("\x00", "")
+        if not v or v.isspace():
+            stats.dropped_empty += 1
+            continue
+        v, n = fix_surrogates(v)
+        stats.replaced_invalid_utf8 += n
+        stats.documents += 1
+        stats.text_chars += len(v)
+        out.append(v)
+    return out, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Local files
+
+def resolve_files(path: str) -> list[Path]:
+    """The files `path` names (a file, a directory searched recursively, or a glob), sorted, all of a
+    supported type. Raises DataSourceError when nothing usable matches."""
+    p = Path(path).expanduser()
+    if any(c in path for c in "*?["):
+        matches = [Path(m) for m in glob.glob(str(p), recursive=True)]
+        files = sorted(m for m in matches if m.is_file() or m.is_symlink())
+    elif p.is_dir():
+        files = sorted(m for m in p.rglob("*") if (m.is_file() or m.is_symlink()) and m.suffix.lower() in FILE_KINDS
+                       and not any(part.startswith(".") for part in m.relative_to(p).parts))
+    elif p.exists() or p.is_symlink():
+        files = [p]
+    else:
+        raise DataSourceError(f"data.path={path!r} does not exist; give a file, a directory or a glob")
+    if not files:
+        raise DataSourceError(f"data.path={path!r} matches no .txt, .jsonl, .json or .parquet files")
+    bad = [f for f in files if f.suffix.lower() not in FILE_KINDS]
+    if bad:
+        raise DataSourceError(f"{str(bad[0])!r} has an unsupported type; data.source=files reads "
+                              f"{', '.join(FILE_KINDS)}")
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                fh.read(1)
+        except OSError as exc:
+            raise DataSourceError(f"cannot read {str(f)!r}: {exc.strerror or exc}; fix its permissions or remove "
+                                  "it from data.path") from None
+    return files
+
+
+def _check_parquet_column(files: list[Path], column: str) -> None:
+    import pyarrow.parquet as pq
+
+    for f in files:
+        try:
+            schema = pq.read_schema(f)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataSourceError(f"{str(f)!r} is not a readable Parquet file ({str(exc).splitlines()[0]})") from None
+        if column not in schema.names:
+            raise DataSourceError(f"{str(f)!r} has no column {column!r} (columns: {', '.join(schema.names)}); "
+                                  "set data.text_column")
+        t = schema.field(column).type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+                or pa.types.is_large_binary(t) or pa.types.is_string_view(t)):
+            raise DataSourceError(f"column {column!r} of {str(f)!r} is {t}, not text; set data.text_column to a "
+                                  "string column")
+
+
+def _doc_table(texts: list[str], replaced: list[int]) -> pa.Table:
+    return pa.table({"text": pa.array(texts, pa.large_string()), "replaced": pa.array(replaced, pa.int32())})
+
+
+def _field(obj: Any, column: str, where: str) -> tuple[str | None, int]:
+    if not isinstance(obj, dict):
+        raise DataSourceError(f"{where}: expected a JSON object with a {column!r} field, got {type(obj).__name__}")
+    if column not in obj:
+        keys = ", ".join(list(obj)[:8])
+        raise DataSourceError(f"{where}: no {column!r} field (fields: {keys}); set data.text_column")
+    v = obj[column]
+    if v is None:
+        return None, 0
+    if not isinstance(v, str):
+        raise DataSourceError(f"{where}: field {column!r} is {type(v).__name__}, not a string")
+    return fix_surrogates(v)
+
+
+def read_document_file(f: Any, path: str, kind: str, column: str) -> Iterator[pa.Table]:
+    """Yield blocks {text, replaced} from one open file (binary stream) of kind txt/jsonl/json/parquet."""
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, columns=[column]):
+            col = batch.column(0)
+            if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                try:  # Parquet does not guarantee valid UTF-8 in string columns
+                    col.validate(full=True)
+                    yield pa.table({"text": col.cast(pa.large_string()),
+                                    "replaced": pa.array(np.zeros(len(col), np.int32))})
+                    continue
+                except pa.ArrowInvalid:
+                    col = col.cast(pa.large_binary() if pa.types.is_large_string(col.type) else pa.binary())
+            got = [(None, 0) if b is None else decode_utf8(b) for b in col.cast(pa.large_binary()).to_pylist()]
+            yield _doc_table([t for t, _ in got], [k for _, k in got])
+        return
+    if kind == "txt":
+        text, n = decode_utf8(f.read())
+        yield _doc_table([text], [n])
+        return
+    if kind == "json":
+        text, n = decode_utf8(f.read())
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataSourceError(f"{path}: not valid JSON ({exc}); .json files hold a list of objects") from None
+        rows = doc if isinstance(doc, list) else [doc]
+        got = [_field(r, column, f"{path} item {i}") for i, r in enumerate(rows)]
+        yield _doc_table([t for t, _ in got], [k + (n if i == 0 else 0) for i, (_, k) in enumerate(got)])
+        return
+    texts: list[str | None] = []
+    counts: list[int] = []
+    size = 0
+    for lineno, raw in enumerate(f, 1):
+        if not raw.strip():
+            continue
+        line, n = decode_utf8(raw)
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataSourceError(f"{path} line {lineno}: not valid JSON ({exc.msg}); .jsonl holds one object per "
+                                  "line") from None
+        t, k = _field(obj, column, f"{path} line {lineno}")
+        texts.append(t)
+        counts.append(n + k)
+        size += len(raw)
+        if size >= _BLOCK_BYTES:
+            yield _doc_table(texts, counts)
+            texts, counts, size = [], [], 0
+    if texts:
+        yield _doc_table(texts, counts)
+
+
+def _read_files(files: list[Path], column: str) -> "ray.data.Dataset":
+    """One Ray Data file datasource for every supported type, so the documents come in sorted-path order
+    (a union of per-type readers would interleave their blocks). Ray's JSON readers cannot replace invalid
+    UTF-8 and count it, nor name the offending line, hence this reader."""
+    import ray.data
+    from ray.data.datasource import FileBasedDatasource
+
+    _check_parquet_column([f for f in files if f.suffix.lower() == ".parquet"], column)
+
+    class DocumentFileDatasource(FileBasedDatasource):
+        def _open_input_source(self, filesystem, path: str, **open_args):
+            if path.lower().endswith(".parquet"):  # Parquet needs random access (footer first)
+                return filesystem.open_input_file(path)
+            return super()._open_input_source(filesystem, path, **open_args)
+
+        def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
+            kind = FILE_KINDS[Path(path).suffix.lower()]
+            stream = f if kind == "parquet" else io.BufferedReader(_RawReader(f), 1 << 20)
+            yield from read_document_file(stream, path, kind, column)
+
+    return ray.data.read_datasource(DocumentFileDatasource([str(p) for p in files]))
+
+
+class _RawReader(io.RawIOBase):
+    """Adapts a pyarrow NativeFile to io.RawIOBase so io.BufferedReader can iterate its lines."""
+
+    def __init__(self, f: Any):
+        self._f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self._f.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Built-in corpus
+
+def builtin_module_files() -> list[Path]:
+    """The standard library's .py files (no tests, no site-packages), sorted."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
+    return sorted(p for p in stdlib.rglob("*.py") if not skip.intersection(p.relative_to(stdlib).parts))
+
+
+def module_document(path: Path) -> str:
+    """The docstrings of one module as one document: module docstring, then each class and function with its
+    signature and docstring, in source order. Empty when the module has none or does not parse."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError, OSError):
+        return ""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    name = ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__")
+    parts: list[str] = []
+    doc = ast.get_docstring(tree)
+    if doc:
+        parts.append(f"Module {name}\n\n{doc}")
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                qual = f"{prefix}{child.name}"
+                d = ast.get_docstring(child)
+                if d:
+                    if isinstance(child, ast.ClassDef):
+                        head = f"class {name}.{qual}"
+                    else:
+                        head = f"def {name}.{qual}({ast.unparse(child.args)})"
+                    parts.append(f"{head}\n{d}")
+                visit(child, f"{qual}.")
+
+    visit(tree, "")
+    return "\n\n".join(parts)
+
+
+def builtin_items() -> list[dict[str, str]]:
+    """One item per document of the built-in corpus: pydoc topics first, then modules."""
+    import pydoc_data.topics
+
+    items = [{"kind": "topic", "key": k} for k in sorted(pydoc_data.topics.topics)]
+    return items + [{"kind": "module", "key": str(p)} for p in builtin_module_files()]
+
+
+def builtin_document(item: dict[str, str]) -> str:
+    if item["kind"] == "topic":
+        import pydoc_data.topics
+
+        return pydoc_data.topics.topics[item["key"]]
+    return module_document(Path(item["key"]))
+
+
+def _builtin_rows(row: dict[str, Any]) -> list[dict[str, str]]:
+    text = builtin_document(row)
+    return [{"text": text}] if text else []  # modules without docstrings are not documents
+
+
+def _read_builtin() -> "ray.data.Dataset":
+    import ray.data
+
+    items = builtin_items()
+    return ray.data.from_items(items, override_num_blocks=min(32, len(items))).flat_map(_builtin_rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face
+
+def _read_hf(d: "DataConfig") -> "ray.data.Dataset":
+    import datasets
+    import ray.data
+
+    kwargs: dict[str, Any] = {"split": d.hf_split, "streaming": d.hf_streaming}
+    if d.hf_config:
+        kwargs["name"] = d.hf_config
+    if d.path:
+        kwargs["data_files"] = [str(p) for p in resolve_files(d.path)]
+    try:
+        hfds = datasets.load_dataset(d.hf_name, **kwargs)
+    except Exception as exc:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ValueError...)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataSourceError(
+            f"cannot load Hugging Face dataset {d.hf_name!r} (config={d.hf_config or None!r}, split={d.hf_split!r}): "
+            f"{first}. Check data.hf_name/hf_config/hf_split; without network access use a local copy "
+            "(data.path with hf_name=json|parquet|text) or data.source=files") from None
+    columns = hfds.column_names
+    if columns is not None and d.text_column not in columns:
+        raise DataSourceError(f"Hugging Face dataset {d.hf_name!r} has no column {d.text_column!r} "
+                              f"(columns: {', '.join(columns)}); set data.text_column")
+    feature = (hfds.features or {}).get(d.text_column)
+    if feature is not None and getattr(feature, "dtype", "string") not in ("string", "large_string", "binary"):
+        raise DataSourceError(f"column {d.text_column!r} of {d.hf_name!r} is {feature}, not text; set "
+                              "data.text_column")
+    if isinstance(hfds, datasets.IterableDataset):
+        # Ray 2.60's from_huggingface reads an IterableDataset in ONE task and needs `transformers`
+        # installed; this datasource reads the dataset's own shards in parallel instead.
+        ds = ray.data.read_datasource(_hf_stream_datasource(hfds, d.text_column))
+    elif d.path:
+        # from_huggingface first probes the Hub for hosted Parquet by re-loading the builder by name, which
+        # for a local builder (json, parquet, text) without data_files scans the working directory; skip
+        # to what it then does anyway: the dataset's Arrow table.
+        ds = ray.data.from_arrow(hfds.with_format("arrow")[:])
+    else:
+        ds = ray.data.from_huggingface(hfds)
+    ds = ds.select_columns([d.text_column])
+    return ds.rename_columns({d.text_column: "text"}) if d.text_column != "text" else ds
+
+
+def _hf_stream_datasource(hfds: Any, column: str):
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class HFStreamDatasource(Datasource):
+        """A streaming Hugging Face dataset, one read task per contiguous group of its shards (in order)."""
+
+        def estimate_inmemory_data_size(self) -> None:
+            return None
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context=None):
+            n = max(1, min(parallelism, getattr(hfds, "num_shards", getattr(hfds, "n_shards", 1)) or 1))
+
+            def read(index: int) -> Iterator[pa.Table]:
+                part = hfds.shard(num_shards=n, index=index, contiguous=True) if n > 1 else hfds
+                for batch in part.iter(batch_size=4096):
+                    yield pa.table({column: pa.array(batch[column], pa.large_string())})
+
+            meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
+            return [ReadTask(lambda i=i: read(i), meta, per_task_row_limit=per_task_row_limit) for i in range(n)]
+
+    return HFStreamDatasource()
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+
+def describe_source(d: "DataConfig") -> dict[str, Any]:
+    """What identifies the corpus in the cache key and the manifest; cheap (file sizes and mtimes, no reads)."""
+    if d.source == "builtin":
+        files = builtin_module_files()
+        return {"kind": "builtin", "python": platform.python_version(), "modules": len(files),
+                "bytes": sum(p.stat().st_size for p in files), "max_documents": d.max_documents}
+    if d.source == "files":
+        files = resolve_files(d.path)
+        listing = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+        return {"kind": "files", "path": d.path, "files": len(files), "bytes": sum(x[1] for x in listing),
+                "listing_sha256": digest, "text_column": d.text_column, "max_documents": d.max_documents}
+    if d.source == "hf":
+        desc: dict[str, Any] = {"kind": "hf", "name": d.hf_name, "config": d.hf_config, "split": d.hf_split,
+                                "streaming": d.hf_streaming, "text_column": d.text_column,
+                                "max_documents": d.max_documents}
+        if d.path:
+            files = resolve_files(d.path)
+            listing = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+            desc["data_files_sha256"] = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+        return desc
+    raise DataSourceError(f"data.source={d.source!r} has no corpus to prepare; use builtin, files or hf")
+
+
+def read_documents(d: "DataConfig") -> "ray.data.Dataset":
+    """The configured source as a Ray Dataset with a `text` column (string or binary) and, for files read
+    here, a `replaced` column (invalid UTF-8 already replaced). Order is the source order (preserve_order)."""
+    if d.source == "builtin":
+        ds = _read_builtin()
+    elif d.source == "files":
+        ds = _read_files(resolve_files(d.path), d.text_column)
+    elif d.source == "hf":
+        ds = _read_hf(d)
+    else:
+        raise DataSourceError(f"data.source={d.source!r} has no corpus to prepare; use builtin, files or hf")
+    if d.max_documents:
+        ds = ds.limit(d.max_documents)
+    # Same source, same order: the packed stream, the shards and the tokenizer sample are then reproducible.
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def sample_texts(ds: "ray.data.Dataset", max_bytes: int) -> Iterator[str]:
+    """The first `max_bytes` of cleaned text of `ds` (in source order), for tokenizer training."""
+    seen = 0
+    for batch in ds.iter_batches(batch_size=256, batch_format="pyarrow"):
+        texts, _ = clean_texts(batch["text"])
+        for t in texts:
+            yield t
+            seen += len(t)
+            if seen >= max_bytes:
+                return

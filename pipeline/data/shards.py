@@ -1,0 +1,381 @@
+"""Packed token shards: the manifest, the Parquet schema and writer, and the two readers for training.
+
+A dataset directory holds `train-00000.parquet`, `val-00000.parquet`, ... (one row per packed sequence),
+the `tokenizer.model` it was built with, and `manifest.json`, written last and atomically: no manifest,
+no dataset. Row schema (any Arrow tool reads it: pyarrow, pandas, `datasets.load_dataset("parquet")`):
+
+    tokens      fixed_size_list<uint16>[seq_len + 1]   (int32 when vocab_size > 65,535)
+    doc_starts  list<int32>   offsets i > 0 where a document begins inside the row; tokens[i-1] is EOS there
+    seq_id      int64         global sequence id, dense over train + val: the row's window index in the stream
+
+Readers (same batches, same order, for the same arguments):
+
+    reader = ShardReader(dataset_dir, "train", batch_size=8, seed=0, epoch=0, start=0, rank=0, world_size=1)
+    for batch in reader: ...   # {"tokens": int64 (B, T+1), "doc_ids": int32 (B, T+1), "seq_id": int64 (B,)}
+    ray_batches(dataset_dir, "train", 8, 0, 0, 0, 0, 1).iter_torch_batches(batch_size=8)   # Ray Data
+
+Order: a permutation of the split's rows drawn by numpy from (seed, epoch). From position `start`, the stream
+is cut into global micro-batches of batch_size * world_size consecutive sequences; rank r takes the r-th
+slice of batch_size. The last incomplete global micro-batch of an epoch is dropped, so every rank yields the
+same number of batches. `reader.position` is the global cursor after what was yielded: pass it as `start`
+to resume exactly there. This module imports only pyarrow and numpy at load time (torch when iterating, Ray
+only inside `ray_batches`), so the Ray-free engine can use it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.data.tokenizer import file_sha256
+
+if TYPE_CHECKING:
+    import ray.data
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.model"
+SPLITS = ("train", "val")
+_ROW_GROUP_BYTES = 1 << 20  # ~1 MiB of tokens per row group: a random row costs at most that to decode
+
+
+class DatasetError(ValueError):
+    """A dataset directory is missing, corrupt or incompatible; the message names the file and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifest
+
+@dataclass
+class ShardInfo:
+    file: str  # name inside the dataset directory
+    rows: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    schema_version: int
+    seq_len: int  # tokens per training row; shard rows hold seq_len + 1
+    vocab_size: int
+    pad_id: int
+    unk_id: int
+    bos_id: int
+    eos_id: int
+    token_type: str  # uint16 | int32
+    tokenizer_file: str
+    tokenizer_sha256: str
+    settings_hash: str  # cache key: source + tokenizer + settings
+    source: dict[str, Any]
+    settings: dict[str, Any]
+    counts: dict[str, int]  # documents, dropped_empty, replaced_invalid_utf8, tokens_total, tokens_kept, ...
+    packing_efficiency: float  # tokens_kept / tokens_total (no padding; only the final partial window is lost)
+    remainder_policy: str
+    doc_length: dict[str, Any]  # token lengths of documents: count, mean, min, max, approximate quantiles
+    shards: dict[str, list[ShardInfo]]  # split -> shards in order
+    created: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def window(self) -> int:
+        return self.seq_len + 1
+
+    def rows(self, split: str) -> int:
+        return sum(s.rows for s in self.shards.get(split, []))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise KeyError(", ".join(missing))
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["shards"] = {split: [ShardInfo(**s) for s in lst] for split, lst in d["shards"].items()}
+        return cls(**kw)
+
+
+def load_manifest(dataset_dir: Path | str) -> Manifest:
+    """The dataset's manifest; DatasetError when it is missing (no manifest, no dataset) or unreadable."""
+    path = Path(dataset_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise DatasetError(f"{str(dataset_dir)!r} is not a prepared dataset: {MANIFEST_FILE} is missing (a build "
+                           "that did not finish leaves none); run `python pipeline/run.py prepare` to build it")
+    try:
+        m = Manifest.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"{str(path)!r} is corrupt ({type(exc).__name__}: {exc}); delete the dataset "
+                           "directory and run prepare again") from None
+    if m.schema_version != SCHEMA_VERSION:
+        raise DatasetError(f"{str(path)!r} has schema_version {m.schema_version}; this code reads "
+                           f"{SCHEMA_VERSION}: prepare the dataset again")
+    return m
+
+
+def write_manifest(dataset_dir: Path | str, manifest: Manifest) -> Path:
+    """Write manifest.json through a temp file and os.replace, so readers see all of it or none of it."""
+    path = Path(dataset_dir) / MANIFEST_FILE
+    tmp = path.with_name(f".{MANIFEST_FILE}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(manifest.to_dict(), f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def check_compatible(manifest: Manifest, vocab_size: int | None = None, seq_len: int | None = None,
+                     tokenizer_sha256: str | None = None) -> None:
+    """Raise DatasetError naming the first setting that does not match the dataset."""
+    if seq_len is not None and seq_len != manifest.seq_len:
+        raise DatasetError(f"dataset has seq_len={manifest.seq_len} but data.seq_len={seq_len}; set "
+                           f"--data.seq_len={manifest.seq_len} or prepare a dataset for {seq_len}")
+    if vocab_size is not None and vocab_size != manifest.vocab_size:
+        raise DatasetError(f"dataset has vocab_size={manifest.vocab_size} but {vocab_size} was expected; set "
+                           f"--data.vocab_size={manifest.vocab_size} or prepare the dataset again")
+    if tokenizer_sha256 is not None and tokenizer_sha256 != manifest.tokenizer_sha256:
+        raise DatasetError(f"tokenizer sha256 {tokenizer_sha256[:12]}... does not match the dataset's "
+                           f"{manifest.tokenizer_sha256[:12]}...: the shards were tokenized with another "
+                           "tokenizer; use the dataset's tokenizer.model or prepare the dataset again")
+
+
+# ----------------------------------------------------------------------------------------------
+# Schema and writing
+
+def token_numpy_type(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.int32)
+
+
+def shard_schema(seq_len: int, vocab_size: int) -> pa.Schema:
+    tok = pa.uint16() if vocab_size <= 65535 else pa.int32()
+    return pa.schema([("tokens", pa.list_(tok, seq_len + 1)), ("doc_starts", pa.list_(pa.int32())),
+                      ("seq_id", pa.int64())])
+
+
+def rows_per_row_group(seq_len: int, vocab_size: int) -> int:
+    return max(1, _ROW_GROUP_BYTES // ((seq_len + 1) * token_numpy_type(vocab_size).itemsize))
+
+
+def windows_table(windows: np.ndarray, seq_ids: np.ndarray, eos_id: int, vocab_size: int) -> pa.Table:
+    """Rows for packed windows (R, T+1); doc_starts are the positions right after each EOS (never 0)."""
+    n, width = windows.shape
+    rows, cols = np.nonzero(windows[:, :-1] == eos_id)  # EOS at column c -> a document starts at c + 1
+    counts = np.bincount(rows, minlength=n)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    schema = shard_schema(width - 1, vocab_size)
+    flat = pa.array(np.ascontiguousarray(windows, token_numpy_type(vocab_size)).reshape(-1))
+    tokens = pa.FixedSizeListArray.from_arrays(flat, width)
+    starts = pa.ListArray.from_arrays(pa.array(offsets), pa.array((cols + 1).astype(np.int32)))
+    return pa.Table.from_arrays([tokens, starts, pa.array(np.asarray(seq_ids, np.int64))], schema=schema)
+
+
+def write_shard(path: Path, tables: Iterable[pa.Table], schema: pa.Schema) -> ShardInfo:
+    """Write row groups to `path` (zstd, page checksums) via a temp file + rename; returns rows and sha256."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    rows = 0
+    with pq.ParquetWriter(tmp, schema, compression="zstd", use_dictionary=False,
+                          write_statistics=["seq_id"], write_page_checksum=True) as writer:
+        for t in tables:
+            writer.write_table(t, row_group_size=max(1, t.num_rows))
+            rows += t.num_rows
+    digest = file_sha256(tmp)
+    os.replace(tmp, path)
+    return ShardInfo(file=path.name, rows=rows, sha256=digest)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The split's rows in the order they are consumed in `epoch`: a numpy permutation seeded by (seed, epoch)."""
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(num_rows)
+
+
+def doc_ids_from_starts(lengths: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """doc_ids (R, width) int32 from per-row doc_starts (lengths (R,), flat values): 0-based, non-decreasing."""
+    n = len(lengths)
+    ids = np.zeros((n, width), np.int32)
+    ids[np.repeat(np.arange(n), lengths), starts] = 1
+    np.cumsum(ids, axis=1, out=ids)
+    return ids
+
+
+class _RowGroup:
+    __slots__ = ("tokens", "lengths", "starts", "start_offsets", "seq_id", "nbytes")
+
+    def __init__(self, table: pa.Table, width: int):
+        self.tokens = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, width)  # (n, T+1)
+        ds = table.column("doc_starts").combine_chunks()
+        self.lengths = pc.list_value_length(ds).fill_null(0).to_numpy().astype(np.int64)
+        self.starts = pc.list_flatten(ds).to_numpy().astype(np.int64)
+        self.start_offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.seq_id = table.column("seq_id").to_numpy()
+        self.nbytes = self.tokens.nbytes + self.starts.nbytes + self.seq_id.nbytes
+
+
+class ShardReader:
+    """Ray-free batches from one split of a dataset (see the module docstring for the order contract).
+
+    Reads lazily: Parquet footers when a file is first touched, then ~1 MiB row groups on demand, kept in a
+    small LRU cache (cache_bytes); memory does not grow with the dataset.
+    """
+
+    def __init__(self, dataset_dir: Path | str, split: str = "train", batch_size: int = 8, seed: int = 0,
+                 epoch: int = 0, start: int = 0, rank: int = 0, world_size: int = 1, *,
+                 cache_bytes: int = 128 << 20):
+        self.dataset_dir = Path(dataset_dir)
+        self.manifest = load_manifest(self.dataset_dir)
+        if split not in self.manifest.shards:
+            raise DatasetError(f"dataset {str(dataset_dir)!r} has no split {split!r}; splits: "
+                               f"{', '.join(self.manifest.shards)}")
+        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"invalid batch_size={batch_size}, rank={rank}, world_size={world_size}")
+        self.split, self.batch_size, self.seed, self.epoch = split, batch_size, seed, epoch
+        self.rank, self.world_size = rank, world_size
+        self.width = self.manifest.window
+        self._shards = self.manifest.shards[split]
+        self._file_start = np.concatenate([[0], np.cumsum([s.rows for s in self._shards])]).astype(np.int64)
+        self.num_rows = int(self._file_start[-1])
+        self.global_batch = batch_size * world_size
+        self.sequences_per_epoch = self.num_rows // self.global_batch * self.global_batch
+        if self.num_rows < self.global_batch:
+            raise DatasetError(f"split {split!r} of {str(dataset_dir)!r} has {self.num_rows} sequences, fewer than "
+                               f"one global batch ({batch_size} x {world_size} ranks); lower train.batch_size or "
+                               "prepare more data (or a larger data.val_fraction for val)")
+        if not 0 <= start <= self.num_rows:
+            raise ValueError(f"start={start} is outside the split's {self.num_rows} sequences")
+        self.position = int(start)
+        self._order = epoch_order(self.num_rows, seed, epoch)
+        self._files: dict[int, tuple[pq.ParquetFile, np.ndarray]] = {}
+        self._cache: OrderedDict[tuple[int, int], _RowGroup] = OrderedDict()
+        self._cache_bytes, self._cached = cache_bytes, 0
+        self._start = int(start)
+
+    def __len__(self) -> int:
+        """Batches remaining from the current position."""
+        return (self.num_rows - self.position) // self.global_batch
+
+    def rows_of_batch(self, j: int, start: int | None = None) -> np.ndarray:
+        """This rank's split rows for the j-th batch counted from `start` (default: the constructor's)."""
+        p = (self._start if start is None else start) + j * self.global_batch + self.rank * self.batch_size
+        return self._order[p:p + self.batch_size]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        import torch
+
+        while self.position + self.global_batch <= self.num_rows:
+            rows = self._order[self.position + self.rank * self.batch_size:][:self.batch_size]
+            batch = self.read_rows(rows)
+            self.position += self.global_batch
+            yield {"tokens": torch.from_numpy(batch["tokens"]), "doc_ids": torch.from_numpy(batch["doc_ids"]),
+                   "seq_id": torch.from_numpy(batch["seq_id"])}
+
+    def read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Numpy batch for split rows (in the given order): tokens int64 (B, T+1), doc_ids int32, seq_id int64."""
+        rows = np.asarray(rows, np.int64)
+        file_idx = np.searchsorted(self._file_start, rows, side="right") - 1
+        local = rows - self._file_start[file_idx]
+        tokens = np.empty((len(rows), self.width), np.int64)
+        seq_id = np.empty(len(rows), np.int64)
+        lengths = np.empty(len(rows), np.int64)
+        starts: list[np.ndarray] = []
+        for i, (f, r) in enumerate(zip(file_idx.tolist(), local.tolist())):
+            group, k = self._locate(f, r)
+            tokens[i] = group.tokens[k]
+            seq_id[i] = group.seq_id[k]
+            s = group.starts[group.start_offsets[k]:group.start_offsets[k + 1]]
+            lengths[i] = len(s)
+            starts.append(s)
+        flat = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+        return {"tokens": tokens, "doc_ids": doc_ids_from_starts(lengths, flat, self.width), "seq_id": seq_id}
+
+    def _file(self, f: int) -> tuple[pq.ParquetFile, np.ndarray]:
+        if f not in self._files:
+            path = self.dataset_dir / self._shards[f].file
+            try:
+                pf = pq.ParquetFile(path, page_checksum_verification=True)
+            except (OSError, pa.ArrowException) as exc:
+                raise DatasetError(f"shard {str(path)!r} cannot be opened ({str(exc).splitlines()[0]}); run "
+                                   "`python pipeline/run.py validate` and prepare the dataset again") from None
+            md = pf.metadata
+            if md.num_rows != self._shards[f].rows:
+                raise DatasetError(f"shard {str(path)!r} has {md.num_rows} rows, the manifest says "
+                                   f"{self._shards[f].rows}; the dataset is corrupt: prepare it again")
+            group_start = np.cumsum([0] + [md.row_group(g).num_rows for g in range(md.num_row_groups)])
+            self._files[f] = (pf, group_start)
+        return self._files[f]
+
+    def _locate(self, f: int, r: int) -> tuple[_RowGroup, int]:
+        pf, group_start = self._file(f)
+        g = int(np.searchsorted(group_start, r, side="right") - 1)
+        key = (f, g)
+        group = self._cache.get(key)
+        if group is None:
+            try:
+                group = _RowGroup(pf.read_row_group(g), self.width)
+            except (OSError, pa.ArrowException) as exc:
+                raise DatasetError(f"shard {self._shards[f].file!r} row group {g} is unreadable "
+                                   f"({str(exc).splitlines()[0]}); the dataset is corrupt: prepare it again") from None
+            if group.tokens.size and int(group.tokens.max()) >= self.manifest.vocab_size:
+                raise DatasetError(f"shard {self._shards[f].file!r} holds token ids >= vocab_size "
+                                   f"{self.manifest.vocab_size}; the dataset is corrupt: prepare it again")
+            self._cache[key] = group
+            self._cached += group.nbytes
+            while self._cached > self._cache_bytes and len(self._cache) > 1:
+                self._cached -= self._cache.popitem(last=False)[1].nbytes
+        else:
+            self._cache.move_to_end(key)
+        return group, r - int(group_start[g])
+
+
+BATCHES_PER_TASK = 8  # batches one Ray Data read task yields (ray_batches)
+MAX_BLOCKS = 1024  # at most this many read tasks per epoch: planning cost stays bounded on huge splits
+READ_TASKS = 2  # read tasks in flight per stream: one reading ahead while the other's output is consumed
+
+
+@functools.lru_cache(maxsize=8)
+def _worker_reader(*args: Any) -> ShardReader:
+    """One reader per argument set per Ray worker process, so open files and the row-group cache are reused."""
+    return ShardReader(*args)
+
+
+def _read_batches(batch: dict[str, np.ndarray], reader_args: tuple) -> dict[str, np.ndarray]:
+    reader = _worker_reader(*reader_args)
+    rows = np.concatenate([reader.rows_of_batch(int(j)) for j in batch["id"]])
+    return reader.read_rows(rows)
+
+
+def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int = 8, seed: int = 0, epoch: int = 0,
+                start: int = 0, rank: int = 0, world_size: int = 1) -> "ray.data.Dataset":
+    """A Ray Data pipeline yielding exactly ShardReader's rows, in the same order, for the same arguments.
+
+    Iterate with `.iter_torch_batches(batch_size=batch_size)` to get the same Batch dicts.
+    """
+    import ray.data
+
+    reader = ShardReader(dataset_dir, split, batch_size, seed, epoch, start, rank, world_size)  # validates args
+    n_batches = len(reader)
+    args = (str(Path(dataset_dir).resolve()), split, batch_size, seed, epoch, start, rank, world_size)
+    # A Ray task reads BATCHES_PER_TASK batches, at most READ_TASKS at a time: reading a batch takes
+    # milliseconds, and every task or worker process more is CPU taken from the training step.
+    blocks = max(1, min(-(-n_batches // BATCHES_PER_TASK), MAX_BLOCKS))
+    ds = ray.data.range(n_batches, override_num_blocks=blocks)
+    ds.context.execution_options.preserve_order = True  # batch j must come j-th, as in ShardReader
+    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args}, batch_size=1, batch_format="numpy",
+                          concurrency=READ_TASKS)
+

@@ -1,0 +1,87 @@
+"""The data commands behind `python pipeline/run.py prepare ...` and `python pipeline/run.py validate DIR`.
+
+    python pipeline/run.py prepare --data.source=files --data.path=corpus/ --data.seq_len=2048
+    python pipeline/run.py validate runs/datasets/<hash>
+
+run.py calls `prepare_main(cfg) -> Path` and `validate_main(dataset_dir) -> int` (the exit code). The same
+commands also run standalone: `python -m pipeline.data.stages prepare [PRESET] [--field.path=value ...]` and
+`python -m pipeline.data.stages validate DIR`. User errors print one line and exit 2; an invalid dataset exits 1.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+from pipeline.data.validate import validate_dataset
+from pipeline.data.shards import load_manifest
+
+log = logging.getLogger("longtrain.data")
+
+
+def _quiet_logging() -> None:
+    """Our INFO lines and Ray Data's progress bars; Ray's own chatter at WARNING."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[data] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    for name in ("ray", "ray.data", "ray._private"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def prepare_main(cfg) -> Path:
+    """Build (or reuse) the dataset for cfg.data and print a summary; returns the dataset directory.
+
+    Raises DataSourceError / TokenizerError / DatasetError (all ValueError) with a one-line message."""
+    from pipeline.data.pack import prepare
+
+    _quiet_logging()
+    t0 = time.time()
+    out = prepare(cfg)
+    m = load_manifest(out)
+    c = m.counts
+    print(f"dataset {out}  ({time.time() - t0:.1f} s)\n"
+          f"  {c['sequences']:,} sequences of {m.seq_len}+1 tokens: train {m.rows('train'):,}, val {m.rows('val'):,}"
+          f"  ({len(m.shards['train'])} + {len(m.shards['val'])} shards)\n"
+          f"  {c['documents']:,} documents, {c['tokens_total']:,} tokens, packing efficiency "
+          f"{m.packing_efficiency:.4%}; dropped {c['dropped_empty']:,} empty, replaced "
+          f"{c['replaced_invalid_utf8']:,} invalid UTF-8\n"
+          f"  tokenizer {m.tokenizer_file} vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}")
+    return out
+
+
+def validate_main(dataset_dir: str | Path) -> int:
+    """Print the validation report; 0 when the dataset is valid, 1 with the reasons otherwise."""
+    report = validate_dataset(Path(dataset_dir))
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.config import ConfigError, load_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("prepare", "validate"):
+        print(__doc__.strip().splitlines()[0] + "\nusage: python -m pipeline.data.stages prepare [PRESET] "
+              "[--field=value ...] | validate DIR", file=sys.stderr)
+        return 2
+    try:
+        if argv[0] == "validate":
+            if len(argv) != 2:
+                print("usage: python -m pipeline.data.stages validate DIR", file=sys.stderr)
+                return 2
+            return validate_main(argv[1])
+        rest = argv[1:]
+        preset = rest.pop(0) if rest and not rest[0].startswith("--") else None
+        prepare_main(load_config(preset, rest))
+        return 0
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

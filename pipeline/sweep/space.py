@@ -1,0 +1,282 @@
+"""Search spaces as data: load and validate a tune_spaces/*.yaml file into a `Space`.
+
+    from pipeline.sweep.space import load_space
+    space = load_space("tune_spaces/bs_tier.yaml", base_cfg)     # SpaceError (a ValueError) when invalid
+    space.param_space()                                          # {"train.batch_size": tune.grid_search([...])}
+
+A space file (every key but `params` optional; defaults shown):
+
+    description: "..."
+    metric: val/loss                # a stable metric name from pipeline/tracking/tracker.py
+    mode: min                       # min | max
+    num_samples: 1                  # times the grid is repeated / random configs drawn
+    max_concurrent_trials: 0        # 0 = as many as the cluster's CPUs/GPUs fit
+    token_budget: 0                 # > 0: each trial trains this many tokens (train.max_steps follows from batch)
+    skip_unfit_batch: false         # ask the max-batch finder first; sizes that cannot fit are recorded as oom
+    scheduler: {type: asha, time_attr: train/tokens_seen, grace_period: 4096, reduction_factor: 2, max_t: 0}
+    resources_per_trial: {num_workers: 1, cpus_per_worker: 1, use_gpu: auto}
+    fixed: {train.max_steps: 200}   # config overrides every trial gets
+    params:                         # config field path -> distribution
+      train.batch_size: {grid: [1, 2, 4, 8]}
+      train.lr: {loguniform: [1.0e-4, 3.0e-3]}
+      model.tier: {choice: [nano, A]}
+      train.warmup_steps: {randint: [0, 200]}          # integers lo <= x < hi
+      train.grad_clip: 1.0                             # a plain value: fixed
+
+Every key of `params` and `fixed` is a config field path (pipeline/config.py) and every value is checked
+by the config's own validation against the base config, so a typo or an impossible value fails here,
+before Ray starts, with a message naming the file, the key and what is allowed.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config, ConfigError, field_types
+
+METRIC_NAMES = ("train/loss", "train/ppl", "train/accuracy", "train/tokens_per_s", "train/mfu",
+                "train/peak_mem_gib", "train/tokens_seen", "val/loss", "val/ppl", "val/accuracy")
+DISTRIBUTIONS = {
+    "grid": "grid search over a list of values",
+    "choice": "one of a list of values, drawn at random",
+    "uniform": "[lo, hi] float, uniform",
+    "loguniform": "[lo, hi] float, uniform in log space (lo > 0)",
+    "randint": "[lo, hi] integer lo <= x < hi",
+    "lograndint": "[lo, hi] integer lo <= x < hi, uniform in log space (lo > 0)",
+}
+SCHEDULERS = ("asha", "fifo")
+TOP_LEVEL = ("description", "metric", "mode", "num_samples", "max_concurrent_trials", "token_budget",
+             "skip_unfit_batch", "scheduler", "resources_per_trial", "fixed", "params")
+SCHEDULER_KEYS = ("type", "time_attr", "grace_period", "reduction_factor", "max_t")
+RESOURCE_KEYS = {"num_workers": "ray.num_workers", "cpus_per_worker": "ray.cpus_per_worker", "use_gpu": "ray.use_gpu"}
+# Fields a sweep decides itself, or that would make trials share one dataset they cannot share.
+_NOT_SEARCHABLE_PREFIXES = ("run.", "tracking.", "data.")
+_NOT_SEARCHABLE = ("ray.address", "ray.storage_path", "train.memory_limit_gib")
+
+
+class SpaceError(ValueError):
+    """A search space file is invalid; the message names the file, the key and the fix."""
+
+
+@dataclass
+class Dist:
+    kind: str  # one of DISTRIBUTIONS, or "value"
+    args: list[Any]
+
+    def to_tune(self) -> Any:
+        from ray import tune
+
+        if self.kind == "value":
+            return self.args[0]
+        if self.kind == "grid":
+            return tune.grid_search(list(self.args))
+        return getattr(tune, self.kind)(*self.args) if self.kind != "choice" else tune.choice(list(self.args))
+
+    def values(self) -> list[Any] | None:
+        """The finite set of values this can take, or None for a continuous range."""
+        if self.kind == "value":
+            return [self.args[0]]
+        return list(self.args) if self.kind in ("grid", "choice") else None
+
+
+@dataclass
+class Space:
+    name: str
+    path: Path
+    description: str = ""
+    metric: str = "val/loss"
+    mode: str = "min"
+    num_samples: int = 1
+    max_concurrent_trials: int = 0
+    token_budget: int = 0
+    skip_unfit_batch: bool = False
+    scheduler: dict[str, Any] = field(default_factory=lambda: {"type": "asha", "time_attr": "train/tokens_seen",
+                                                                "grace_period": 4096, "reduction_factor": 2,
+                                                                "max_t": 0})
+    resources: dict[str, Any] = field(default_factory=dict)  # ray.* field paths -> values
+    fixed: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Dist] = field(default_factory=dict)
+
+    def param_space(self) -> dict[str, Any]:
+        """Tune's param_space: field paths -> tune distributions (the trial function gets field paths)."""
+        return {k: d.to_tune() for k, d in self.params.items()}
+
+    def overrides(self) -> dict[str, Any]:
+        """What every trial's config gets before its own params: resources then fixed values."""
+        return {**self.resources, **self.fixed}
+
+    def values_of(self, key: str, base: Config) -> list[Any]:
+        """Every value `key` takes in this sweep (the base value when it is not searched)."""
+        if key in self.params:
+            return self.params[key].values() or []
+        return [base.replace(self.overrides()).flat()[key]]
+
+
+def _fail(path: Path, msg: str) -> SpaceError:
+    return SpaceError(f"search space {path}: {msg}")
+
+
+def _valid_fields_hint() -> str:
+    return "valid fields: " + ", ".join(field_types())
+
+
+def _check_key(path: Path, section: str, key: Any, searchable: bool) -> str:
+    if not isinstance(key, str) or key not in field_types():
+        last = str(key).split(".")[-1]
+        close = ([p for p in field_types() if p.split(".")[-1] == last]
+                 or difflib.get_close_matches(str(key), list(field_types()), n=1, cutoff=0.75))
+        hint = f" did you mean {close[0]!r}?" if close else ""
+        raise _fail(path, f"{section} key {key!r} is not a config field;{hint} {_valid_fields_hint()}")
+    if searchable and (key.startswith(_NOT_SEARCHABLE_PREFIXES) or key in _NOT_SEARCHABLE):
+        raise _fail(path, f"params key {key!r} cannot be searched: run.*, tracking.*, ray.address, "
+                          f"ray.storage_path and train.memory_limit_gib are set by the sweep, and data.* fields "
+                          f"go under `fixed` (all trials share one prepared dataset)")
+    return key
+
+
+def _check_value(path: Path, section: str, key: str, value: Any, base: Config) -> Any:
+    """The value as the config coerces it; the config's own validation message on failure."""
+    try:
+        return base.replace({key: value}).flat()[key]
+    except ConfigError as exc:
+        raise _fail(path, f"{section} {key}: {exc}") from None
+
+
+def _parse_dist(path: Path, key: str, spec: Any, base: Config) -> Dist:
+    kinds = ", ".join(f"{k} ({v})" for k, v in DISTRIBUTIONS.items())
+    if not isinstance(spec, dict):
+        return Dist("value", [_check_value(path, "params", key, spec, base)])
+    if len(spec) != 1 or next(iter(spec)) not in DISTRIBUTIONS:
+        raise _fail(path, f"params {key}: {spec!r} is not a distribution; write {{KIND: ARGS}} with KIND one of: "
+                          f"{kinds}")
+    kind, args = next(iter(spec.items()))
+    typ = field_types()[key]
+    if kind in ("grid", "choice"):
+        if not isinstance(args, list) or not args:
+            raise _fail(path, f"params {key}: {kind} needs a non-empty list of values, got {args!r}")
+        return Dist(kind, [_check_value(path, "params", key, v, base) for v in args])
+    bad = (not isinstance(args, list) or len(args) != 2
+           or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in args))
+    if bad:
+        raise _fail(path, f"params {key}: {kind} needs [lo, hi] (two numbers), got {args!r}")
+    lo, hi = args
+    want = float if kind in ("uniform", "loguniform") else int
+    if typ is not want:
+        other = "uniform/loguniform" if typ is float else "randint/lograndint" if typ is int else "grid/choice"
+        raise _fail(path, f"params {key}: {kind} draws {want.__name__}s but {key} is a {typ.__name__}; use {other}")
+    if want is int and not (float(lo).is_integer() and float(hi).is_integer()):
+        raise _fail(path, f"params {key}: {kind} bounds must be integers, got {args!r}")
+    if not lo < hi:
+        raise _fail(path, f"params {key}: {kind} needs lo < hi, got {args!r}")
+    if kind.startswith("log") and lo <= 0:
+        raise _fail(path, f"params {key}: {kind} needs lo > 0, got {args!r}")
+    top = hi if want is float else hi - 1  # randint's upper bound is exclusive
+    for v in (lo, top):
+        _check_value(path, "params", key, want(v), base)
+    return Dist(kind, [want(lo), want(hi)])
+
+
+def _number(path: Path, key: str, value: Any, *, integer: bool, minimum: float, above: bool = False) -> Any:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (not integer or float(value).is_integer()) and (value > minimum if above else value >= minimum)
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        raise _fail(path, f"{key}={value!r} is invalid; it must be {kind} {'>' if above else '>='} {minimum}")
+    return int(value) if integer else float(value)
+
+
+def _mapping(path: Path, key: str, value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(path, f"{key} must be a mapping, got {value!r}")
+    return value
+
+
+def load_space(path: str | Path, base: Config | None = None) -> Space:
+    """Read and validate a search space against `base` (default Config()); SpaceError on any problem."""
+    import yaml
+
+    path = Path(path)
+    base = base or Config()
+    if not path.is_file():
+        found = sorted(p.name for p in Path("tune_spaces").glob("*.yaml")) if Path("tune_spaces").is_dir() else []
+        raise SpaceError(f"search space {path} does not exist" + (f"; tune_spaces/ holds {', '.join(found)}"
+                                                                  if found else ""))
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise _fail(path, f"not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(doc, dict):
+        raise _fail(path, "must be a YAML mapping with at least `params`")
+    unknown = [k for k in doc if k not in TOP_LEVEL]
+    if unknown:
+        raise _fail(path, f"unknown key(s) {unknown}; valid keys: {', '.join(TOP_LEVEL)}")
+    space = Space(name=path.stem, path=path.resolve(), description=str(doc.get("description", "")))
+
+    space.metric = doc.get("metric", space.metric)
+    if space.metric not in METRIC_NAMES:
+        raise _fail(path, f"metric={space.metric!r} is not a tracked metric; choose one of: {', '.join(METRIC_NAMES)}")
+    space.mode = doc.get("mode", space.mode)
+    if space.mode not in ("min", "max"):
+        raise _fail(path, f"mode={space.mode!r} is not allowed; choose min or max")
+    space.num_samples = _number(path, "num_samples", doc.get("num_samples", 1), integer=True, minimum=1)
+    space.max_concurrent_trials = _number(path, "max_concurrent_trials", doc.get("max_concurrent_trials", 0),
+                                          integer=True, minimum=0)
+    space.token_budget = _number(path, "token_budget", doc.get("token_budget", 0), integer=True, minimum=0)
+    space.skip_unfit_batch = doc.get("skip_unfit_batch", False)
+    if not isinstance(space.skip_unfit_batch, bool):
+        raise _fail(path, f"skip_unfit_batch={space.skip_unfit_batch!r} must be true or false")
+
+    sched = {**space.scheduler, **_mapping(path, "scheduler", doc.get("scheduler"))}
+    unknown = [k for k in sched if k not in SCHEDULER_KEYS]
+    if unknown:
+        raise _fail(path, f"scheduler: unknown key(s) {unknown}; valid keys: {', '.join(SCHEDULER_KEYS)}")
+    if sched["type"] not in SCHEDULERS:
+        raise _fail(path, f"scheduler.type={sched['type']!r} is not allowed; choose one of: {', '.join(SCHEDULERS)}")
+    if sched["time_attr"] not in METRIC_NAMES:
+        raise _fail(path, f"scheduler.time_attr={sched['time_attr']!r} is not a tracked metric; use "
+                          f"train/tokens_seen (tokens trained so far)")
+    sched["grace_period"] = _number(path, "scheduler.grace_period", sched["grace_period"], integer=True, minimum=1)
+    sched["reduction_factor"] = _number(path, "scheduler.reduction_factor", sched["reduction_factor"],
+                                        integer=False, minimum=1, above=True)
+    sched["max_t"] = _number(path, "scheduler.max_t", sched["max_t"], integer=True, minimum=0)
+    space.scheduler = sched
+
+    resources = _mapping(path, "resources_per_trial", doc.get("resources_per_trial"))
+    unknown = [k for k in resources if k not in RESOURCE_KEYS]
+    if unknown:
+        raise _fail(path, f"resources_per_trial: unknown key(s) {unknown}; valid keys: {', '.join(RESOURCE_KEYS)}")
+    space.resources = {RESOURCE_KEYS[k]: _check_value(path, "resources_per_trial", RESOURCE_KEYS[k], v, base)
+                       for k, v in resources.items()}
+
+    for key, value in _mapping(path, "fixed", doc.get("fixed")).items():
+        _check_key(path, "fixed", key, searchable=False)
+        if key in space.resources:
+            raise _fail(path, f"fixed {key} is also set by resources_per_trial; set it in one place")
+        space.fixed[key] = _check_value(path, "fixed", key, value, base)
+    try:
+        fixed_base = base.replace(space.overrides())
+    except ConfigError as exc:
+        raise _fail(path, f"fixed: {exc}") from None
+
+    params = _mapping(path, "params", doc.get("params"))
+    if not params:
+        raise _fail(path, "params is empty; name at least one config field to search, e.g. "
+                          "train.lr: {loguniform: [1.0e-4, 3.0e-3]}")
+    for key, spec in params.items():
+        _check_key(path, "params", key, searchable=True)
+        if key in space.overrides():
+            raise _fail(path, f"params {key} is also fixed; a key is either searched or fixed")
+        space.params[key] = _parse_dist(path, key, spec, fixed_base)
+    if space.skip_unfit_batch and (space.params.get("train.batch_size") is None
+                                   or space.params["train.batch_size"].values() is None):
+        raise _fail(path, "skip_unfit_batch needs train.batch_size in params as a grid or choice (the finder "
+                          "searches up to the largest one)")
+    if sched["type"] == "asha" and sched["max_t"] and sched["max_t"] <= sched["grace_period"]:
+        raise _fail(path, f"scheduler.max_t={sched['max_t']} must exceed grace_period={sched['grace_period']}")
+    return space
+

@@ -1,0 +1,351 @@
+"""Ray Tune sweeps over the one trainer, tracked as one MLflow parent run with a child run per trial.
+
+    python pipeline/run.py tune --space tune_spaces/bs_tier.yaml --preset gpu
+    python pipeline/run.py tune --space tune_spaces/lr.yaml --preset cpu --train.max_steps=300
+    ray job submit --working-dir . -- python pipeline/run.py tune --space tune_spaces/lr.yaml --address auto
+
+How it runs (the Ray Train V2 way of running Train inside Tune): every Tune trial is a small function
+(`run_trial`, ~0 CPU) that builds the trial's config from the space's field paths, opens its MLflow
+child run, and calls pipeline/train/ray_train.py's `run_training` -- the same TorchTrainer, workers, engine and
+metric names as a single run -- with Ray Train's `TuneReportCallback`, so every report the workers make
+(at each checkpoint) reaches Tune. ASHA then compares trials on the sweep's metric over tokens seen
+(`train/tokens_seen`), so different batch sizes are compared at equal tokens, not equal steps.
+
+Failures: a trial whose workers run out of memory (torch.OutOfMemoryError inside a Train worker comes
+back as a TrainingFailedError wrapping it) is recorded as failed with reason `oom` -- MLflow status FAILED,
+tag longtrain.failure_reason=oom -- and Tune carries on with the others. With `skip_unfit_batch: true`
+the max-batch finder (pipeline/train/max_batch.py) runs once per tier first, and batch sizes above what fits
+are recorded as `oom` without being run.
+
+At the end: the table (tier, batch size, tokens/s, peak memory, metric, status) is printed and logged to
+the parent run as markdown and PNG, and the best finished trial's config is written as a preset:
+<run.root>/tune/<sweep>/best_preset.yaml, for `python pipeline/run.py train --preset <that file>`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config, from_flat
+from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, plot_sweep
+from pipeline.sweep.report import write_best_preset, write_markdown
+from pipeline.sweep.space import Space, SpaceError, load_space  # noqa: F401  (SpaceError: part of this API)
+
+TRIAL_CPUS = 0.01  # the trial function only waits on its TorchTrainer; Tune refuses a 0-CPU trial
+STATUS_KEY, REASON_KEY, RUN_ID_KEY = "sweep/status", "sweep/reason", "sweep/mlflow_run_id"
+TAG_SWEEP, TAG_TRIAL = "longtrain.sweep", "longtrain.trial_id"
+TAG_STATUS, TAG_REASON = "longtrain.status", "longtrain.failure_reason"
+
+
+class TrialFailed(RuntimeError):
+    """Raised by a trial after it recorded its failure, so Tune marks it errored and goes on."""
+
+
+@dataclass
+class SweepContext:
+    """What every trial needs from the driver (shipped once through tune.with_parameters)."""
+
+    base: dict[str, Any]  # flat config: the preset, CLI overrides and the space's fixed values, paths pinned
+    dataset_dir: str
+    sweep_dir: str
+    sweep_name: str
+    metric: str
+    token_budget: int
+    parent_run_id: str | None
+    max_fit: dict[str, int] = field(default_factory=dict)  # tier -> largest micro-batch that fits
+
+
+@dataclass
+class SweepResult:
+    name: str
+    sweep_dir: Path
+    rows: list[TrialRow]
+    best: TrialRow | None
+    best_preset: Path | None
+    parent_run_id: str | None
+    table_md: Path
+    table_png: Path
+
+
+# ------------------------------------------------------------------------------------ failures
+def is_oom(exc: BaseException | None) -> bool:
+    """True if `exc` or anything it wraps (Ray task errors, Train worker failures, causes) is an
+    out-of-memory error: torch.OutOfMemoryError, MemoryError or Ray's own OutOfMemoryError."""
+    import torch
+
+    from pipeline.ray_runtime import find_cause
+
+    return find_cause(exc, lambda e: isinstance(e, (torch.OutOfMemoryError, MemoryError))
+                      or type(e).__name__ == "OutOfMemoryError") is not None
+
+
+def _reason(exc: BaseException) -> str:
+    inner = exc
+    for e in getattr(exc, "worker_failures", {}).values():
+        inner = e
+        break
+    lines = [ln.strip() for ln in str(inner).strip().splitlines() if ln.strip()]
+    text = f"{type(inner).__name__}: {lines[-1] if lines else ''}"
+    return text if len(text) <= 90 else text[:89] + "…"
+
+
+# ---------------------------------------------------------------------------------- the trial
+def tokens_per_step(cfg: Config) -> int:
+    return cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * cfg.ray.num_workers
+
+
+def trial_config(ctx: SweepContext, params: dict[str, Any], trial_id: str) -> Config:
+    """The trial's config: base + searched values, its own storage, and steps from the token budget."""
+    cfg = from_flat(ctx.base).replace(params)
+    storage = cfg.ray.storage_path.rstrip("/")
+    over: dict[str, Any] = {"run.name": f"{ctx.sweep_name}-{trial_id}",
+                            # Ray Train resumes a run by name in its storage: each trial needs its own.
+                            "ray.storage_path": f"{storage}/{ctx.sweep_name}/{trial_id}" if storage else ""}
+    return with_token_budget(cfg.replace(over), ctx.token_budget)
+
+
+def with_token_budget(cfg: Config, token_budget: int) -> Config:
+    """cfg with train.max_steps set so the run trains `token_budget` tokens (unchanged when 0)."""
+    if not token_budget:
+        return cfg
+    return cfg.replace({"train.max_steps": max(1, math.ceil(token_budget / tokens_per_step(cfg)))})
+
+
+def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[str, Any]):
+    """The trial's MLflow child run, with the same params as a single run (pipeline/train/session.py)."""
+    import torch
+
+    from model.decoder import build_model
+    from pipeline.data.shards import load_manifest
+    from pipeline.tracking.tracker import (PARAM_MANIFEST_HASH, PARAM_MODEL_PARAMS, PARAM_TOKENIZER_SHA256,
+                                   PARAM_WORLD_SIZE, open_tracker)
+
+    short = " ".join(f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
+                     for k, v in sorted(params.items()))
+    tracker = open_tracker(cfg, run_name=f"{trial_id} {short}", parent_run_id=ctx.parent_run_id)
+    manifest = load_manifest(ctx.dataset_dir)
+    with torch.device("meta"):  # exact count without allocating the weights
+        n_params = build_model(cfg.model.tier, manifest.vocab_size,
+                               tie_embeddings=cfg.model.tie_embeddings).num_params()
+    tracker.set_tags({TAG_SWEEP: ctx.sweep_name, TAG_TRIAL: trial_id})
+    tracker.log_config({PARAM_MODEL_PARAMS: n_params, PARAM_WORLD_SIZE: cfg.ray.num_workers,
+                        PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
+                        PARAM_MANIFEST_HASH: manifest.settings_hash})
+    return tracker
+
+
+def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
+    """One Tune trial: train with the trial's config and return its summary (Tune reports it last)."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from pipeline.train.ray_train import run_training
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    cfg = trial_config(ctx, params, trial_id)
+    run_dir = Path(ctx.sweep_dir) / "trials" / trial_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tracker = _child_tracker(cfg, ctx, trial_id, params)
+    summary = {STATUS_KEY: OK, REASON_KEY: "", RUN_ID_KEY: tracker.run_id or "", ctx.metric: float("nan")}
+
+    def fail(status: str, reason: str, exc: BaseException | None) -> None:
+        tracker.set_tags({TAG_STATUS: status, TAG_REASON: status if status == OOM else reason[:250]})
+        tracker.finish("FAILED")
+        ray.tune.report({**summary, STATUS_KEY: status, REASON_KEY: reason})
+        raise TrialFailed(f"trial {trial_id} failed: {status} ({reason})") from exc
+
+    fit_max = ctx.max_fit.get(cfg.model.tier)
+    if fit_max is not None and cfg.train.batch_size > fit_max:
+        fail(OOM, f"skipped: largest batch that fits is {fit_max}", None)
+    try:
+        outcome = run_training(cfg, ctx.dataset_dir, run_dir, mlflow_run_id=tracker.run_id,
+                               callbacks=[TuneReportCallback()])
+    except Exception as exc:  # noqa: BLE001 -- every failure is recorded, then re-raised for Tune
+        fail(OOM if is_oom(exc) else FAILED, _reason(exc), exc)
+    tracker.set_tags({TAG_STATUS: OK})
+    tracker.finish("FINISHED")
+    last = outcome.metrics
+    summary.update({k: last[k] for k in ("train/tokens_per_s", "train/peak_mem_gib", "step") if k in last})
+    summary[ctx.metric] = float(last.get(ctx.metric, float("nan")))
+    return summary
+
+
+# ---------------------------------------------------------------------------------- the driver
+def _max_fit_per_tier(cfg: Config, space: Space, vocab_size: int) -> dict[str, int]:
+    """Run the max-batch finder once per tier in the sweep, each as a Ray task on a worker's resources."""
+    import ray
+
+    from pipeline.train.max_batch import find_max_batch
+    from pipeline.ray_runtime import use_gpu
+
+    upper = max(int(b) for b in space.values_of("train.batch_size", cfg))
+    task = ray.remote(lambda flat, tier: find_max_batch(from_flat(flat), tier=tier, vocab_size=vocab_size,
+                                                        upper=upper))
+    task = task.options(num_cpus=cfg.ray.cpus_per_worker, num_gpus=1 if use_gpu(cfg) else 0)
+    tiers = [str(t) for t in space.values_of("model.tier", cfg)]
+    found = ray.get([task.remote(cfg.flat(), t) for t in tiers])
+    for f in found:
+        print(f"max-batch finder: tier {f.tier} at seq_len {f.seq_len}: largest micro-batch {f.max_batch} "
+              f"({f.limit_gib:.2f} GiB {'simulated' if f.simulated else 'device'})")
+    return {f.tier: f.max_batch for f in found}
+
+
+def _auto_concurrency(cfg: Config) -> int:
+    """Trials that fit the cluster at once: each holds num_workers x cpus_per_worker CPUs (+1 for Ray Data)
+    and, on GPUs, num_workers GPUs."""
+    import ray
+
+    from pipeline.ray_runtime import use_gpu
+
+    res = ray.cluster_resources()
+    n = int(res.get("CPU", 1) // (cfg.ray.num_workers * cfg.ray.cpus_per_worker + 1))
+    if use_gpu(cfg):
+        n = min(n, int(res.get("GPU", 0) // cfg.ray.num_workers))
+    return max(1, n)
+
+
+def _rows(grid, space: Space, base: Config) -> list[TrialRow]:
+    rows = []
+    for result in grid:
+        df = result.metrics_dataframe
+        records = df.to_dict("records") if df is not None else []
+        last: dict[str, Any] = {}
+        for rec in records:  # last non-missing value of every column
+            last.update({k: v for k, v in rec.items() if v is not None and not (isinstance(v, float) and math.isnan(v))})
+        status = last.get(STATUS_KEY) or (FAILED if result.error else STOPPED)
+        reason = last.get(REASON_KEY, "")
+        if status == FAILED and not reason and result.error is not None:
+            reason = OOM if is_oom(result.error) else _reason(result.error)
+            status = OOM if reason == OOM else FAILED
+        if status == STOPPED:
+            reason = "early, by the scheduler"
+        params = {k: result.config[k] for k in space.params}
+        rows.append(TrialRow(
+            trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
+            tier=str(params.get("model.tier", base.model.tier)),
+            batch_size=int(params.get("train.batch_size", base.train.batch_size)),
+            tokens_per_s=last.get("train/tokens_per_s"), peak_mem_gib=last.get("train/peak_mem_gib"),
+            metric_value=last.get(space.metric), status=status, reason=str(reason or ""),
+            mlflow_run_id=last.get(RUN_ID_KEY) or None, steps=last.get("step"),
+            tokens_seen=last.get("train/tokens_seen")))
+    return rows
+
+
+def _close_stopped_children(parent, rows: list[TrialRow], sweep_name: str) -> None:
+    """Trials ASHA stopped were killed mid-run: mark their child runs finished, tagged as stopped."""
+    if parent.run_id is None:
+        return
+    for row in rows:
+        if row.status != STOPPED:
+            continue
+        found = parent.client.search_runs(
+            [parent.experiment_id],
+            f"tags.`{TAG_SWEEP}` = '{sweep_name}' and tags.`{TAG_TRIAL}` = '{row.trial_id}'")
+        for run in found:
+            row.mlflow_run_id = run.info.run_id
+            parent.client.set_tag(run.info.run_id, TAG_STATUS, STOPPED)
+            if run.info.status == "RUNNING":
+                parent.client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
+    """Prepare the data once, run the sweep, then write and log the table and the best preset."""
+    import ray.tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from pipeline.data.stages import prepare_main
+    from pipeline.data.shards import load_manifest
+    from pipeline.tracking.tracker import check_tracking_uri, open_tracker, pin_tracking_uri, resolve_tracking_uri
+    from pipeline.ray_runtime import ensure_ray
+
+    space = load_space(space_path, cfg)
+    cfg = cfg.replace({**space.overrides(), "run.root": str(Path(cfg.run.root).resolve())})
+    if cfg.ray.cpus_per_worker == 0:  # auto: 1 CPU per worker in a sweep, so trials run side by side
+        cfg = cfg.replace({"ray.cpus_per_worker": 1})
+    if cfg.tracking.enabled:
+        check_tracking_uri(resolve_tracking_uri(cfg))  # fail fast, before data or Ray work
+        cfg = pin_tracking_uri(cfg)  # trials run in other processes and directories: one store for all
+    name = cfg.run.name or f"{space.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    sweep_dir = Path(cfg.run.root) / "tune" / name
+    if sweep_dir.exists() and any(sweep_dir.iterdir()):
+        raise SpaceError(f"sweep directory {sweep_dir} already exists; pick another --run.name (or none: "
+                         f"a name with the time is generated)")
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / "space.yaml").write_text(space.path.read_text())
+
+    dataset = Path(prepare_main(cfg)).resolve()
+    manifest = load_manifest(dataset)
+    ensure_ray(cfg.ray.address, cfg)
+    parent = open_tracker(cfg, run_name=name)
+    parent.set_tags({TAG_SWEEP: name})
+    parent.log_params({"sweep.space": space.path.name, "sweep.metric": space.metric, "sweep.mode": space.mode,
+                       "sweep.num_samples": space.num_samples, "sweep.scheduler": space.scheduler["type"],
+                       "sweep.token_budget": space.token_budget, "sweep.params": ",".join(space.params)})
+    parent.log_artifact(sweep_dir / "space.yaml")
+    parent.log_dict(cfg.to_dict(), "base_config.json")
+    status = "FAILED"
+    try:
+        max_fit = _max_fit_per_tier(cfg, space, manifest.vocab_size) if space.skip_unfit_batch else {}
+        ctx = SweepContext(cfg.flat(), str(dataset), str(sweep_dir), name, space.metric, space.token_budget,
+                           parent.run_id, max_fit)
+        sched = space.scheduler
+        if sched["type"] == "asha":
+            max_t = sched["max_t"] or space.token_budget or 2**62  # no cap: trials end at train.max_steps
+            scheduler = ASHAScheduler(time_attr=sched["time_attr"], max_t=max_t, grace_period=sched["grace_period"],
+                                      reduction_factor=sched["reduction_factor"])
+        else:
+            scheduler = FIFOScheduler()
+        storage = cfg.ray.storage_path or str(sweep_dir / "ray_tune")
+        tuner = ray.tune.Tuner(
+            ray.tune.with_resources(ray.tune.with_parameters(run_trial, ctx=ctx), {"CPU": TRIAL_CPUS}),
+            param_space=space.param_space(),
+            tune_config=ray.tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=space.num_samples,
+                                            scheduler=scheduler,
+                                            max_concurrent_trials=space.max_concurrent_trials or _auto_concurrency(cfg)),
+            run_config=ray.tune.RunConfig(name=name, storage_path=storage, verbose=1),
+        )
+        rows = _rows(tuner.fit(), space, cfg)
+        _close_stopped_children(parent, rows, name)
+        result = _report(cfg, space, rows, sweep_dir, name, parent)
+        status = "FINISHED"
+        return result
+    finally:
+        parent.finish(status)
+
+
+def _report(cfg: Config, space: Space, rows: list[TrialRow], sweep_dir: Path, name: str, parent) -> SweepResult:
+    title = f"sweep {name} ({space.path.name}): {space.metric}, {space.mode}"
+    md = write_markdown(rows, space.metric, sweep_dir / "sweep_table.md", title=title)
+    x_key = "train.batch_size" if "train.batch_size" in space.params else next(iter(space.params))
+    png = plot_sweep(rows, sweep_dir / "sweep_table.png", space.metric, x_key=x_key, title=title)
+    best = best_row(rows, space.mode)
+    preset = None
+    if best is not None:
+        best_cfg = with_token_budget(cfg.replace(best.params), space.token_budget)
+        preset = write_best_preset(best_cfg.flat(), Config().flat(), sweep_dir / "best_preset.yaml", sweep=name,
+                                   row=best, metric=space.metric)
+    for path in (md, png) + ((preset,) if preset else ()):
+        parent.log_artifact(path)
+    counts = {s: sum(r.status == s for r in rows) for s in (OK, OOM, STOPPED, FAILED)}
+    parent.log_metrics({"sweep/trials": len(rows), **{f"sweep/trials_{s}": n for s, n in counts.items()},
+                        **({"sweep/best_metric": best.metric_value} if best else {})}, step=0)
+    return SweepResult(name, sweep_dir, rows, best, preset, parent.run_id, md, png)
+
+
+def tune_main(cfg: Config, space_path: str | None) -> int:
+    """`python pipeline/run.py tune --space FILE`: run the sweep, print the table; 0 if any trial finished."""
+    if not space_path:
+        found = sorted(str(p) for p in Path("tune_spaces").glob("*.yaml")) if Path("tune_spaces").is_dir() else []
+        raise SpaceError("tune needs --space FILE" + (f"; for example: {', '.join(found)}" if found else ""))
+    result = run_sweep(cfg, space_path)
+    print("\n" + markdown_table(result.rows, load_space(space_path, cfg).metric))
+    print(f"table: {result.table_md}\nchart: {result.table_png}")
+    if result.best is None:
+        print("no trial finished; nothing to recommend")
+        return 1
+    print(f"best: trial {result.best.trial_id} {result.best.params} -> {result.best.metric_value:.4f}\n"
+          f"preset: {result.best_preset}\ntrain with it: python pipeline/run.py train --preset {result.best_preset}")
+    return 0

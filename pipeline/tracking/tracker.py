@@ -1,0 +1,447 @@
+"""MLflow tracking from rank 0: one run per training job, one parent run per sweep with a child per trial.
+
+    from pipeline.tracking.tracker import check_tracking_uri, open_tracker, pin_tracking_uri
+    cfg = pin_tracking_uri(cfg)                             # driver: one store for every worker, any cwd/node
+    check_tracking_uri(cfg.tracking.tracking_uri)           # before any worker starts: fail fast, clearly
+    with open_tracker(cfg, rank=rank, run_name="nano-lr3e-3") as tracker:   # NullTracker off rank 0
+        tracker.log_config({PARAM_WORLD_SIZE: 2, PARAM_MODEL_PARAMS: n_params})
+        tracker.log_metrics({TRAIN_LOSS: 3.2, TRAIN_LR: 3e-3}, step=10)
+    print(tracker.ui_command())   # mlflow ui --backend-store-uri sqlite:////abs/runs/mlflow.db --host 127.0.0.1 ...
+
+Where runs go: `tracking.tracking_uri`, else the env var MLFLOW_TRACKING_URI (a server), else the embedded
+store `sqlite:///<abs run.root>/mlflow.db` with artifacts in `<run.root>/mlartifacts`.
+
+The tracker talks to MLflow through an explicit `MlflowClient` and run id, never the fluent
+`mlflow.start_run` global state, so it behaves the same in the driver, in a Ray Train worker and in a
+Ray Tune trial. `mlflow` is imported inside functions: the engine host (torch, no MLflow) can still import
+every pipeline module that refers to tracking only optionally.
+
+Stable names (the MLflow UI compares runs and sweep trials column by column, so these never change):
+
+| kind   | name                       | meaning                                                        |
+|--------|----------------------------|----------------------------------------------------------------|
+| param  | `<section>.<field>`        | every config field path from `cfg.flat()`, e.g. `train.batch_size`, `model.tier` |
+| param  | `model.params`             | exact trainable parameter count                                |
+| param  | `world_size`               | number of data-parallel training workers                       |
+| param  | `tokenizer_sha256`         | sha256 of the SentencePiece model file                         |
+| param  | `manifest_hash`            | content hash of the shard manifest (the dataset identity)      |
+| param  | `git_commit`               | `git rev-parse HEAD` (+ `-dirty`) of the code that ran         |
+| metric | `train/loss`               | mean token cross-entropy over the logging window (nats)        |
+| metric | `train/ppl`                | exp(train/loss)                                                |
+| metric | `train/lr`                 | learning rate at the step                                      |
+| metric | `train/grad_norm`          | global gradient L2 norm before clipping                        |
+| metric | `train/tokens_per_s`       | training tokens per second, all workers together               |
+| metric | `train/mfu`                | model FLOPs utilisation, fraction of peak (0..1)               |
+| metric | `train/peak_mem_gib`       | peak accelerator memory on rank 0 (GiB)                        |
+| metric | `train/tokens_seen`        | training tokens consumed so far, all workers together          |
+| metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
+| metric | `train/bad_steps`          | optimizer steps skipped so far for a non-finite loss/gradient  |
+| metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
+| metric | `val/ppl`                  | exp(val/loss)                                                  |
+| metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
+
+Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
+log = logging.getLogger(__name__)
+
+# --- stable names -----------------------------------------------------------------------------
+PARAM_MODEL_PARAMS = "model.params"
+PARAM_MODEL_TIER = "model.tier"  # also a config field; named here because sweeps group by it
+PARAM_WORLD_SIZE = "world_size"
+PARAM_TOKENIZER_SHA256 = "tokenizer_sha256"
+PARAM_MANIFEST_HASH = "manifest_hash"
+PARAM_GIT_COMMIT = "git_commit"
+EXTRA_PARAMS = (PARAM_MODEL_PARAMS, PARAM_WORLD_SIZE, PARAM_TOKENIZER_SHA256, PARAM_MANIFEST_HASH,
+                PARAM_GIT_COMMIT)
+
+TRAIN_LOSS = "train/loss"
+TRAIN_PPL = "train/ppl"
+TRAIN_LR = "train/lr"
+TRAIN_GRAD_NORM = "train/grad_norm"
+TRAIN_TOKENS_PER_S = "train/tokens_per_s"
+TRAIN_MFU = "train/mfu"
+TRAIN_PEAK_MEM_GIB = "train/peak_mem_gib"
+TRAIN_TOKENS_SEEN = "train/tokens_seen"
+TRAIN_ACCURACY = "train/accuracy"
+TRAIN_BAD_STEPS = "train/bad_steps"
+VAL_LOSS = "val/loss"
+VAL_PPL = "val/ppl"
+VAL_ACCURACY = "val/accuracy"
+METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_PEAK_MEM_GIB,
+           TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+
+PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
+NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
+LOCAL_DB_NAME = "mlflow.db"
+LOCAL_ARTIFACTS_DIR = "mlartifacts"
+# MLflow's own limits (mlflow.utils.validation); copied so this module imports without MLflow.
+_MAX_PARAM_VALUE_LEN = 6000
+_MAX_PARAMS_PER_BATCH = 100
+_MAX_METRICS_PER_BATCH = 1000
+_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+
+class TrackingError(ValueError):
+    """The tracking backend cannot be used; the message names the URI and what to do."""
+
+
+# --- where runs go ----------------------------------------------------------------------------
+
+def resolve_tracking_uri(cfg: "Config") -> str:
+    """cfg.tracking.tracking_uri, else $MLFLOW_TRACKING_URI, else sqlite:///<abs cfg.run.root>/mlflow.db."""
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if env:
+        return env
+    return "sqlite:///" + str(Path(cfg.run.root).resolve() / LOCAL_DB_NAME)
+
+
+def _local_path(uri: str) -> Path | None:
+    """The filesystem path behind a sqlite:/// or file: URI or a bare path; None for anything else."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme == "sqlite":
+        # sqlite:///rel/path.db -> "/rel/path.db"[1:]; sqlite:////abs/path.db -> "//abs/path.db"[1:]
+        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        return None if path in ("", ":memory:") else Path(path)
+    if parsed.scheme == "file":
+        return Path(urllib.request.url2pathname(parsed.path))
+    if parsed.scheme == "" or len(parsed.scheme) == 1:  # a bare path (or a Windows drive letter)
+        return Path(uri)
+    return None
+
+
+def _unreachable(uri: str, why: str) -> TrackingError:
+    return TrackingError(
+        f"MLflow tracking server at {uri} is unreachable ({why}); start it with "
+        f"`mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///mlflow.db` "
+        f"or unset MLFLOW_TRACKING_URI (and tracking.tracking_uri) to use the local store"
+    )
+
+
+def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, before any worker starts, if runs cannot be recorded at `uri`.
+
+    http(s): GET <uri>/health must answer 200 within timeout_s (MLflow's own client would instead retry
+    for minutes). sqlite / file / bare paths: the store's directory must exist (it is created) and be
+    writable. Other schemes (databricks, postgresql, ...) are left to MLflow.
+    """
+    scheme = urllib.parse.urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (http(s) only)
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise _unreachable(uri, f"{type(exc).__name__}: {reason}") from None
+        if status != 200:
+            raise _unreachable(uri, f"GET /health answered HTTP {status}; is it an MLflow server?")
+        return
+    path = _local_path(uri)
+    if path is None:
+        return
+    # sqlite: the path is the database file; file store / bare path: the path is the store directory.
+    directory = path.parent if scheme == "sqlite" else path
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrackingError(f"cannot create the MLflow store directory {directory} for {uri} ({exc.strerror}); "
+                            f"set run.root or tracking.tracking_uri to a writable location") from None
+    if not os.access(directory, os.W_OK):
+        raise TrackingError(f"the MLflow store directory {directory} for {uri} is not writable; "
+                            f"set run.root or tracking.tracking_uri to a writable location")
+
+
+def pin_tracking_uri(cfg: "Config") -> "Config":
+    """cfg with tracking.tracking_uri set to resolve_tracking_uri(cfg), for the config shipped to workers.
+
+    A Ray worker may run in another directory (a relative run.root would name another database) or on another
+    node (without the driver's MLFLOW_TRACKING_URI); pinning on the driver makes every process use one store.
+    """
+    return cfg.replace({"tracking.tracking_uri": resolve_tracking_uri(cfg)})
+
+
+def ui_command_for(uri: str) -> str:
+    """`mlflow ui --backend-store-uri <uri> --host 127.0.0.1 --port 5000` for a local store; the URL for a server."""
+    if urllib.parse.urlparse(uri).scheme in ("http", "https"):
+        return uri
+    return f"mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000"
+
+
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    """`git rev-parse HEAD` of the checkout holding `cwd` (default: this code), with `-dirty` when tracked
+    files have uncommitted changes; None when it is not a git checkout or git is missing."""
+    where = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=where)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=where).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+# --- the tracker ------------------------------------------------------------------------------
+
+def _param_value(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= _MAX_PARAM_VALUE_LEN else text[: _MAX_PARAM_VALUE_LEN - 3] + "..."
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i: i + size]
+
+
+class Tracker:
+    """One MLflow run, driven through an explicit MlflowClient (safe in Ray workers and Tune trials).
+
+    Tracker(cfg)                              a new run in experiment cfg.tracking.experiment
+    Tracker(cfg, parent_run_id=p)             a child run of p (tag mlflow.parentRunId); nested=True says so
+                                              explicitly and then requires parent_run_id
+    Tracker(cfg, run_id=r)                    resume run r (e.g. after a Ray Train restart); status -> RUNNING
+    """
+
+    def __init__(self, cfg: "Config", run_name: str | None = None, parent_run_id: str | None = None,
+                 nested: bool = False, run_id: str | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        if nested and not parent_run_id:
+            raise TrackingError("Tracker(nested=True) needs parent_run_id: the run id of the sweep's parent run")
+        self.cfg = cfg
+        self.tracking_uri = resolve_tracking_uri(cfg)
+        check_tracking_uri(self.tracking_uri)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.nonfinite_skipped = 0  # metric values dropped because they were NaN/inf
+        self.git_commit = git_commit()
+        self._finished = False
+        if run_id:
+            run = self.client.get_run(run_id)  # raises MlflowException naming the id when it does not exist
+            self.client.update_run(run_id, status="RUNNING")
+            self.experiment_id = run.info.experiment_id
+            self._run_id = run_id
+            return
+        self.experiment_id = self._experiment_id(cfg.tracking.experiment)
+        tags = {"longtrain.tier": cfg.model.tier}
+        if self.git_commit:
+            tags["mlflow.source.git.commit"] = self.git_commit
+        if parent_run_id:
+            tags[PARENT_RUN_TAG] = parent_run_id
+        run = self.client.create_run(self.experiment_id, tags=tags, run_name=run_name or cfg.run.name or None)
+        self._run_id = run.info.run_id
+
+    def _experiment_id(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        location = None
+        db = _local_path(self.tracking_uri) if self.tracking_uri.startswith("sqlite:") else None
+        if db is not None:
+            # MLflow's default artifact root for a SQL store is ./mlruns under whatever the cwd is; keep the
+            # artifacts next to the database instead.
+            location = (db.resolve().parent / LOCAL_ARTIFACTS_DIR).as_uri()
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except MlflowException:
+            # Another trial created it between our lookup and create: use theirs.
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    # -- params, metrics, tags ----------------------------------------------------------------
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params as strings (MLflow's value limit: 6,000 chars, longer values are cut with '...').
+
+        MLflow params are write-once: on a resumed run, params already logged with the same value are
+        skipped, and a changed value is kept as first logged (with a warning) instead of failing training.
+        """
+        from mlflow.entities import Param
+
+        values = {str(k): _param_value(v) for k, v in params.items()}
+        existing = self.client.get_run(self._run_id).data.params
+        for key in [k for k in values if k in existing]:
+            if existing[key] != values[key]:
+                log.warning("param %s was logged as %r in run %s; keeping it (MLflow params are write-once), "
+                            "new value %r not recorded", key, existing[key], self._run_id, values[key])
+            del values[key]
+        items = [Param(k, v) for k, v in values.items()]
+        for chunk in _chunks(items, _MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self._run_id, params=chunk)
+
+    def log_config(self, extra: Mapping[str, Any] | None = None) -> None:
+        """Every config field path (cfg.flat()) plus extras, e.g. {PARAM_WORLD_SIZE: 2, PARAM_MODEL_PARAMS: n}.
+
+        git_commit is added when known and not given.
+        """
+        params: dict[str, Any] = dict(self.cfg.flat())
+        if self.git_commit:
+            params[PARAM_GIT_COMMIT] = self.git_commit
+        params.update(extra or {})
+        self.log_params(params)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
+        """Log numeric metrics at `step` in one batch; NaN/inf values are skipped and counted.
+
+        Values may be Python numbers, numpy scalars or 0-dim tensors (anything float() accepts); None is
+        ignored. Returns how many values were logged.
+        """
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = []
+        for key, value in metrics.items():
+            if value is None:
+                continue
+            number = float(value)
+            if not math.isfinite(number):
+                self.nonfinite_skipped += 1
+                if self.nonfinite_skipped == 1:
+                    log.warning("skipping non-finite metric %s=%r at step %d (further ones are counted only, "
+                                "see tag %s)", key, number, step, NONFINITE_TAG)
+                continue
+            items.append(Metric(str(key), number, now, int(step)))
+        for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self._run_id, metrics=chunk)
+        return len(items)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(str(k), str(v)) for k, v in tags.items()]
+        for chunk in _chunks(items, _MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self._run_id, tags=chunk)
+
+    # -- artifacts ----------------------------------------------------------------------------
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a local file or directory; artifact_path is the folder inside the run's artifacts."""
+        path = Path(path)
+        if not path.exists():
+            raise TrackingError(f"artifact {path} does not exist; write it before logging it")
+        if path.is_dir():
+            self.client.log_artifacts(self._run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self._run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self._run_id, text, artifact_file)
+
+    def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
+        """A .json / .yaml / .yml artifact (format from the file name)."""
+        self.client.log_dict(self._run_id, dict(dictionary), artifact_file)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def finish(self, status: str = "FINISHED") -> None:
+        """Mark the run FINISHED, FAILED or KILLED; later calls do nothing."""
+        if status not in _STATUSES:
+            raise ValueError(f"run status {status!r} is not allowed; choose one of: {', '.join(_STATUSES)}")
+        if self._finished:
+            return
+        if self.nonfinite_skipped:
+            self.set_tags({NONFINITE_TAG: self.nonfinite_skipped})
+        self.client.set_terminated(self._run_id, status=status)
+        self._finished = True
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish("FINISHED")
+        else:
+            self.finish("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+    # -- where to look ------------------------------------------------------------------------
+    def ui_command(self) -> str:
+        """The exact command that opens the MLflow UI on this store, or the server URL when remote."""
+        return ui_command_for(self.tracking_uri)
+
+    def run_url(self) -> str | None:
+        """Link to this run in a served UI (None for a local store: run ui_command() first)."""
+        if urllib.parse.urlparse(self.tracking_uri).scheme not in ("http", "https"):
+            return None
+        return f"{self.tracking_uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self._run_id}"
+
+
+class NullTracker:
+    """The Tracker interface doing nothing: tracking disabled, or a rank other than 0."""
+
+    run_id = None
+    experiment_id = None
+    tracking_uri = ""
+    nonfinite_skipped = 0
+    git_commit = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_config(self, extra: Mapping[str, Any] | None = None) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
+        return 0
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
+        pass
+
+    def finish(self, status: str = "FINISHED") -> None:
+        pass
+
+    def __enter__(self) -> "NullTracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        pass
+
+    def ui_command(self) -> str:
+        return ""
+
+    def run_url(self) -> str | None:
+        return None
+
+
+def open_tracker(cfg: "Config", rank: int = 0, **kwargs: Any) -> Tracker | NullTracker:
+    """A Tracker on rank 0 with tracking enabled, else a NullTracker. kwargs go to Tracker()."""
+    if rank != 0 or not cfg.tracking.enabled:
+        return NullTracker()
+    return Tracker(cfg, **kwargs)

@@ -1,0 +1,329 @@
+"""The one training engine: model, AdamW, warmup + cosine, accumulation, clipping, non-finite guard,
+metrics, evaluation and the full training state. No Ray, no MLflow: Ray Train (pipeline/train/ray_train.py)
+and the benchmarks (bench/engine_throughput.py) both drive this same code.
+
+    from pipeline.train.engine import Engine
+    engine = Engine(cfg, vocab_size=manifest.vocab_size)
+    outcome = engine.train_step([batch])          # one optimizer step over grad_accum micro-batches
+    engine.save("ckpt/step_00050"); engine.load("ckpt/step_00050")
+
+The loop that feeds it (epochs, cursor, logging, evaluation, checkpoints) is pipeline/train/loop.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_model, save_model
+
+from cuda_ops.cross_entropy import linear_cross_entropy
+from cuda_ops.metrics import TokenMetrics
+from model.decoder import build_model
+from model.flops import flops_per_token
+from model.tiers import get_tier
+from pipeline.config import Config
+from pipeline.train.hardware import autocast_dtype, configure_cuda_math, default_device, peak_flops, peak_memory_gib
+from pipeline.train.memory_limit import MemoryLimit
+
+CHECKPOINT_FORMAT = 1
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not fit the configured model."""
+
+
+class LossModule(nn.Module):
+    """Decoder + fused projection/cross-entropy head, so DDP wraps one forward that returns the loss.
+
+    forward(tokens (B, T+1) int64, doc_ids (B, T+1) int32 | None) -> CEResult(loss_sum, n_tokens, n_correct)
+    """
+
+    def __init__(self, decoder: nn.Module, ce_chunk_size: int):
+        super().__init__()
+        self.decoder = decoder
+        self.ce_chunk_size = ce_chunk_size
+
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+        doc = doc_ids[:, :-1] if doc_ids is not None else None
+        hidden = self.decoder(inputs, doc)  # (B, T, D)
+        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.decoder.output_weight,
+                                    targets.reshape(-1), chunk_size=self.ce_chunk_size)
+
+
+@dataclass
+class StepOutcome:
+    step: int  # optimizer steps taken so far (after this one, if it counted)
+    skipped: bool  # non-finite loss or gradient: no update was applied
+    sequences: int  # sequences this worker consumed in the step
+    tokens: int  # tokens this worker trained on in the step
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup from 1/warmup to 1, then cosine from 1 to min_ratio at `total` steps."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Engine:
+    """Owns one worker's model, optimizer, scheduler and counters.
+
+    `wrap` lets a distributed launcher wrap the LossModule (Ray Train's prepare_model -> DDP); the
+    engine keeps a handle to the unwrapped module for saving and evaluation.
+    """
+
+    def __init__(self, cfg: Config, vocab_size: int, device: torch.device | None = None, *, rank: int = 0,
+                 world_size: int = 1, wrap=None):
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.device = device or default_device()
+        self.rank, self.world_size = rank, world_size
+        configure_cuda_math()
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every worker and every run
+        tier = get_tier(cfg.model.tier)
+        decoder = build_model(cfg.model.tier, vocab_size, tie_embeddings=cfg.model.tie_embeddings,
+                              doc_masking=cfg.model.doc_masking, attention=cfg.model.attention,
+                              activation_checkpointing=cfg.model.activation_checkpointing)
+        decoder.to(self.device)
+        if cfg.model.compile == "on" or (cfg.model.compile == "auto" and self.device.type == "cuda"):
+            decoder.compile_blocks()
+        self.module = LossModule(decoder, cfg.train.ce_chunk_size)
+        self.model = wrap(self.module) if wrap is not None else self.module
+        self.n_params = sum(p.numel() for p in decoder.parameters())
+        self.flops_per_token = flops_per_token(tier, cfg.data.seq_len, vocab_size,
+                                               tie_embeddings=cfg.model.tie_embeddings)
+        self.peak_flops = peak_flops(self.device)
+        self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
+        # train.memory_limit_gib > 0: steps fail with torch.OutOfMemoryError as on a device of that size.
+        self.memory_limit = MemoryLimit.for_device(cfg.train.memory_limit_gib, self.device)
+
+        # Weight decay on matrices only: norms' gains stay free.
+        decay = [p for p in self.module.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.module.parameters() if p.ndim < 2]
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr, betas=(t.beta1, t.beta2), fused=self.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
+
+        # Counters that make up the training state besides the tensors.
+        self.step = 0
+        self.epoch = 0
+        self.cursor = 0  # global sequences consumed in the current epoch (all workers); advanced by the loop
+        self.tokens_seen = 0  # global tokens trained on
+        self.bad_steps_in_row = 0
+        self.bad_steps_total = 0
+        self.phase = 0
+
+        # Metrics live on the device until a log interval pulls them (one host transfer).
+        self.train_metrics = TokenMetrics(self.device)
+        self._last_grad_norm = torch.zeros((), device=self.device)
+        self._interval_start = time.perf_counter()
+        self._interval_tokens = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ------------------------------------------------------------------------------------------ step
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        doc_ids = batch.get("doc_ids")
+        if doc_ids is not None and self.cfg.model.doc_masking:
+            doc_ids = doc_ids.to(self.device, non_blocking=True)
+        else:
+            doc_ids = None
+        return tokens, doc_ids
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepOutcome:
+        """One optimizer step over len(micro_batches) micro-batches (gradient accumulation).
+
+        The loss is the token mean over the whole step. One host sync per step decides whether the
+        step is finite; a non-finite loss or gradient zeroes the gradients, applies no update (the
+        weights, optimizer and scheduler stay as they were) and is counted.
+        """
+        self.model.train()
+        if self.memory_limit is not None:
+            with self.memory_limit.during(self.module, self.optimizer):
+                return self._train_step(micro_batches)
+        return self._train_step(micro_batches)
+
+    def _train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepOutcome:
+        n_micro = len(micro_batches)
+        loss_total = torch.zeros((), device=self.device)
+        seqs = toks = 0
+        for i, batch in enumerate(micro_batches):
+            tokens, doc_ids = self._to_device(batch)
+            # DDP: all-reduce gradients only on the last micro-batch.
+            sync = i == n_micro - 1 or not hasattr(self.model, "no_sync")
+            with (contextlib.nullcontext() if sync else self.model.no_sync()), self._autocast():
+                res = self.model(tokens, doc_ids)
+                loss = res.loss_sum / res.n_tokens.clamp(min=1) / n_micro
+            loss.backward()
+            loss_total += loss.detach()
+            self.train_metrics.add(res.loss_sum.detach(), res.n_tokens, res.n_correct)
+            seqs += tokens.shape[0]
+            toks += tokens.shape[0] * (tokens.shape[1] - 1)
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True)
+        finite = bool(torch.isfinite(loss_total) & torch.isfinite(grad_norm))  # the step's one sync
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.bad_steps_in_row = 0
+            self._last_grad_norm = grad_norm.detach()
+        else:
+            self.bad_steps_in_row += 1
+            self.bad_steps_total += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokens_seen += toks * self.world_size
+        self._interval_tokens += toks * self.world_size
+        if self.bad_steps_in_row >= self.cfg.train.max_bad_steps:
+            raise NonFiniteLossError(
+                f"{self.bad_steps_in_row} optimizer steps in a row had a non-finite loss or gradient "
+                f"(at step {self.step}); the run stopped and its last checkpoint is untouched. Lower "
+                f"train.lr (now {self.cfg.train.lr}), raise train.warmup_steps, or check the data.")
+        return StepOutcome(self.step, not finite, seqs, toks)
+
+    def pull_train_metrics(self) -> dict[str, float]:
+        """Metrics over the steps since the last pull: one host sync; resets the interval."""
+        self.train_metrics.all_reduce()
+        m = self.train_metrics.pull()
+        now = time.perf_counter()
+        elapsed = max(now - self._interval_start, 1e-9)
+        tokens_per_s = self._interval_tokens / elapsed
+        out = {
+            "train/loss": m["loss"], "train/ppl": m["ppl"], "train/accuracy": m["accuracy"],
+            "train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": float(self._last_grad_norm),
+            "train/tokens_per_s": tokens_per_s, "train/tokens_seen": float(self.tokens_seen),
+            "train/peak_mem_gib": (self.memory_limit.peak_gib() if self.memory_limit is not None
+                                   else peak_memory_gib(self.device)), "train/bad_steps": float(self.bad_steps_total),
+        }
+        if self.peak_flops:  # MFU only where the device's peak is known (not on a CPU)
+            out["train/mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        self._interval_start, self._interval_tokens = now, 0
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[dict[str, torch.Tensor]], max_batches: int | None = None) -> dict[str, float]:
+        """Mean validation loss, perplexity and next-token accuracy over `batches` (all workers' tokens)."""
+        self.module.eval()
+        metrics = TokenMetrics(self.device)
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            tokens, doc_ids = self._to_device(batch)
+            with self._autocast():
+                res = self.module(tokens, doc_ids)
+            metrics.add(res.loss_sum.detach(), res.n_tokens, res.n_correct)
+        metrics.all_reduce()
+        m = metrics.pull()
+        return {"val/loss": m["loss"], "val/ppl": m["ppl"], "val/accuracy": m["accuracy"]}
+
+    # ------------------------------------------------------------------------------------- state I/O
+    def counters(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, "cursor": self.cursor, "tokens_seen": self.tokens_seen,
+                "bad_steps_in_row": self.bad_steps_in_row, "bad_steps_total": self.bad_steps_total,
+                "phase": self.phase}
+
+    def save(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+        """Write the full training state to `directory` atomically (temp dir + rename).
+
+        model.safetensors (weights), train_state.pt (optimizer, scheduler, RNG; tensors and plain
+        types only, so it loads with weights_only=True), meta.json (counters, tier, vocab, config).
+        """
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        try:
+            save_model(self.module.decoder, str(tmp / "model.safetensors"))
+            rng = {"torch": torch.get_rng_state()}
+            if self.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.device)
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "rng": rng}, tmp / "train_state.pt")
+            meta = {"format": CHECKPOINT_FORMAT, "tier": self.cfg.model.tier, "vocab_size": self.vocab_size,
+                    "seq_len": self.cfg.data.seq_len, "tie_embeddings": self.cfg.model.tie_embeddings,
+                    "world_size": self.world_size, "counters": self.counters(), "config": self.cfg.to_dict(),
+                    **(extra or {})}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.replace(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
+
+    def load(self, directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
+        """Restore the state written by save(); returns meta.json. Checks tier and vocab first."""
+        meta = read_checkpoint_meta(directory)
+        check_checkpoint_fits(meta, self.cfg.model.tier, self.vocab_size, directory)
+        directory = Path(directory)
+        missing, unexpected = load_model(self.module.decoder, str(directory / "model.safetensors"), strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint {directory} does not match the model: missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]}; was it written by another model version?")
+        if weights_only_model:
+            return meta
+        state = torch.load(directory / "train_state.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        if self.device.type == "cuda" and "cuda" in state["rng"]:
+            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), self.device)
+        c = meta["counters"]
+        self.step, self.epoch, self.cursor = c["step"], c["epoch"], c["cursor"]
+        self.tokens_seen, self.phase = c["tokens_seen"], c.get("phase", 0)
+        self.bad_steps_in_row, self.bad_steps_total = c["bad_steps_in_row"], c["bad_steps_total"]
+        # The cursor counts global sequences, so a resume with another world size stays exact.
+        return meta
+
+
+def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    directory = Path(directory)
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); pass a checkpoint directory "
+                              f"written by longtrain, e.g. runs/<run>/checkpoints/step_000100")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{meta_path} is corrupt ({exc.msg}); use an earlier checkpoint") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{directory} has checkpoint format {meta.get('format')!r}; this version reads "
+                              f"format {CHECKPOINT_FORMAT}")
+    for name in ("model.safetensors", "train_state.pt"):
+        if not (directory / name).is_file():
+            raise CheckpointError(f"checkpoint {directory} lacks {name}; it is incomplete, use an earlier one")
+    return meta
+
+
+def check_checkpoint_fits(meta: dict[str, Any], tier: str, vocab_size: int, where: Any) -> None:
+    """A checkpoint from another tier or vocabulary gets one clear error, before any weight is touched."""
+    if meta["tier"] != tier:
+        raise CheckpointError(f"checkpoint {where} is tier {meta['tier']!r} but model.tier is {tier!r}; "
+                              f"set --model.tier={meta['tier']} or start a new run")
+    if meta["vocab_size"] != vocab_size:
+        raise CheckpointError(f"checkpoint {where} has vocab {meta['vocab_size']} but the dataset's tokenizer "
+                              f"has {vocab_size}; use the dataset and tokenizer the checkpoint was trained with")

@@ -1,0 +1,53 @@
+"""Training in one plain process: the same engine and loop as the Ray Train workers, shards read with
+pyarrow, checkpoints under <run_dir>/checkpoints/phase<i>/. For single-GPU users without Ray.
+
+    python pipeline/run.py train --no-ray
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.config import Config
+from pipeline.train.engine import Engine
+from pipeline.train.generate import eval_samples_hook
+from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
+from pipeline.data.shards import ShardReader, load_manifest
+
+AUDIT_DIR = "data_audit"
+
+
+def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, tracker=None, *,
+                init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
+                audit_data: bool = False):
+    """Train to max_steps (default cfg.train.max_steps); resumes from this phase's latest checkpoint if
+    there is one, else starts from `init_from` (the previous phase) or from scratch. Returns the
+    latest checkpoint directory and whether a Ctrl+C stopped the run early: (checkpoint, stopped)."""
+    run_dir, dataset_dir = Path(run_dir), str(dataset_dir)
+    manifest = load_manifest(dataset_dir)
+    engine = Engine(cfg, manifest.vocab_size)
+    ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
+    if ckpts.latest() is not None:
+        engine.load(ckpts.latest())
+    elif init_from is not None:
+        engine.load(init_from)
+        engine.epoch, engine.cursor, engine.phase = 0, 0, phase  # a new phase starts its dataset afresh
+    t = cfg.train
+
+    def train_batches(epoch: int, start: int):
+        return ShardReader(dataset_dir, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start)
+
+    def val_batches():
+        return ShardReader(dataset_dir, "val", t.batch_size, seed=0, epoch=0, start=0)
+
+    has_val = manifest.rows("val") >= t.batch_size
+    audit = AuditLog(run_dir / AUDIT_DIR / "rank_0.jsonl") if audit_data else None
+    extra = {"dataset_dir": str(Path(dataset_dir).resolve()), "phase": phase}
+    hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
+                           on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens))
+    try:
+        with StopRequest() as stop:
+            res = fit(engine, train_batches, val_batches if has_val else None, hooks, max_steps=max_steps, stop=stop)
+    finally:
+        if audit is not None:
+            audit.close()
+    return ckpts.latest(), res.stopped_early

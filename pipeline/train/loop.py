@@ -1,0 +1,215 @@
+"""The training loop around the engine: epochs and the data cursor, logging, evaluation, checkpoints,
+a rank-0 progress bar and a clean stop on Ctrl+C. Ray-free; pipeline/train/ray_train.py calls `fit` from each
+Ray Train worker with hooks that report to Ray, and `train_local` runs it in a plain process.
+
+    python pipeline/run.py train --no-ray ...     # this loop without Ray (one process, one device)
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from pipeline.train.engine import Engine, StepOutcome
+
+BatchIter = Iterator[dict[str, torch.Tensor]]
+
+
+class DataExhaustedError(ValueError):
+    """The training split cannot fill even one step."""
+
+
+@dataclass
+class Hooks:
+    """What a launcher does at each event; every hook is optional. Metrics use the stable names."""
+
+    on_step: Callable[[Engine, StepOutcome, list[dict[str, torch.Tensor]]], None] | None = None
+    on_log: Callable[[Engine, dict[str, float]], None] | None = None
+    on_eval: Callable[[Engine, dict[str, float]], None] | None = None
+    on_checkpoint: Callable[[Engine, dict[str, float]], None] | None = None
+
+
+class StopRequest:
+    """A request to checkpoint and stop after the current step.
+
+    In a plain process the first Ctrl+C (or SIGTERM) sets it and a second Ctrl+C interrupts at once;
+    handlers are installed only in the main thread. Ray Train workers cannot see the driver's Ctrl+C,
+    so the driver creates `stop_file` and workers read it. `poll` is collective under DDP (every rank
+    calls it at the same steps and they agree), so all workers stop at the same step.
+    """
+
+    def __init__(self, stop_file: str | Path | None = None) -> None:
+        self.requested = False
+        self.stop_file = Path(stop_file) if stop_file else None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstop requested: finishing this step and writing a checkpoint (Ctrl+C again to abort)", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def poll(self, device: torch.device) -> bool:
+        local = self.requested or (self.stop_file is not None and self.stop_file.exists())
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flag = torch.tensor([1.0 if local else 0.0], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            local = bool(flag.item())
+        self.requested = local
+        return local
+
+
+@dataclass
+class FitResult:
+    step: int
+    stopped_early: bool
+    last_train: dict[str, float] = field(default_factory=dict)
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+
+def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, torch.Tensor]]],
+        val_batches: Callable[[], Iterable[dict[str, torch.Tensor]]] | None, hooks: Hooks | None = None,
+        *, max_steps: int | None = None, progress: bool = True, stop: StopRequest | None = None) -> FitResult:
+    """Train until engine.step == max_steps (default cfg.train.max_steps).
+
+    train_batches(epoch, start) yields this worker's micro-batches from global sequence `start` of
+    `epoch`; the engine's (epoch, cursor) say where to resume, so a restored engine continues at the
+    exact next sequence. Each micro-batch advances the cursor by batch_size x world_size sequences.
+    """
+    cfg, t = engine.cfg, engine.cfg.train
+    hooks = hooks or Hooks()
+    max_steps = max_steps or t.max_steps
+    result = FitResult(step=engine.step, stopped_early=False)
+    it = iter(train_batches(engine.epoch, engine.cursor))
+    bar = _progress_bar(engine, max_steps, enabled=progress and engine.rank == 0)
+    try:
+        while engine.step < max_steps:
+            micro = []
+            while len(micro) < t.grad_accum:
+                batch = next(it, None)
+                if batch is None:  # end of epoch: the next one starts at sequence 0 in a new order
+                    if engine.cursor == 0:
+                        raise DataExhaustedError(
+                            "the training split holds fewer sequences than one global micro-batch "
+                            f"(train.batch_size={t.batch_size} x {engine.world_size} workers); prepare more "
+                            "data or lower train.batch_size")
+                    engine.epoch, engine.cursor = engine.epoch + 1, 0
+                    it = iter(train_batches(engine.epoch, 0))
+                    continue
+                micro.append(batch)
+                engine.cursor += batch["tokens"].shape[0] * engine.world_size
+            outcome = engine.train_step(micro)
+            if hooks.on_step:
+                hooks.on_step(engine, outcome, micro)
+            if outcome.skipped:
+                continue
+            bar.update(1)
+            step, last = engine.step, engine.step == max_steps
+            # Checked at log steps: under DDP this is a (tiny) collective every rank makes at the same step.
+            stopping = stop is not None and (step % t.log_every == 0 or last) and stop.poll(engine.device)
+            if step % t.log_every == 0 or last or stopping:
+                result.last_train = engine.pull_train_metrics()
+                bar.set_postfix(loss=f"{result.last_train['train/loss']:.3f}",
+                                ppl=f"{result.last_train['train/ppl']:.1f}",
+                                tok_s=f"{result.last_train['train/tokens_per_s']:.0f}",
+                                lr=f"{result.last_train['train/lr']:.2e}", refresh=False)
+                if hooks.on_log:
+                    hooks.on_log(engine, result.last_train)
+            if val_batches is not None and (step % t.eval_every == 0 or last):
+                result.last_eval = engine.evaluate(val_batches(), max_batches=t.eval_batches)
+                if hooks.on_eval:
+                    hooks.on_eval(engine, result.last_eval)
+            if hooks.on_checkpoint and (step % t.checkpoint_every == 0 or last or stopping):
+                hooks.on_checkpoint(engine, {**result.last_train, **result.last_eval})
+            if stopping:
+                result.stopped_early = True
+                break
+    finally:
+        bar.close()
+    result.step = engine.step
+    return result
+
+
+def _progress_bar(engine: Engine, total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=engine.step, disable=not enabled, desc=f"train {engine.cfg.model.tier}",
+                unit="step", dynamic_ncols=True)
+
+
+class LocalCheckpoints:
+    """Checkpoints of a plain-process run: <dir>/step_000050, keeping the `keep` newest."""
+
+    def __init__(self, directory: str | Path, keep: int):
+        self.directory, self.keep = Path(directory), keep
+
+    def save(self, engine: Engine, extra: dict | None = None) -> Path:
+        path = engine.save(self.directory / f"step_{engine.step:06d}", extra=extra)
+        for old in self.all()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def all(self) -> list[Path]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(p for p in self.directory.glob("step_*") if (p / "meta.json").is_file())
+
+    def latest(self) -> Path | None:
+        found = self.all()
+        return found[-1] if found else None
+
+
+class AuditLog:
+    """Append-only record of the seq_ids each step consumed (one JSON line per step, flushed per line),
+    so a run's data order can be checked after the fact: exactly once per epoch, across restarts."""
+
+    def __init__(self, path: str | Path, extra: dict | None = None):
+        self.path, self.extra = Path(path), dict(extra or {})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, engine: Engine, outcome: StepOutcome, micro: list[dict[str, torch.Tensor]]) -> None:
+        import json
+        import os
+
+        ids = [int(i) for b in micro for i in b["seq_id"]]
+        self._f.write(json.dumps({"step": engine.step, "time": time.time(), "skipped": outcome.skipped, "epoch": engine.epoch,
+                                  "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def standard_hooks(tracker=None, audit: AuditLog | None = None,
+                   on_checkpoint: Callable[[Engine, dict[str, float]], None] | None = None,
+                   on_eval_extra: Callable[[Engine, dict[str, float]], None] | None = None) -> Hooks:
+    """The hooks every launcher wants: metrics to the tracker (rank 0 passes one), the data audit,
+    and the launcher's own checkpoint writer."""
+
+    def log(engine: Engine, metrics: dict[str, float]) -> None:
+        if tracker is not None:
+            tracker.log_metrics(metrics, step=engine.step)
+
+    def on_eval(engine: Engine, metrics: dict[str, float]) -> None:
+        log(engine, metrics)
+        if on_eval_extra is not None:
+            on_eval_extra(engine, metrics)
+
+    return Hooks(on_step=audit.write if audit is not None else None, on_log=log, on_eval=on_eval,
+                 on_checkpoint=on_checkpoint)

@@ -1,0 +1,205 @@
+"""Ray Train over the shards: a TorchTrainer whose workers run pipeline/train/loop.py's `fit` around the one
+Engine, with exact resume, fault tolerance and MLflow tracking from rank 0.
+
+    python pipeline/run.py train --ray.num_workers=2            # through the CLI
+    ray job submit --working-dir . -- python pipeline/run.py    # on a running cluster
+
+Exact resume. Ray Data's streaming_split is not resumable (after a restart a worker's iterator starts
+over, so data is silently repeated or skipped). Instead every worker builds its own Ray Dataset for
+its rank from the (epoch, cursor) stored in the checkpoint (pipeline/data/shards.py `ray_batches`): the
+global order is a seeded permutation of the split, so after any restart each worker continues at the
+exact next sequence. The checkpoint is the engine's full state (weights, optimizer, scheduler, RNG,
+counters) reported through `ray.train.report`; Ray keeps the newest K by validation loss plus the
+latest, and FailureConfig restarts the worker group from the latest after a worker dies.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config, from_flat
+from pipeline.ray_runtime import ensure_ray, use_gpu, worker_cpus
+
+from pipeline.train.local import AUDIT_DIR  # <run_dir>/data_audit/rank_<r>.jsonl: seq_ids consumed per step
+
+STOP_FILE = "STOP"  # <run_dir>/STOP: the driver's Ctrl+C, seen by every worker
+
+
+@dataclass
+class TrainOutcome:
+    run_dir: Path
+    checkpoint: Path | None  # the latest checkpoint directory (local storage) or None
+    metrics: dict[str, Any]
+    mlflow_run_id: str | None
+    stopped: bool = False  # a Ctrl+C stopped it (after a checkpoint) before max_steps
+
+
+# ------------------------------------------------------------------------------------------ worker
+def train_loop_per_worker(lc: dict[str, Any]) -> None:
+    """Runs in every Ray Train worker. `lc` is built by `run_training`; see its keys there."""
+    import ray.data
+    import ray.train
+    import ray.train.torch
+
+    from pipeline.train.engine import Engine
+    from pipeline.train.generate import eval_samples_hook
+    from pipeline.train.loop import AuditLog, StopRequest, fit, standard_hooks
+    from pipeline.data.shards import ray_batches
+    from pipeline.tracking.tracker import open_tracker
+
+    cfg: Config = from_flat(lc["config"])
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the rank-0 tqdm bar is the one to watch
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    engine = Engine(cfg, lc["vocab_size"], device, rank=rank, world_size=world,
+                    wrap=lambda m: ray.train.torch.prepare_model(m, move_to_device=False))
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            engine.load(d)
+    elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
+        engine.load(lc["init_from"])
+        engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
+    run_dir = Path(lc["run_dir"])
+    tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
+    t = cfg.train
+    dataset_dir = lc["dataset_dir"]
+
+    def train_batches(epoch: int, start: int):
+        ds = ray_batches(dataset_dir, "train", t.batch_size, t.seed, epoch, start, rank, world)
+        return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=2, drop_last=True)
+
+    def val_batches():
+        ds = ray_batches(dataset_dir, "val", t.batch_size, 0, 0, 0, rank, world)
+        return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=1, drop_last=True)
+
+    audit = None
+    if lc.get("audit_data"):
+        import torch
+
+        node = ray.get_runtime_context().get_node_id()  # threads: Ray's OMP_NUM_THREADS = the worker's CPUs
+        audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl",
+                         extra={"node": node, "threads": torch.get_num_threads()})
+    extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
+    has_val = lc.get("has_val", True)
+
+    def on_checkpoint(e, metrics) -> None:
+        # Every worker reports (Ray Train synchronises on it); rank 0 attaches the one copy of the state.
+        if has_val and "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
+            metrics = {**metrics, **e.evaluate(val_batches(), max_batches=t.eval_batches)}
+        report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics}
+        with tempfile.TemporaryDirectory() as tmp:
+            if rank == 0:
+                path = e.save(Path(tmp) / "state", extra={**extra, "metrics": metrics})
+                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
+            else:
+                ray.train.report(report)
+
+    try:
+        samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens) if rank == 0 else None
+        fit(engine, train_batches, val_batches if has_val else None,
+            standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
+            progress=rank == 0, stop=StopRequest(run_dir / STOP_FILE))
+    finally:
+        if audit is not None:
+            audit.close()
+
+
+# ------------------------------------------------------------------------------------------ driver
+def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, mlflow_run_id: str | None = None,
+                 init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
+                 audit_data: bool = False, callbacks: list | None = None) -> TrainOutcome:
+    """Train with Ray Train. Checks inputs before any worker starts; returns the latest checkpoint.
+
+    `callbacks` go to Ray Train's RunConfig (a Tune trial passes TuneReportCallback: pipeline/sweep/tune.py).
+
+    Rerunning with the same run_dir resumes from the latest checkpoint in its Ray storage (Ray Train
+    restores the run by name). `init_from` starts from another checkpoint's full state (phases).
+    """
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from pipeline.train.engine import check_checkpoint_fits, read_checkpoint_meta
+    from pipeline.data.shards import check_compatible, load_manifest
+
+    run_dir = Path(run_dir).resolve()
+    manifest = load_manifest(dataset_dir)
+    check_compatible(manifest, seq_len=cfg.data.seq_len)
+    if init_from is not None:
+        check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
+    ensure_ray(cfg.ray.address, cfg)
+    storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else run_dir / "ray"
+    if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
+        storage = cfg.ray.storage_path
+    run_name = f"phase{phase}"
+    has_val = manifest.rows("val") >= cfg.train.batch_size * cfg.ray.num_workers
+    lc = {"config": cfg.flat(), "dataset_dir": str(Path(dataset_dir).resolve()), "vocab_size": manifest.vocab_size,
+          "run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id, "init_from": str(init_from) if init_from else None,
+          "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
+          "has_val": has_val}
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=lc,
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu(cfg),
+                                               resources_per_worker={"CPU": worker_cpus(cfg)},
+                                               placement_strategy=cfg.ray.placement_strategy),
+        run_config=ray.train.RunConfig(
+            name=run_name, storage_path=str(storage),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
+                                                         checkpoint_score_attribute="val/loss" if has_val else None,
+                                                         checkpoint_score_order="min"),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
+            callbacks=callbacks),
+    )
+    result = fit_with_clean_stop(trainer, run_dir / STOP_FILE)
+    ckpt = Path(result.checkpoint.path) if result.checkpoint is not None else None
+    metrics = dict(result.metrics or {})
+    stopped = metrics.get("step", 0) < (max_steps or cfg.train.max_steps)
+    return TrainOutcome(run_dir, ckpt, metrics, mlflow_run_id, stopped)
+
+
+def fit_with_clean_stop(trainer, stop_file: Path):
+    """trainer.fit(), where the first Ctrl+C makes every worker checkpoint and stop at the same step.
+
+    Ray Train's own Ctrl+C handler aborts the run without a checkpoint, and it only installs itself from
+    the main thread; so fit() runs in a helper thread while the main thread turns Ctrl+C into the stop
+    file the workers poll. A second Ctrl+C interrupts at once. In a Tune trial (not the main thread)
+    this is plain trainer.fit().
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return trainer.fit()
+    stop_file.unlink(missing_ok=True)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    def on_sigint(signum, frame) -> None:
+        if stop_file.exists():
+            raise KeyboardInterrupt
+        stop_file.parent.mkdir(parents=True, exist_ok=True)
+        stop_file.touch()
+        print("\nstop requested: the workers checkpoint and stop at their next log step "
+              "(Ctrl+C again to abort without a checkpoint)", flush=True)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    thread = threading.Thread(target=run, name="ray-train-fit", daemon=True)
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        stop_file.unlink(missing_ok=True)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

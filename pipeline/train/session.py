@@ -1,0 +1,179 @@
+"""One training run from the driver's side: phases, datasets, the MLflow run, Ray or local training,
+and the artifacts at the end. `python pipeline/run.py train` builds one of these.
+
+A run directory holds run.json (config, phases, MLflow run id, datasets, latest checkpoint, phases
+done), the Ray Train storage (ray/) or local checkpoints (checkpoints/), training_curves.png and the
+data audit when asked for. Rerunning with --resume continues from what run.json and the checkpoints say.
+
+Phases (a curriculum such as TinyStories then FineWeb-Edu) come from a YAML list:
+
+    - steps: 200
+      overrides: {data.source: hf, data.hf_name: roneneldan/TinyStories}
+    - steps: 800
+      overrides: {data.source: hf, data.hf_name: HuggingFaceFW/fineweb-edu, data.hf_config: sample-10BT}
+
+Model, optimizer and scheduler state carry from one phase to the next; the learning-rate schedule
+spans all phases (one warmup, one cosine); later phases reuse the first phase's tokenizer.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import Config, ConfigError
+from pipeline.train.run_dir import RUN_FILE, write_run_file
+
+# Fields that fix the model's shape or the token ids: they cannot change between phases.
+_FIXED_ACROSS_PHASES = ("model.tier", "model.tie_embeddings", "data.vocab_size", "data.tokenizer")
+
+
+@dataclass
+class Phase:
+    steps: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def load_phases(path: str | None, cfg: Config) -> list[Phase]:
+    """Phases from a YAML file, each validated against cfg; no file means one phase of train.max_steps."""
+    if not path:
+        return [Phase(cfg.train.max_steps)]
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--phases {path}: no such file")
+    doc = yaml.safe_load(p.read_text())
+    if not isinstance(doc, list) or not doc:
+        raise ConfigError(f"--phases {path}: expected a YAML list of phases like [{{steps: 100, overrides: {{...}}}}]")
+    phases = []
+    for i, item in enumerate(doc):
+        if not isinstance(item, dict) or set(item) - {"steps", "overrides", "name"} or "steps" not in item:
+            raise ConfigError(f"--phases {path}: phase {i} must be a mapping with steps (and optional overrides)")
+        steps, overrides = item["steps"], dict(item.get("overrides") or {})
+        if not isinstance(steps, int) or steps <= 0:
+            raise ConfigError(f"--phases {path}: phase {i} steps={steps!r}; it must be a positive integer")
+        fixed = [k for k in overrides if k in _FIXED_ACROSS_PHASES]
+        if fixed:
+            raise ConfigError(f"--phases {path}: phase {i} changes {fixed}; the model and tokenizer stay the same "
+                              f"across phases, set them on the command line instead")
+        cfg.replace(overrides)  # unknown keys and bad values fail here, before anything runs
+        phases.append(Phase(steps, overrides))
+    return phases
+
+
+@dataclass
+class SessionResult:
+    checkpoint: Path | None
+    cfg: Config
+    ui_command: str
+    dataset_dirs: list[str]
+    stopped: bool = False  # Ctrl+C: checkpointed before the end; continue with --resume
+
+
+class TrainSession:
+    def __init__(self, cfg: Config, run_dir: Path, phases: list[Phase], *, use_ray: bool = True,
+                 audit_data: bool = False):
+        from pipeline.tracking.tracker import pin_tracking_uri
+
+        # Workers may run in another directory or on another node: pin paths and the tracking store.
+        cfg = cfg.replace({"run.root": str(Path(cfg.run.root).resolve())})
+        self.cfg = pin_tracking_uri(cfg) if cfg.tracking.enabled else cfg
+        self.run_dir, self.phases = Path(run_dir).resolve(), phases
+        self.use_ray, self.audit_data = use_ray, audit_data
+
+    def _record(self, **changes: Any) -> dict[str, Any]:
+        path = self.run_dir / RUN_FILE
+        record = json.loads(path.read_text()) if path.exists() else {}
+        record.update(changes)
+        write_run_file(self.run_dir, record)
+        return record
+
+    def run(self, resume: bool = False) -> SessionResult:
+        from model.decoder import build_model
+        from pipeline.data.stages import prepare_main
+        from pipeline.data.shards import load_manifest
+        from pipeline.tracking.tracker import (PARAM_MANIFEST_HASH, PARAM_MODEL_PARAMS, PARAM_TOKENIZER_SHA256,
+                                       PARAM_WORLD_SIZE, check_tracking_uri, open_tracker, resolve_tracking_uri)
+
+        cfg, total = self.cfg, sum(p.steps for p in self.phases)
+        record = self._record(config=cfg.flat(), phases=[asdict(p) for p in self.phases], status="running",
+                              audit_data=self.audit_data)
+        if cfg.tracking.enabled:
+            check_tracking_uri(resolve_tracking_uri(cfg))  # fail fast, before any data or worker work
+        tracker = open_tracker(cfg, run_id=record.get("mlflow_run_id"), run_name=self.run_dir.name)
+        self._record(mlflow_run_id=tracker.run_id)
+        datasets: list[str] = list(record.get("datasets", []))
+        checkpoint = Path(record["checkpoint"]) if record.get("checkpoint") else None
+        tokenizer = record.get("tokenizer") or cfg.data.tokenizer
+        end_step, pcfg = 0, cfg
+        status = "FAILED"
+        try:
+            for i, phase in enumerate(self.phases):
+                end_step += phase.steps
+                pcfg = cfg.replace({**phase.overrides, "train.max_steps": total,
+                                    **({"data.tokenizer": tokenizer} if tokenizer else {})})
+                if i < record.get("phases_done", 0):
+                    continue
+                dataset = prepare_main(pcfg)
+                manifest = load_manifest(dataset)
+                tokenizer = tokenizer or str(Path(dataset) / "tokenizer.model")
+                datasets = (datasets + [str(dataset)])[: i + 1]
+                record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
+                if i == 0:
+                    with torch.device("meta"):  # exact count without allocating the weights
+                        n_params = build_model(pcfg.model.tier, manifest.vocab_size,
+                                               tie_embeddings=pcfg.model.tie_embeddings).num_params()
+                    tracker.log_config({PARAM_MODEL_PARAMS: n_params, PARAM_WORLD_SIZE: pcfg.ray.num_workers,
+                                        PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
+                                        PARAM_MANIFEST_HASH: manifest.settings_hash})
+                    tracker.log_dict(manifest.to_dict(), "manifest.json")
+                    tracker.log_dict(pcfg.to_dict(), "config.json")
+                init_from = checkpoint if i > 0 else None
+                if self.use_ray:
+                    from pipeline.train.ray_train import run_training
+
+                    out = run_training(pcfg, dataset, self.run_dir, mlflow_run_id=tracker.run_id, init_from=init_from,
+                                       max_steps=end_step, phase=i, audit_data=self.audit_data)
+                    checkpoint, stopped = out.checkpoint, out.stopped
+                else:
+                    from pipeline.train.local import train_local
+
+                    checkpoint, stopped = train_local(pcfg, dataset, self.run_dir, tracker, init_from=init_from,
+                                                      max_steps=end_step, phase=i, audit_data=self.audit_data)
+                if stopped:  # Ctrl+C: a checkpoint was written; `--resume` continues this phase
+                    record = self._record(checkpoint=str(checkpoint) if checkpoint else None)
+                    status = "KILLED"
+                    break
+                record = self._record(checkpoint=str(checkpoint) if checkpoint else None, phases_done=i + 1)
+            else:
+                status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            self._finish(tracker, status)
+        return SessionResult(checkpoint, pcfg, tracker.ui_command(), datasets, stopped=status == "KILLED")
+
+    def _finish(self, tracker, status: str) -> None:
+        """Curves from the MLflow history, the run record, and the run's final status."""
+        from pipeline.tracking.curves import plot_training_curves
+        from pipeline.tracking.tracker import METRICS
+
+        self._record(status={"FINISHED": "finished", "KILLED": "stopped", "FAILED": "failed"}[status])
+        if tracker.run_id is None:
+            return
+        try:
+            by_step: dict[int, dict[str, float]] = {}
+            for name in METRICS:
+                for m in tracker.client.get_metric_history(tracker.run_id, name):
+                    by_step.setdefault(m.step, {"step": m.step})[name] = m.value
+            history = [by_step[s] for s in sorted(by_step)]
+            png = plot_training_curves(history, self.run_dir / "training_curves.png", title=self.run_dir.name)
+            tracker.log_artifact(png)
+            tracker.log_artifact(self.run_dir / RUN_FILE)
+        finally:
+            tracker.finish(status)

@@ -1,0 +1,161 @@
+"""Corpus sources (built-in, .txt/.jsonl/.json/.parquet files, Hugging Face via `datasets`) and cleaning.
+
+Every bad input gets a clear error naming the file (and line), or a counted skip.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_config
+from pipeline.data.corpus import (DataSourceError, builtin_document, builtin_items, clean_texts, describe_source,
+                             read_document_file, read_documents, resolve_files)
+from tests.pipeline.data.helpers import sample_docs, write_jsonl
+
+
+def cfg_for(**data):
+    return load_config("test", {f"data.{k}": v for k, v in {"max_documents": 0, **data}.items()}).data
+
+
+def texts_of(ds) -> list:
+    """Documents of a source dataset as the pipeline sees them after cleaning, in order."""
+    out = []
+    for batch in ds.iter_batches(batch_size=64, batch_format="pyarrow"):
+        out += clean_texts(batch["text"])[0]
+    return out
+
+
+# ------------------------------------------------------------------ cleaning (no Ray)
+
+def test_clean_counts_every_fix_and_drop():
+    values = [b"ok \xff\xfe bytes", "nul\x00in\x00side", "", "   \n\t ", None, "lone \ud800 surrogate",
+              b"real \xef\xbf\xbd stays", "fine"]
+    texts, st = clean_texts(values)
+    assert texts == ["ok \ufffd\ufffd bytes", "nulinside", "lone \ufffd surrogate", "real \ufffd stays", "fine"]
+    assert st.documents == 5 and st.dropped_empty == 3  # "", whitespace-only, null
+    assert st.replaced_invalid_utf8 == 3  # two invalid bytes + one surrogate; the genuine U+FFFD is not counted
+    assert st.nul_removed == 2
+    assert all(t.encode("utf-8") for t in texts)
+
+
+def test_clean_handles_arrow_strings_with_invalid_utf8():
+    # Arrow does not validate string buffers it is handed; the cleaner must not trust them.
+    bad = pa.Array.from_buffers(pa.string(), 1, [None, pa.py_buffer(b"\x00\x00\x00\x00\x03\x00\x00\x00"),
+                                                 pa.py_buffer(b"a\xffb")])
+    texts, st = clean_texts(bad)
+    assert texts == ["a\ufffdb"] and st.replaced_invalid_utf8 == 1
+
+
+def test_clean_rejects_non_text_values():
+    with pytest.raises(DataSourceError, match="not text"):
+        clean_texts([12, "x"])
+
+
+# ------------------------------------------------------------------ files: resolution and parsing (no Ray)
+
+def test_resolve_files_dir_glob_file_and_errors(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name in ("b.txt", "a.jsonl", "sub/c.parquet", "skip.csv", ".hidden.txt"):
+        (tmp_path / name).write_text("x")
+    names = [p.relative_to(tmp_path).as_posix() for p in resolve_files(str(tmp_path))]
+    assert names == ["a.jsonl", "b.txt", "sub/c.parquet"]  # sorted, recursive, unsupported/hidden skipped
+    assert [p.name for p in resolve_files(str(tmp_path / "*.txt"))] == ["b.txt"]  # glob skips dot files too
+    with pytest.raises(DataSourceError, match="does not exist"):
+        resolve_files(str(tmp_path / "nope"))
+    with pytest.raises(DataSourceError, match="matches no"):
+        resolve_files(str(tmp_path / "*.md"))
+    with pytest.raises(DataSourceError, match="unsupported type"):
+        resolve_files(str(tmp_path / "skip.csv"))
+    os.symlink(tmp_path / "gone.txt", tmp_path / "broken.txt")  # unreadable: a dangling link
+    with pytest.raises(DataSourceError, match="cannot read .*broken.txt"):
+        resolve_files(str(tmp_path))
+
+
+def test_jsonl_parsing_replaces_invalid_utf8_and_names_bad_lines(tmp_path):
+    good = tmp_path / "g.jsonl"
+    good.write_bytes(b'{"text": "caf\xe9 au lait"}\n\n{"text": null}\n{"text": "two \\ud800"}\n')
+    with open(good, "rb") as f:
+        table = pa.concat_tables(read_document_file(f, str(good), "jsonl", "text"))
+    assert table["text"].to_pylist() == ["caf\ufffd au lait", None, "two \ufffd"]
+    assert table["replaced"].to_pylist() == [1, 0, 1]
+    cases = {b'{"text": "a"}\n{"body": "b"}\n': r"line 2: no 'text' field \(fields: body\)",
+             b'{"text": 5}\n': "line 1: field 'text' is int, not a string",
+             b'{"text": "a"}\n{broken\n': "line 2: not valid JSON",
+             b'["a list"]\n': "line 1: expected a JSON object"}
+    for i, (data, message) in enumerate(cases.items()):
+        p = tmp_path / f"bad{i}.jsonl"
+        p.write_bytes(data)
+        with open(p, "rb") as f, pytest.raises(DataSourceError, match=message):
+            list(read_document_file(f, str(p), "jsonl", "text"))
+
+
+def test_describe_source_changes_with_the_files(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", ["one"])
+    before = describe_source(cfg_for(source="files", path=str(tmp_path)))
+    write_jsonl(p, ["one", "two"])
+    after = describe_source(cfg_for(source="files", path=str(tmp_path)))
+    assert before["listing_sha256"] != after["listing_sha256"]
+
+
+# ------------------------------------------------------------------ Ray Data sources
+
+def test_builtin_corpus_is_python_text_without_download(ray_session):
+    items = builtin_items()
+    assert len(items) > 500 and items[0]["kind"] == "topic"
+    module = next(i for i in items if i["key"].endswith("/json/__init__.py"))
+    doc = builtin_document(module)
+    assert doc.startswith("Module json\n\nJSON (JavaScript Object Notation)") and "def json.dumps(obj" in doc
+    ds = read_documents(cfg_for(source="builtin", max_documents=90))
+    docs = texts_of(ds)
+    assert len(docs) == 90 and docs[0] == builtin_document(items[0])
+    assert sum(map(len, docs)) > 300_000  # topics are long: a real corpus, not a stub
+
+
+def test_files_of_every_type_in_order(ray_session, tmp_path):
+    docs = sample_docs(12, 400)
+    (tmp_path / "a.txt").write_bytes(docs[0].encode() + b"\n\xff invalid byte")  # a .txt file is one document
+    write_jsonl(tmp_path / "b.jsonl", docs[1:4], column="body")
+    (tmp_path / "c.json").write_text(json.dumps([{"body": d} for d in docs[4:6]]))
+    pq.write_table(pa.table({"body": docs[6:9], "n": [1, 2, 3]}), tmp_path / "d.parquet")
+    pq.write_table(pa.table({"body": pa.array([d.encode() for d in docs[9:12]], pa.binary())}),
+                   tmp_path / "e.parquet")
+    got = texts_of(read_documents(cfg_for(source="files", path=str(tmp_path), text_column="body")))
+    assert got == [docs[0] + "\n\ufffd invalid byte"] + docs[1:12]
+    only_json = texts_of(read_documents(cfg_for(source="files", path=str(tmp_path / "*.js*"), text_column="body",
+                                                max_documents=4)))
+    assert only_json == docs[1:5]
+
+
+def test_parquet_column_errors_name_file_and_column(ray_session, tmp_path):
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "body.parquet")
+    with pytest.raises(DataSourceError, match=r"body.parquet' has no column 'text' \(columns: body\)"):
+        read_documents(cfg_for(source="files", path=str(tmp_path / "body.parquet")))
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    with pytest.raises(DataSourceError, match=r"column 'text' of .*ints.parquet' is int64, not text"):
+        read_documents(cfg_for(source="files", path=str(tmp_path / "ints.parquet")))
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(DataSourceError, match="corrupt.parquet' is not a readable Parquet file"):
+        read_documents(cfg_for(source="files", path=str(tmp_path / "corrupt.parquet")))
+
+
+def test_hugging_face_loaders_on_local_files(ray_session, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    docs = sample_docs(10, 300)
+    write_jsonl(tmp_path / "train-0.jsonl", docs[:6], column="story")
+    write_jsonl(tmp_path / "train-1.jsonl", docs[6:], column="story")  # two files: two shards when streaming
+    pq.write_table(pa.table({"text": docs}), tmp_path / "train.parquet")
+    for streaming in (False, True):
+        d = cfg_for(source="hf", hf_name="json", path=str(tmp_path / "train-*.jsonl"), text_column="story",
+                    hf_streaming=streaming)
+        assert texts_of(read_documents(d)) == docs, f"streaming={streaming}"
+    d = cfg_for(source="hf", hf_name="parquet", path=str(tmp_path / "train.parquet"), max_documents=4)
+    assert texts_of(read_documents(d)) == docs[:4]
+    with pytest.raises(DataSourceError, match="has no column 'text' .*story"):
+        read_documents(cfg_for(source="hf", hf_name="json", path=str(tmp_path / "train-0.jsonl")))
+    with pytest.raises(DataSourceError, match="cannot load Hugging Face dataset 'no-such-org/no-such-data'"):
+        read_documents(cfg_for(source="hf", hf_name="no-such-org/no-such-data"))

@@ -1,0 +1,24 @@
+"""bench/data_throughput.py --smoke runs end to end: both sides, identical shards, a JSON result."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_data_throughput_bench_smoke(ray_session, tmp_path):
+    # The Ray children join this session's cluster (RAY_ADDRESS) instead of starting their own.
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    proc = subprocess.run([sys.executable, "bench/data_throughput.py", "--smoke", "--out-dir", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "speedup (Ray Data / single process, tokens/s)" in proc.stdout
+    result = json.loads(next(tmp_path.glob("data_throughput_smoke-*.json")).read_text())
+    assert result["identical_shards"] is True
+    assert result["tokens"] > 100_000 and 0.99 < result["tokens_kept_fraction"] <= 1.0
+    assert len(result["driver_peak_rss_mb"]) == 2 and result["speedup_ray_over_baseline"] > 0
+    assert result["commit"] and result["device"]["cpu_count"] == os.cpu_count()

@@ -1,0 +1,229 @@
+"""Pretokenize + pack with Ray Data: packing invariants, counted skips, determinism, caching, kill-midway."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.data.corpus import DataSourceError
+from pipeline.data.pack import SplitRule, plan_shards, prepare
+from pipeline.data.validate import validate_dataset
+from pipeline.data.shards import MANIFEST_FILE, DatasetError, load_manifest
+from pipeline.data.tokenizer import Tokenizer
+from tests.pipeline.data.helpers import (SEQ_LEN, data_cfg, expected_stream, long_doc, make_tokenizer, read_rows,
+                                         sample_docs, write_jsonl)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def messy_corpus(tmp_path_factory):
+    """Three files with every kind of bad input; returns (dir, documents in source order as raw values)."""
+    root = tmp_path_factory.mktemp("messy")
+    docs = sample_docs(40, 2500)
+    raw: list = []
+    a = docs[:15] + ["", "   \n\t  ", None, "with\x00two\x00NULs", long_doc()] + docs[15:20]
+    write_jsonl(root / "a.jsonl", a)
+    raw += a
+    (root / "b.txt").write_bytes(b"bytes that are not UTF-8: \xff\xfe and \xc3( end\n" + docs[20].encode())
+    raw.append(b"bytes that are not UTF-8: \xff\xfe and \xc3( end\n" + docs[20].encode())
+    write_jsonl(root / "c.jsonl", docs[21:])
+    raw += docs[21:]
+    return root, raw
+
+
+@pytest.fixture(scope="module")
+def messy_dataset(ray_session, tok_path, messy_corpus, tmp_path_factory):
+    root, raw = messy_corpus
+    cfg = data_cfg(tmp_path_factory.mktemp("run"), tok_path, data__source="files", data__path=str(root))
+    return prepare(cfg), raw, cfg
+
+
+def test_windows_reproduce_the_token_stream_in_order(messy_dataset, tok_path):
+    out, raw, cfg = messy_dataset
+    rows = read_rows(out)
+    tok = Tokenizer(tok_path)
+    stream = expected_stream(tok, raw)
+    n = len(rows["seq_id"])
+    assert np.array_equal(rows["seq_id"], np.arange(n))  # unique and dense over train + val
+    width = SEQ_LEN + 1
+    assert n == len(stream) // width  # only the final partial window is dropped
+    assert np.array_equal(rows["tokens"].reshape(-1), stream[:n * width])
+    m = rows["manifest"]
+    assert m.counts["tokens_total"] == len(stream) and m.counts["tokens_kept"] == n * width
+    assert m.counts["tokens_dropped_remainder"] == len(stream) - n * width < width
+    assert m.packing_efficiency == pytest.approx(n * width / len(stream))
+
+
+def test_order_holds_across_many_batches_parts_and_actors(ray_session, tok_path, tmp_path, monkeypatch):
+    """Small batches and parts (planned in the driver, so patchable here): two actors finish batches out of
+    order, yet the parts, concatenated by write-task index, are the corpus stream in source order."""
+    import pipeline.data.pack as pack
+
+    monkeypatch.setattr(pack, "DOCS_PER_BATCH", 7)
+    monkeypatch.setattr(pack, "BATCHES_PER_PART", 2)
+    docs = sample_docs(80, 600)
+    for k in range(6):
+        write_jsonl(tmp_path / f"part{k}.jsonl", docs[k * 13:(k + 1) * 13] + docs[:k])
+    raw = [d for k in range(6) for d in docs[k * 13:(k + 1) * 13] + docs[:k]]
+    out = prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path)))
+    m = load_manifest(out)
+    assert m.extra["parts"] >= 5
+    stream = expected_stream(Tokenizer(tok_path), raw)
+    rows = read_rows(out)
+    assert np.array_equal(rows["tokens"].reshape(-1), stream[:rows["tokens"].size])
+
+
+def test_every_boundary_sits_at_an_eos(messy_dataset):
+    out, _, _ = messy_dataset
+    rows = read_rows(out)
+    eos = rows["manifest"].eos_id
+    for tokens, starts in zip(rows["tokens"], rows["doc_starts"]):
+        assert all(0 < s <= SEQ_LEN and tokens[s - 1] == eos for s in starts)
+        assert list(starts) == [int(i) + 1 for i in np.flatnonzero(tokens[:-1] == eos)]  # and every EOS starts one
+
+
+def test_bad_inputs_are_counted_not_silently_dropped(messy_dataset):
+    out, raw, _ = messy_dataset
+    c = load_manifest(out).counts
+    assert c["dropped_empty"] == 3  # "", whitespace-only, JSON null
+    assert c["nul_removed"] == 2
+    assert c["replaced_invalid_utf8"] == 3  # \xff, \xfe, and the truncated \xc3
+    assert c["documents"] == len(raw) - 3
+    # the long document spans more than 50 windows and survives whole, in order (checked by the stream test)
+    assert c["tokens_total"] > 51 * (SEQ_LEN + 1) and load_manifest(out).doc_length["max"] > 50 * (SEQ_LEN + 1)
+
+
+def test_split_is_deterministic_and_shards_are_sized(messy_dataset):
+    out, _, cfg = messy_dataset
+    m = load_manifest(out)
+    rows = read_rows(out)
+    rule = SplitRule(**m.extra["split_rule"])
+    is_val = rule.is_val(rows["seq_id"])
+    assert [s == "val" for s in rows["split"]] == is_val.tolist()
+    assert 0 < m.rows("val") < 0.15 * len(is_val)  # val_fraction 0.05 of a few hundred rows
+    for split, shards in m.shards.items():
+        assert all(s.rows == cfg.data.rows_per_shard for s in shards[:-1]) and 0 < shards[-1].rows
+        assert [s.file for s in shards] == [f"{split}-{k:05d}.parquet" for k in range(len(shards))]
+    assert validate_dataset(out).ok
+
+
+def test_plan_shards_tiny_cases():
+    specs, counts = plan_shards(SplitRule(10, 0.0, 0), rows_per_shard=4)
+    assert counts == {"train": 10, "val": 0}
+    assert [(s["first"], s["stop"], s["rows"]) for s in specs] == [(0, 4, 4), (4, 8, 4), (8, 10, 2)]
+    rule = SplitRule(1000, 0.1, 3)
+    specs, counts = plan_shards(rule, rows_per_shard=32, chunk=100)  # chunking does not change the plan
+    assert (specs, counts) == plan_shards(rule, rows_per_shard=32)
+    assert counts["val"] == int(rule.is_val(np.arange(1000)).sum()) and 60 < counts["val"] < 140
+
+
+def test_same_settings_same_bytes_whatever_the_parallelism(ray_session, tok_path, messy_corpus, messy_dataset,
+                                                           tmp_path):
+    root, _ = messy_corpus
+    out, _, _ = messy_dataset
+    cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(root), data__tokenize_actors=1,
+                   data__dataset_dir=str(tmp_path / "one_actor"))
+    again = prepare(cfg)
+    a, b = load_manifest(out), load_manifest(again)
+    assert a.settings_hash == b.settings_hash  # the actor count is not part of the key...
+    assert a.shards == b.shards  # ...because it cannot change a byte
+
+
+def test_cache_reuses_and_changed_settings_rebuild(ray_session, tok_path, tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", sample_docs(20, 1500))
+    cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(corpus))
+    out = prepare(cfg)
+    stamp = (out / MANIFEST_FILE).stat().st_mtime_ns
+    t0 = time.perf_counter()
+    assert prepare(cfg) == out
+    assert time.perf_counter() - t0 < 5.0 and (out / MANIFEST_FILE).stat().st_mtime_ns == stamp  # reused
+    other = prepare(cfg.replace({"data.seq_len": 32}))
+    assert other != out and load_manifest(other).seq_len == 32
+    # an explicit dataset_dir is rebuilt in place when the settings change
+    fixed = cfg.replace({"data.dataset_dir": str(tmp_path / "fixed")})
+    first = load_manifest(prepare(fixed)).settings_hash
+    second = load_manifest(prepare(fixed.replace({"data.split_seed": 7}))).settings_hash
+    assert first != second and validate_dataset(tmp_path / "fixed").ok
+    # touching the corpus changes the key
+    write_jsonl(corpus, sample_docs(21, 1500))
+    assert prepare(cfg) != out
+
+
+def test_builtin_corpus_trains_its_tokenizer(ray_session, tmp_path):
+    cfg = data_cfg(tmp_path, None, data__source="builtin", data__max_documents=60, data__vocab_size=600,
+                   data__tokenizer_sample_bytes=400_000)
+    out = prepare(cfg)
+    m = load_manifest(out)
+    tok = Tokenizer(out / "tokenizer.model")
+    assert m.vocab_size == tok.vocab_size == 600 and m.tokenizer_sha256 == tok.sha256
+    assert (m.pad_id, m.unk_id, m.bos_id, m.eos_id) == (0, 1, 2, 3)
+    assert m.counts["documents"] == 60 and m.source["kind"] == "builtin"
+    report = validate_dataset(out)
+    assert report.ok, report.errors
+    assert report.stats["round_trip"].startswith("ok on")
+
+
+def test_user_errors_inside_ray_come_out_clear(ray_session, tok_path, tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path / "bad.jsonl"))
+    with pytest.raises(DataSourceError, match=r"bad.jsonl line 2: no 'text' field \(fields: body\)") as info:
+        prepare(cfg)
+    assert "Traceback" not in str(info.value) and "ray" not in type(info.value).__module__
+    write_jsonl(tmp_path / "short.jsonl", ["just a few words"])
+    with pytest.raises(DataSourceError, match=r"less than one row of seq_len\+1=65; lower data.seq_len"):
+        prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path / "short.jsonl")))
+    write_jsonl(tmp_path / "empty.jsonl", ["", "  ", None])
+    with pytest.raises(DataSourceError, match="no documents left after cleaning .3 empty"):
+        prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path / "empty.jsonl")))
+    manifests = list(Path(cfg.run.root).glob("datasets/*/manifest.json"))
+    assert manifests == []  # failed builds leave no dataset
+
+
+@pytest.mark.parametrize("stage", ["parts", "shards"])
+def test_sigkill_midway_leaves_no_manifest_and_the_rerun_validates(ray_session, tok_path, messy_corpus, tmp_path,
+                                                                   stage):
+    root, _ = messy_corpus
+    out = tmp_path / "ds"
+    args = [sys.executable, "-m", "pipeline.data.stages", "prepare", "test", f"--run.root={tmp_path}",
+            "--data.source=files", f"--data.path={root}", f"--data.tokenizer={tok_path}", "--data.seq_len=64",
+            "--data.vocab_size=400", "--data.max_documents=0", "--data.rows_per_shard=128",
+            "--data.tokenize_actors=2", f"--data.dataset_dir={out}",
+            f"--ray.address={ray_session.get_runtime_context().gcs_address}"]
+    env = {**os.environ, "LONGTRAIN_PREPARE_HOLD": stage, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while not (out / f".hold-{stage}").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, "prepare never reached the hold point"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stderr.close()
+    assert not (out / MANIFEST_FILE).exists()
+    assert (out / "_parts").is_dir()  # really killed mid-build: the intermediate files are still there
+    if stage == "shards":
+        assert list(out.glob("train-*.parquet"))
+    with pytest.raises(DatasetError, match="manifest.json is missing"):
+        load_manifest(out)
+    report = validate_dataset(out)
+    assert not report.ok and "manifest.json is missing" in report.errors[0]
+    cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(root), data__dataset_dir=str(out))
+    assert prepare(cfg) == out
+    assert validate_dataset(out).ok and not (out / "_parts").exists() and not list(out.glob(".hold-*"))

@@ -1,0 +1,52 @@
+"""The engine benchmarks (and the Ray Train overhead one) run end to end at a tiny size on CPU and write
+well-formed results."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run_bench(script: str, out: Path, *extra: str) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list(out.glob(f"{script[:-3]}*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def test_engine_throughput_smoke(tmp_path):
+    res = run_bench("engine_throughput.py", tmp_path, "--profile", str(tmp_path / "prof"))
+    row = res["rows"][0]
+    assert res["device"]["device"] == "cpu" and res["commit"]
+    assert row["tier"] == "nano" and row["seq_len"] == 64 and row["batch_size"] == 2
+    assert row["tokens_per_s"] > 0 and 0 <= row["data_wait_frac"] < 1
+    assert row["params"] > 0 and row["flops_per_token"] > 0
+    assert list((tmp_path / "prof").glob("trace-*.json"))
+
+
+def test_train_speed_smoke(tmp_path):
+    res = run_bench("train_speed.py", tmp_path)
+    assert [r["batch_size"] for r in res["rows"]] == [1, 2]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in res["rows"])
+    assert "| tier | seq_len |" in res["markdown"]
+    assert list(tmp_path.glob("train_speed-*.md"))
+
+
+@pytest.mark.slow
+def test_ray_overhead_smoke(tmp_path):
+    """Both paths train the same steps; the ratio is theirs (no figure is asserted: timings are not tests)."""
+    from pipeline.config import load_config
+    from pipeline.ray_runtime import worker_cpus
+
+    res = run_bench("ray_overhead.py", tmp_path)
+    assert res["benchmark"] == "ray_overhead_nano_s32_b2"
+    assert res["samples"]["local"] == res["samples"]["ray"] == 6  # steps 1..8: the intervals from step 2 on
+    assert res["ratio"] == pytest.approx(res["median_step_s"]["ray"] / res["median_step_s"]["local"])
+    assert res["torch_threads"] == worker_cpus(load_config("cpu"))
