@@ -89,6 +89,7 @@ class RayConfig:
     max_failures: int = 3
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one worker per node)
     storage_path: str = ""  # empty = <run.root>/ray_results
+    dashboard_host: str = "127.0.0.1"  # the local Ray's dashboard binds here (0.0.0.0 exposes it to the network)
 
 
 @dataclass

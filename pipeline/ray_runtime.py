@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pipeline.config import Config
+
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's state API clients (Ray Train's cleaner) look first
 
 
 def ensure_ray(address: str | None = None, cfg: "Config | None" = None) -> None:
@@ -32,7 +35,38 @@ def ensure_ray(address: str | None = None, cfg: "Config | None" = None) -> None:
         return
     train_cpus = cfg.ray.num_workers * worker_cpus(cfg) if cfg is not None else 1
     cpus = max((os.cpu_count() or 1) + 2, train_cpus + 4)
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+    start_local_ray(cpus, cfg.ray.dashboard_host if cfg is not None else "127.0.0.1")
+
+
+def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
+    """A local Ray with its dashboard on `dashboard_host` (8265, or a free port when another Ray has it);
+    returns the dashboard URL.
+
+    The dashboard also serves Ray's state API, which Ray Train's placement-group cleaner polls to see
+    whether a run's controller is gone. Without it, or when the cleaner auto-detects another Ray instance
+    on the same machine, the cleaner fails and a finished run's placement group can outlive the run (on a
+    one-GPU machine the next sweep trial then waits forever). So every process of this job is told where
+    its state API is."""
+    import ray
+
+    port = _free_port(dashboard_host)
+    api = f"http://{'127.0.0.1' if dashboard_host in ('0.0.0.0', '::') else dashboard_host}:{port}"
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=dashboard_host, dashboard_port=port,
+             logging_level=logging.WARNING, runtime_env={"env_vars": {API_SERVER_ENV: api}})
+    print(f"ray: local instance with {num_cpus} logical CPUs; dashboard at {api}", flush=True)
+    return api
+
+
+def _free_port(host: str, preferred: int = 8265) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in (preferred, 0):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free port on {host}")
 
 
 def joins_cluster(address: str | None = None) -> bool:

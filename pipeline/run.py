@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # `python pipeline/run.py`: make the project impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import Config, ConfigError, from_flat, load_config  # noqa: E402
+from pipeline.console import stage  # noqa: E402
 from pipeline.train.run_dir import find_run, new_run_dir, read_run_file  # noqa: E402
 
 STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune")
@@ -108,6 +109,7 @@ def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path:
 def stage_eval(cfg: Config, checkpoint: Path, dataset_dir: Path | None = None) -> dict[str, float]:
     from pipeline.train.evaluate import evaluate_checkpoint
 
+    stage("eval", f"{checkpoint} on the validation split")
     metrics = evaluate_checkpoint(checkpoint, dataset_dir)
     print("eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     return metrics
@@ -121,6 +123,7 @@ def stage_generate(checkpoint: Path, args: argparse.Namespace, prompts: list[str
         prompts += [ln for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
     if not prompts:
         prompts = ["The ", "def ", "In this module"]
+    stage("generate", f"{len(prompts)} prompt(s), {args.max_new_tokens} new tokens, top-p {args.top_p}")
     out = generate_from_checkpoint(checkpoint, prompts, max_new_tokens=args.max_new_tokens,
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     for p, text in zip(prompts, out.texts):

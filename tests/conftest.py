@@ -30,7 +30,9 @@ def ray_session():
 
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+        from pipeline.ray_runtime import start_local_ray
+
+        start_local_ray(num_cpus=8)  # as the CLI starts it: dashboard and state API on 127.0.0.1
         started = True
     yield ray
     if started:

@@ -377,5 +377,5 @@ def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int =
     ds = ray.data.range(n_batches, override_num_blocks=blocks)
     ds.context.execution_options.preserve_order = True  # batch j must come j-th, as in ShardReader
     return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args}, batch_size=1, batch_format="numpy",
-                          concurrency=READ_TASKS)
+                          compute=ray.data.TaskPoolStrategy(size=READ_TASKS))
 

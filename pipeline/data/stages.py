@@ -14,14 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.data.validate import validate_dataset
+from pipeline.console import quiet_ray_data, stage
 from pipeline.data.shards import load_manifest
+from pipeline.data.validate import validate_dataset
 
 log = logging.getLogger("longtrain.data")
 
 
 def _quiet_logging() -> None:
-    """Our INFO lines and Ray Data's progress bars; Ray's own chatter at WARNING."""
+    """Our INFO lines, and Ray Data's progress bars in a terminal; Ray's own chatter at WARNING."""
+    quiet_ray_data()
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[data] %(message)s"))
@@ -39,6 +41,10 @@ def prepare_main(cfg) -> Path:
     from pipeline.data.pack import prepare
 
     _quiet_logging()
+    d = cfg.data
+    source = {"builtin": "built-in corpus", "files": f"files {d.path}", "hf": f"Hugging Face {d.hf_name}"}.get(
+        d.source, d.source)
+    stage("prepare", f"{source}, seq_len {d.seq_len}, vocab {d.vocab_size}")
     t0 = time.time()
     out = prepare(cfg)
     m = load_manifest(out)

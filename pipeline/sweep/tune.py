@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, from_flat
+from pipeline.console import stage
 from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, plot_sweep
 from pipeline.sweep.report import write_best_preset, write_markdown
 from pipeline.sweep.space import Space, SpaceError, load_space  # noqa: F401  (SpaceError: part of this API)
@@ -340,8 +341,10 @@ def tune_main(cfg: Config, space_path: str | None) -> int:
     if not space_path:
         found = sorted(str(p) for p in Path("tune_spaces").glob("*.yaml")) if Path("tune_spaces").is_dir() else []
         raise SpaceError("tune needs --space FILE" + (f"; for example: {', '.join(found)}" if found else ""))
+    stage("tune", f"sweep {space_path}")
     result = run_sweep(cfg, space_path)
-    print("\n" + markdown_table(result.rows, load_space(space_path, cfg).metric))
+    stage("tune", "results")
+    print(markdown_table(result.rows, load_space(space_path, cfg).metric))
     print(f"table: {result.table_md}\nchart: {result.table_png}")
     if result.best is None:
         print("no trial finished; nothing to recommend")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -147,10 +148,45 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
 
 
 def _progress_bar(engine: Engine, total: int, enabled: bool):
+    """A live tqdm bar in a terminal; in a log file or pipe, one plain line per log step instead of a
+    redrawn bar (a bar written to a file is one line per refresh)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=engine.step, disable=not enabled, desc=f"train {engine.cfg.model.tier}",
-                unit="step", dynamic_ncols=True)
+    from pipeline.console import interactive
+
+    desc = f"train {engine.cfg.model.tier}"
+    if enabled and not interactive():
+        return _LogLines(desc, total, engine.step)
+    return tqdm(total=total, initial=engine.step, disable=not enabled, desc=desc, unit="step", dynamic_ncols=True)
+
+
+class _LogLines:
+    """The progress bar's interface, printing `train nano  step 50/200  loss 5.892 ...  eta 1m10s` lines."""
+
+    def __init__(self, desc: str, total: int, initial: int):
+        self.desc, self.total, self.n, self.start_n, self.t0 = desc, total, initial, initial, time.monotonic()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, refresh: bool = False, **fields: str) -> None:
+        elapsed = time.monotonic() - self.t0
+        done = self.n - self.start_n
+        eta = elapsed / done * (self.total - self.n) if done else 0.0
+        shown = "  ".join(f"{k} {v}" for k, v in fields.items())
+        # The process's own stdout, not print(): Ray Train workers patch print to log each line twice.
+        out = sys.__stdout__ or sys.stdout
+        out.write(f"{self.desc}  step {self.n}/{self.total}  {shown}  elapsed {_clock(elapsed)}  eta {_clock(eta)}\n")
+        out.flush()
+
+    def close(self) -> None:
+        pass
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
 class LocalCheckpoints:

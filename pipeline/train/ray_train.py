@@ -14,6 +14,7 @@ latest, and FailureConfig restarts the worker group from the latest after a work
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, from_flat
+from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data
 from pipeline.ray_runtime import ensure_ray, use_gpu, worker_cpus
 
 from pipeline.train.local import AUDIT_DIR  # <run_dir>/data_audit/rank_<r>.jsonl: seq_ids consumed per step
@@ -53,7 +55,9 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.tracking.tracker import open_tracker
 
     cfg: Config = from_flat(lc["config"])
-    ray.data.DataContext.get_current().enable_progress_bars = False  # the rank-0 tqdm bar is the one to watch
+    os.environ[INTERACTIVE_ENV] = "1" if lc.get("interactive") else "0"  # the driver's console, not this pipe
+    quiet_ray_data(progress=False)  # the rank-0 progress line is the one to watch
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # "Reporting training result N" per checkpoint
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -142,7 +146,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     lc = {"config": cfg.flat(), "dataset_dir": str(Path(dataset_dir).resolve()), "vocab_size": manifest.vocab_size,
           "run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id, "init_from": str(init_from) if init_from else None,
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
-          "has_val": has_val}
+          "has_val": has_val, "interactive": interactive()}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=lc,
@@ -155,6 +159,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                                                          checkpoint_score_attribute="val/loss" if has_val else None,
                                                          checkpoint_score_order="min"),
             failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
+            # Ray Train's INFO lines (worker group started, each checkpoint reported) stay in its log files.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=callbacks),
     )
     result = fit_with_clean_stop(trainer, run_dir / STOP_FILE)

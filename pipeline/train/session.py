@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pipeline.config import Config, ConfigError
+from pipeline.console import stage
 from pipeline.train.run_dir import RUN_FILE, write_run_file
 
 # Fields that fix the model's shape or the token ids: they cannot change between phases.
@@ -133,6 +134,9 @@ class TrainSession:
                     tracker.log_dict(manifest.to_dict(), "manifest.json")
                     tracker.log_dict(pcfg.to_dict(), "config.json")
                 init_from = checkpoint if i > 0 else None
+                where = (f"{pcfg.ray.num_workers} Ray Train worker(s)" if self.use_ray else "one process, no Ray")
+                stage("train", f"tier {pcfg.model.tier}, steps {end_step - phase.steps}..{end_step}"
+                               f"{f' (phase {i})' if len(self.phases) > 1 else ''}, {where}; run {self.run_dir}")
                 if self.use_ray:
                     from pipeline.train.ray_train import run_training
 

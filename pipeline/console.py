@@ -1,0 +1,57 @@
+"""How longtrain talks to the console: stage banners that stand out from Ray's lines, progress that is
+a live bar in a terminal and a few plain lines in a log file, and Ray's own chatter kept short.
+
+    ==> prepare: builtin corpus, seq_len 256, vocab 2000
+    ==> train: tier nano, 200 steps, 1 Ray Train worker(s)
+
+Whether the console is interactive is decided once, by the driver (`sys.stdout.isatty()`), and handed
+to Ray workers through LONGTRAIN_INTERACTIVE: their own stdout is a pipe to the driver either way.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+INTERACTIVE_ENV = "LONGTRAIN_INTERACTIVE"
+
+
+def interactive() -> bool:
+    """True when a person watches a terminal: live progress bars; False for a log file or a pipe."""
+    forced = os.environ.get(INTERACTIVE_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return sys.stdout.isatty()
+
+
+def stage(name: str, detail: str = "") -> None:
+    """A stage banner: `==> train: tier nano, 200 steps` (bold in a terminal)."""
+    line = f"==> {name}" + (f": {detail}" if detail else "")
+    if sys.stdout.isatty():
+        line = f"\033[1m{line}\033[0m"
+    print("\n" + line, flush=True)
+
+
+class _DropProgressNotice(logging.Filter):
+    """Ray Data's once-per-process notice about disabled progress bars (we disable them on purpose)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Progress bars disabled", "Progress will be logged"))
+
+
+def quiet_ray_data(progress: bool | None = None) -> None:
+    """Ray Data in this process: progress bars only when `progress` (default: in a terminal), and its
+    console at WARNING (its INFO lines, such as each dataset's execution plan, stay in Ray's log files).
+
+    Call after `import ray.data` (which installs Ray Data's logging) and before executing a dataset."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = interactive() if progress is None else progress
+    ctx.print_on_execution_start = False
+    logger = logging.getLogger("ray.data")
+    for handler in logger.handlers:
+        if "File" not in type(handler).__name__:  # Ray's session log files keep everything
+            handler.setLevel(max(handler.level, logging.WARNING))
+            if not any(isinstance(f, _DropProgressNotice) for f in handler.filters):
+                handler.addFilter(_DropProgressNotice())
