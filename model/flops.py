@@ -1,19 +1,31 @@
 """Training FLOPs per token for a tier: the numerator of model-FLOPs utilization (MFU).
 
     from model.flops import flops_per_token
-    flops_per_token(get_tier("B"), seq_len=32768, vocab_size=32000)   # FLOPs per trained token
+    flops_per_token(get_tier("B"), seq_len=32768, vocab_size=32000)   # FLOPs per token, causal-equivalent
+    pairs = within_document_causal_pairs(doc_ids)                      # (B, T) -> 0-dim int64, on the device
+    executed = training_flops(tier, vocab_size, tokens=B * T, attention_pairs=pairs)   # what was computed
 
 Counting convention (PaLM appendix B, halved attention for causality):
   * every weight matrix used in a matmul costs 2 FLOPs per parameter per token forward and 4 backward
     (gradients w.r.t. inputs and w.r.t. weights): 6 * matmul_params. The output projection (V x D) is a
     matmul whether or not it is tied to the embedding; the embedding lookup is not a matmul and costs 0.
-  * attention scores QK^T and the weighted sum AV each cost 2 * T * (n_heads * head_dim) FLOPs per token
-    forward for a full T x T score matrix, so 12 * L * (n_heads * head_dim) * T for fwd + bwd. A causal mask
-    leaves half the matrix, so we count 6 * L * (n_heads * head_dim) * T. Document masking skips more (only
-    within-document pairs are computed), but MFU conventionally counts the causal figure for the row length.
+  * attention: every (query, key) pair that is computed costs 2 * head_dim FLOPs for its QK^T score and
+    2 * head_dim for its share of AV, per head and layer, forward; x3 for fwd + bwd: 12 * L * n_heads * head_dim
+    per pair (`attention_flops_per_pair`). Which pairs are computed is the convention that matters:
+      - executed (what `train/mfu` counts): causal pairs inside each document, sum over documents of
+        n(n+1)/2 (`within_document_causal_pairs`, from the batch's doc_ids, on the device). Without document
+        masking a row is one document of T tokens: T(T+1)/2 pairs.
+      - causal-equivalent (`train/mfu_causal_equiv`, and `flops_per_token` below): half of the whole T x T row,
+        T^2/2 pairs, i.e. 6 * L * (n_heads * head_dim) * T per token whatever the documents are (this
+        project's figure before doc-aware counting). With document masking it overstates the work (only
+        within-document pairs are computed); without it the two differ by T/2 pairs per row (1/T of the
+        attention term). nanoGPT and torchtitan count the full T x T square (12 * L * H * hd * T per token,
+        no causal halving), twice this attention term, so their MFU reads higher still at long context.
 Norms, RoPE, softmax and the SwiGLU product are elementwise and left out (a few percent at most).
 """
 from __future__ import annotations
+
+import torch
 
 from model.tiers import Tier
 
@@ -36,3 +48,44 @@ def flops_per_token(tier: Tier, seq_len: int, vocab_size: int, tie_embeddings: b
     del tie_embeddings
     attention = 6 * tier.n_layers * tier.n_heads * tier.head_dim * seq_len
     return float(6 * matmul_params(tier, vocab_size) + attention)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention FLOPs from the documents of a batch (what `train/mfu` counts)
+
+
+def attention_flops_per_pair(tier: Tier) -> int:
+    """Training FLOPs of one computed (query, key) pair, summed over heads and layers: 4 * head_dim forward
+    (2 for the QK^T score, 2 for the AV sum) per head, x3 for forward + backward."""
+    return 12 * tier.n_layers * tier.n_heads * tier.head_dim
+
+
+def causal_pairs(seq_len: int) -> int:
+    """(query, key) pairs with key <= query in one row of seq_len tokens: T(T+1)/2 (the diagonal included)."""
+    return seq_len * (seq_len + 1) // 2
+
+
+def within_document_causal_pairs(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, T) int, non-decreasing along each row -> 0-dim int64 tensor on doc_ids' device: the number of
+    (query, key) pairs with key <= query in the same document, summed over rows = sum over documents of n(n+1)/2.
+
+    Computed as sum over tokens of (position within its document + 1), the number of keys each query sees.
+    Device ops only (no .item(), no data-dependent shapes): on CUDA it queues behind the step without a host sync.
+    """
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)  # (B, T)
+    is_start = torch.ones(B, T, dtype=torch.bool, device=doc_ids.device)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(is_start, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, T) index of doc start
+    return (idx - start + 1).sum(dtype=torch.int64)
+
+
+def matmul_flops_per_token(tier: Tier, vocab_size: int) -> int:
+    """Training FLOPs per token outside attention's score/AV products: 6 x matmul parameters."""
+    return 6 * matmul_params(tier, vocab_size)
+
+
+def training_flops(tier: Tier, vocab_size: int, tokens, attention_pairs):
+    """FLOPs actually computed for `tokens` trained tokens whose attention computed `attention_pairs` pairs
+    (ints, or tensors: the result is then a tensor on their device, with no host sync)."""
+    return matmul_flops_per_token(tier, vocab_size) * tokens + attention_flops_per_pair(tier) * attention_pairs
