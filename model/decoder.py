@@ -16,8 +16,13 @@ document's outputs do not depend on its neighbours. Attention backends (`attenti
     auto   flex_attention + BlockMask on CUDA with doc masking; SDPA(is_causal) without doc masking;
            a dense boolean (B, 1, T, T) mask through SDPA on CPU with doc masking
     flex   flex_attention (compiled on CUDA; the eager, unfused reference on CPU, for tests only)
+    varlen variable-length FlashAttention over the documents laid end to end (torch.nn.attention.varlen,
+           torch >= 2.10; bf16/fp16 on CUDA); on CPU one SDPA(is_causal) per document (test path)
+    cudnn  SDPA(is_causal) pinned to the cuDNN kernel (CUDA only); plain causal, so doc masking off only
     sdpa   SDPA(is_causal) without doc masking; a dense mask through SDPA with doc masking
     dense  always a dense boolean mask through SDPA (the simple, obviously correct path)
+Which of flex / varlen is fastest at 32k is measured by bench/train_speed.py (--attention); `auto` keeps flex
+on CUDA until that table says otherwise.
 
 Generation (no doc masking; one prompt per row) with a KV cache:
     cache = model.new_kv_cache(batch_size=B, max_len=P + N, left_pad=pad)   # pad: (B,) int64 or None
@@ -32,17 +37,21 @@ would recompile for every new cache length).
 """
 from __future__ import annotations
 
+import inspect
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import checkpoint
 
 from model.tiers import Tier, get_tier
 
-ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "dense")
+ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "dense")
 
 # ----------------------------------------------------------------------------------------------
 # Positions and masks from document ids (computed once per forward, shared by every layer)
@@ -103,6 +112,92 @@ def _flex_attention_for(device: torch.device):
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
+
+
+# ----------------------------------------------------------------------------------------------
+# Variable-length attention: the documents of a batch laid end to end (no (T, T) mask at all)
+
+
+class DocSpans(NamedTuple):
+    """The mask for the varlen backend. cu_seqlens: (N+1,) int32 offsets of the batch's N documents in the
+    flattened (B*T) token axis, 0 first and B*T last (a row end is always a document end); max_len: the longest
+    document in tokens, a host int (flash-attention sizes its grid with it)."""
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+
+def doc_spans(doc_ids: torch.Tensor | None, B: int, T: int, device: torch.device) -> DocSpans:
+    """(B, T) document ids (or None: each row is one document) -> DocSpans on `device`.
+
+    With doc_ids the number of documents is data-dependent, so this makes one small device-to-host copy per
+    forward (the (B, T) start flags, B*T bytes), before any layer runs; without doc_ids nothing is copied.
+    """
+    if doc_ids is None:
+        return DocSpans(torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device), T)
+    is_start = torch.ones(B, T, dtype=torch.bool, device=doc_ids.device)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    starts = is_start.flatten().cpu().nonzero().flatten()  # (N,) flat index of every document start
+    cu = torch.cat([starts, torch.tensor([B * T])]).to(torch.int32)  # (N+1,)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return DocSpans(cu.to(device, non_blocking=True), max_len)
+
+
+_VARLEN_CAUSAL: dict = {}  # keyword arguments that ask torch's varlen_attn for causal attention (set lazily)
+
+
+def _prepare_varlen(device: torch.device) -> None:
+    """Resolve varlen_attn's calling convention once, eagerly (outside compiled blocks): torch 2.10/2.11 take
+    is_causal=True and no GQA; later versions a (-1, 0) window and enable_gqa."""
+    if torch.device(device).type != "cuda" or _VARLEN_CAUSAL:
+        return
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        _VARLEN_CAUSAL.update(window_size=(-1, 0), native_gqa="enable_gqa" in params)
+    else:
+        _VARLEN_CAUSAL.update(is_causal=True, native_gqa=False)
+
+
+def _flash_varlen(q, k, v, spans: DocSpans, enable_gqa: bool) -> torch.Tensor:
+    """q (N_tok, H, hd), k, v (N_tok, Hkv, hd) bf16/fp16 on CUDA -> (N_tok, H, hd) through flash-attention varlen."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"attention='varlen' runs flash-attention, which takes bf16/fp16, got {q.dtype}; "
+                         "train with precision bf16, or choose attention flex")
+    kw = dict(_VARLEN_CAUSAL)
+    native_gqa = kw.pop("native_gqa")
+    if enable_gqa and native_gqa:
+        kw["enable_gqa"] = True
+    elif enable_gqa:  # older torch: give every query head its own copy of its key/value head
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    cu = spans.cu_seqlens
+    return varlen_attn(q, k, v, cu, cu, spans.max_len, spans.max_len, **kw)
+
+
+@torch.compiler.disable
+def _varlen_reference(q, k, v, spans: DocSpans, enable_gqa: bool) -> torch.Tensor:
+    """The same contract as _flash_varlen, one SDPA(is_causal) per document: the CPU path and a test oracle.
+    Kept out of compiled graphs (a host loop over data-dependent bounds)."""
+    bounds = spans.cu_seqlens.tolist()
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        seg = [x[lo:hi].transpose(0, 1) for x in (q, k, v)]  # (heads, n, hd) each
+        outs.append(F.scaled_dot_product_attention(*seg, is_causal=True, enable_gqa=enable_gqa).transpose(0, 1))
+    return torch.cat(outs, dim=0)  # (N_tok, H, hd)
+
+
+def varlen_attention(q, k, v, spans: DocSpans, enable_gqa: bool) -> torch.Tensor:
+    """q (B, H, T, hd), k, v (B, Hkv, T, hd) -> (B, H, T, hd): causal attention inside each span of `spans`.
+
+    q, k, v are the transposed views Attention makes of (B, T, heads, hd) tensors, so packing them into the
+    (B*T, heads, hd) layout varlen takes is a view, not a copy; so is unpacking the output.
+    """
+    B, H, T, hd = q.shape
+    packed = [x.transpose(1, 2).reshape(B * T, x.shape[1], hd) for x in (q, k, v)]  # (B*T, heads, hd)
+    attend = _flash_varlen if q.device.type == "cuda" else _varlen_reference
+    return attend(*packed, spans, enable_gqa).view(B, T, H, hd).transpose(1, 2)
+
+
+CUDNN_CAUSAL = "cudnn_causal"  # the cudnn backend's mask: plain causal attention through SDPA's cuDNN kernel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,6 +316,13 @@ class Attention(nn.Module):
         gqa = H != Hkv
         if isinstance(mask, BlockMask):
             y = _flex_attention_for(q.device)(q, k, v, block_mask=mask, enable_gqa=gqa)
+        elif isinstance(mask, DocSpans):
+            y = varlen_attention(q, k, v, mask, gqa)  # (B, H, T, hd)
+        elif isinstance(mask, str) and mask == CUDNN_CAUSAL:
+            if gqa:  # expanded here so the cuDNN kernel never has to support GQA itself
+                k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             # mask None: causal when queries and keys line up, else one new token that sees the whole cache
             is_causal = mask is None and q.size(2) == k.size(2)
@@ -278,6 +380,9 @@ class Decoder(nn.Module):
         super().__init__()
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention={attention!r} is not allowed; choose one of: {', '.join(ATTENTION_BACKENDS)}")
+        if attention == "cudnn" and doc_masking:
+            raise ValueError("attention='cudnn' computes plain causal attention (torch's cuDNN kernel takes no "
+                             "document mask at 32k); set doc_masking off, or choose attention varlen or flex")
         if tier.d_model % tier.n_heads or tier.n_heads % tier.n_kv_heads or tier.head_dim % 2:
             raise ValueError(f"tier {tier.name}: d_model must split into n_heads even-sized heads and n_heads "
                              "must be a multiple of n_kv_heads")
@@ -332,11 +437,22 @@ class Decoder(nn.Module):
         never forms full logits (cuda_ops' fused cross-entropy takes hidden and output_weight)."""
         return F.linear(hidden, self.output_weight.to(hidden.dtype)).float()
 
-    def _mask(self, doc_ids: torch.Tensor | None, T: int, device: torch.device):
-        """The attention mask for a training/eval forward: None (SDPA is_causal), dense tensor or BlockMask."""
+    def _mask(self, doc_ids: torch.Tensor | None, T: int, device: torch.device, B: int = 1):
+        """The attention mask for a training/eval forward: None (SDPA is_causal), dense tensor, BlockMask,
+        DocSpans (varlen) or CUDNN_CAUSAL."""
         backend = self.attention
         if backend == "auto":
+            # flex stays the CUDA default until bench/train_speed.py's --attention table on a GPU shows varlen
+            # faster at 32k (issue 13 leaves that measurement to a GPU session)
             backend = ("flex" if device.type == "cuda" else "dense") if doc_ids is not None else "sdpa"
+        if backend == "varlen":
+            _prepare_varlen(device)
+            return doc_spans(doc_ids, B, T, device)
+        if backend == "cudnn":
+            if device.type != "cuda":
+                raise ValueError("attention='cudnn' needs a CUDA device (SDPA's cuDNN kernel); on CPU choose "
+                                 "attention auto, sdpa or dense")
+            return CUDNN_CAUSAL
         if backend == "flex":
             _flex_attention_for(device)  # create the compiled kernel here, outside any compiled block
             return flex_mask(doc_ids, T, device)
@@ -360,7 +476,7 @@ class Decoder(nn.Module):
             if not self.doc_masking:
                 doc_ids = None
             positions = doc_positions(doc_ids) if doc_ids is not None else torch.arange(T, device=idx.device)[None]
-            mask = self._mask(doc_ids, T, idx.device)
+            mask = self._mask(doc_ids, T, idx.device, B)
         cos, sin = rope_cos_sin(positions, self.tier.head_dim, self.tier.rope_base)  # (B|1, T, 1, hd/2)
 
         x = self.tok_emb(idx)  # (B, T, D)

@@ -31,7 +31,7 @@ class ModelConfig:
     doc_masking: bool = True  # no attention across document boundaries; positions restart per document
     compile: str = "auto"  # auto (on for CUDA) | on | off: regional torch.compile, one block at a time
     activation_checkpointing: str = "none"  # none | all | every_<k> (checkpoint every k-th block)
-    attention: str = "auto"  # auto | flex | sdpa | dense
+    attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
 
 
 @dataclass
@@ -220,7 +220,10 @@ def validate(cfg: Config) -> None:
     m, d, t, r = cfg.model, cfg.data, cfg.train, cfg.ray
     _one_of("model.tier", m.tier, TIERS)
     _one_of("model.compile", m.compile, ("auto", "on", "off"))
-    _one_of("model.attention", m.attention, ("auto", "flex", "sdpa", "dense"))
+    _one_of("model.attention", m.attention, ("auto", "flex", "varlen", "cudnn", "sdpa", "dense"))
+    if m.attention == "cudnn" and m.doc_masking:
+        raise ConfigError("model.attention=cudnn runs plain causal attention; add --model.doc_masking=false, or "
+                          "choose model.attention=varlen or flex for document masking")
     ac = m.activation_checkpointing
     if not (ac in ("none", "all") or (ac.startswith("every_") and ac[6:].isdigit() and int(ac[6:]) >= 1)):
         raise ConfigError(
