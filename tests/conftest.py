@@ -39,6 +39,26 @@ def ray_session():
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def ray_address(ray_session) -> str:
+    """The session Ray's GCS address: subprocesses (`python pipeline/run.py ... --address ADDR`, benchmarks
+    with RAY_ADDRESS) join it instead of starting their own Ray, ~10-20 s each on 2 cores."""
+    return ray_session.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="session")
+def test_runs_root(tmp_path_factory, ray_session):
+    """A run root whose `test`-preset built-in dataset is prepared once for the session: commands given
+    `--preset test --run.root=<it>` find it in the content-hash cache instead of preparing it again.
+    Tests give their runs distinct `--run.name`s."""
+    from pipeline.config import load_config
+    from pipeline.data.pack import prepare
+
+    root = tmp_path_factory.mktemp("runs")
+    prepare(load_config("test", [f"--run.root={root}"]))
+    return root
+
+
 SERVER_START_TIMEOUT_S = 90
 
 

@@ -27,9 +27,10 @@ def audit(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(tmp_path):
-    run_dir = tmp_path / "runs" / "ctrlc"
-    args = ["train", "--preset", "test", f"--run.root={tmp_path / 'runs'}", "--run.name=ctrlc",
+def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(test_runs_root, ray_address):
+    # The session's Ray and its prepared `test` dataset: this test is about stopping and resuming.
+    run_dir = test_runs_root / "ctrlc"
+    args = ["train", "--preset", "test", f"--run.root={test_runs_root}", "--run.name=ctrlc", "--address", ray_address,
             "--train.max_steps=30", "--train.log_every=1", "--train.checkpoint_every=10", "--train.eval_every=10",
             "--train.sample_tokens=0", "--audit-data"]
     proc = subprocess.Popen([*RUN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -49,7 +50,7 @@ def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(tmp_path):
     meta = json.loads((Path(record["checkpoint"]) / "meta.json").read_text())
     assert meta["counters"]["step"] == stopped_at, "the checkpoint is not at the step the run stopped"
 
-    res = run_cli("train", "--resume", str(run_dir))
+    res = run_cli("train", "--resume", str(run_dir), "--address", ray_address)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "finished" and record["phases_done"] == 1
