@@ -1,6 +1,6 @@
-"""Print every tier with its exact parameter count and training FLOPs per token.
+"""Print every tier of both model families with its exact parameter count and training FLOPs per token.
 
-    python -m model                 # vocabulary of 32,000
+    python -m model                 # vocabulary of 32,000: attention tiers, then resonance tiers
     python -m model --vocab 2000
 
 Models are built on the meta device (no memory, no initialization time), so even tier D prints instantly.
@@ -12,8 +12,9 @@ import argparse
 import torch
 
 from model.decoder import Decoder
-from model.flops import flops_per_token
-from model.tiers import TIERS
+from model.flops import flops_per_token, resonance_flops_per_token
+from model.resonance import ResonanceLM
+from model.tiers import RESONANCE_TIERS, TIERS
 
 SEQ_LENS = (4096, 32768)
 
@@ -33,6 +34,26 @@ def tier_rows(vocab_size: int) -> list[dict]:
     return rows
 
 
+def resonance_rows(vocab_size: int) -> list[dict]:
+    rows = []
+    for tier in RESONANCE_TIERS.values():
+        with torch.device("meta"):
+            model = ResonanceLM(tier, vocab_size)
+        row = {"tier": tier.name, "d_model": tier.d_model, "layers": tier.n_layers, "groups": tier.n_groups,
+               "eigen": tier.n_eigen, "d_ff": tier.d_ff, "chunk": tier.chunk_size, "max_seq_len": tier.max_seq_len,
+               "params": model.num_params(), "non_embedding": model.num_params(exclude_embedding=True)}
+        for T in SEQ_LENS:
+            row[f"flops_per_token@{T}"] = resonance_flops_per_token(tier, T, vocab_size)
+        rows.append(row)
+    return rows
+
+
+def _print_table(table: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m model", description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
@@ -46,10 +67,17 @@ def main(argv: list[str] | None = None) -> None:
         table.append([r["tier"], str(r["d_model"]), str(r["layers"]), str(r["heads"]), str(r["kv_heads"]),
                       str(r["head_dim"]), str(r["d_ff"]), str(r["max_seq_len"]), f"{r['params']:,}",
                       f"{r['non_embedding']:,}"] + [f"{r[f'flops_per_token@{T}'] / 1e9:.3f}" for T in SEQ_LENS])
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     print(f"vocab_size={args.vocab:,}  tied embeddings  (FLOPs: training fwd+bwd per token, causal attention)")
-    for row in table:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    _print_table(table)
+    header = ["tier", "d_model", "layers", "groups", "eigen/group", "d_ff", "chunk", "max_seq_len", "params",
+              "non_embedding"] + [f"GFLOP/tok@{T}" for T in SEQ_LENS]
+    table = [header] + [[r["tier"]] + [str(r[k]) for k in ("d_model", "layers", "groups", "eigen", "d_ff", "chunk",
+                                                             "max_seq_len")]
+                        + [f"{r['params']:,}", f"{r['non_embedding']:,}"]
+                        + [f"{r[f'flops_per_token@{T}'] / 1e9:.3f}" for T in SEQ_LENS] for r in resonance_rows(args.vocab)]
+    print(f"\nmodel.mixer=resonance  vocab_size={args.vocab:,}  tied embeddings  "
+          "(FLOPs: training fwd+bwd per token, chunked-scan core as with doc masking)")
+    _print_table(table)
 
 
 if __name__ == "__main__":

@@ -492,7 +492,14 @@ class Decoder(nn.Module):
         return self.norm(x)  # (B, T, D)
 
 
-def build_model(tier_name: str, vocab_size: int, **kw) -> Decoder:
+def build_model(tier_name: str, vocab_size: int, *, mixer: str = "attention", **kw) -> nn.Module:
     """Decoder for the named tier (see model/tiers.py); kw: tie_embeddings, doc_masking, attention,
-    activation_checkpointing."""
+    activation_checkpointing. mixer="resonance" builds model/resonance.py's ResonanceLM of that name instead
+    (the same forward, generation and loss-head interface)."""
+    if mixer == "resonance":
+        from model.resonance import build_resonance_model  # imports this module: resolved lazily
+
+        return build_resonance_model(tier_name, vocab_size, **kw)
+    if mixer != "attention":
+        raise ValueError(f"mixer={mixer!r} is not allowed; choose attention or resonance")
     return Decoder(get_tier(tier_name), vocab_size, **kw)

@@ -89,3 +89,46 @@ def training_flops(tier: Tier, vocab_size: int, tokens, attention_pairs):
     """FLOPs actually computed for `tokens` trained tokens whose attention computed `attention_pairs` pairs
     (ints, or tensors: the result is then a tensor on their device, with no host sync)."""
     return matmul_flops_per_token(tier, vocab_size) * tokens + attention_flops_per_pair(tier) * attention_pairs
+
+
+# ----------------------------------------------------------------------------------------------
+# The resonance family (model/resonance.py, model.mixer=resonance)
+#
+# Matmuls as above: w_in (2D x D), w_out (D x D), the SwiGLU matrices, the output projection, and the mixer's
+# complex input/output weights, which are real matmuls too: z = u @ (B_re, B_im) and Re(c . s) = s.re @ C_re -
+# s.im @ C_im, 4 * D * K weights per layer (K eigenvalues per group, D / G channels per group). What is left is
+# the complex core on G * K channels per layer, counted in real FLOPs per token, forward:
+#   fft   FFT and inverse FFT of length 2T (5 N log2 N each, the usual count for a complex FFT), the product of
+#         the 2T spectra (6 per bin), and the kernel's FFT once per row: 30 log2(2T) + 12 per channel (the
+#         kernel's share is per row, so this is exact at batch 1 and slightly over at larger batches);
+#   scan  ceil(log2 chunk) Hillis-Steele steps of a complex multiply-add (8) and a multiply (6), then the
+#         incoming chunk state (8): 14 ceil(log2 chunk) + 8 per channel; the scan across chunks is O(T / chunk).
+# Training is 3x forward, as for matmuls. Both terms grow like log T, not like T: this is the point of the family.
+
+
+def resonance_matmul_params(tier: "ResonanceTier", vocab_size: int) -> int:
+    """Parameters that take part in matmuls in a resonance model (see above), output projection included."""
+    d = tier.d_model
+    per_layer = 3 * d * d + 4 * d * tier.n_eigen + 3 * d * tier.d_ff
+    return tier.n_layers * per_layer + vocab_size * d
+
+
+def resonance_core_flops_per_token(tier: "ResonanceTier", seq_len: int, form: str) -> float:
+    """Forward FLOPs per token of the complex core (all layers) in the `fft` or `scan` form."""
+    import math
+
+    channels = tier.n_groups * tier.n_eigen
+    if form == "fft":
+        per_channel = 30 * math.log2(2 * seq_len) + 12
+    elif form == "scan":
+        per_channel = 14 * math.ceil(math.log2(max(2, tier.chunk_size))) + 8
+    else:
+        raise ValueError(f"form={form!r}: choose fft or scan")
+    return float(tier.n_layers * channels * per_channel)
+
+
+def resonance_flops_per_token(tier: "ResonanceTier", seq_len: int, vocab_size: int, doc_masking: bool = True) -> float:
+    """Training FLOPs per token of a resonance model: the scan form with document masking, FFT without (the
+    forms the model runs in training)."""
+    form = "scan" if doc_masking else "fft"
+    return float(6 * resonance_matmul_params(tier, vocab_size) + 3 * resonance_core_flops_per_token(tier, seq_len, form))

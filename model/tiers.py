@@ -46,3 +46,70 @@ def get_tier(name: str) -> Tier:
         return TIERS[name]
     except KeyError:
         raise ValueError(f"unknown tier {name!r}; known tiers: {', '.join(TIERS)}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Resonance tiers (model.mixer=resonance, model/resonance.py): the same names as the attention tiers, with
+# d_ff chosen so that each tier's parameter count is within ~2% of the attention tier of that name (the
+# resonance mixer has 3 d_model^2 projection weights where attention has 4). Channel groups play the role of
+# heads (128 channels each from tier A up); each group has `n_eigen` learned complex eigenvalues, so the
+# recurrent generation state is n_groups x n_eigen complex numbers per layer. `small_32k` is the shape the
+# ResonanceNet seed trained at 32k context: d_model 1,024, 8 layers, 128 eigenstates per layer, chunk 256.
+
+
+@dataclass(frozen=True)
+class ResonanceTier:
+    name: str
+    d_model: int
+    n_layers: int
+    n_groups: int  # channel groups; d_model // n_groups channels share one set of eigenvalues
+    n_eigen: int  # complex eigenvalues (damped oscillators) per group
+    d_ff: int  # SwiGLU hidden width
+    chunk_size: int  # tokens per chunk of the chunked scan (document-masked training)
+    max_seq_len: int
+    norm_eps: float = 1e-5
+
+    @property
+    def group_dim(self) -> int:
+        return self.d_model // self.n_groups
+
+    @property
+    def eigen_per_layer(self) -> int:
+        return self.n_groups * self.n_eigen
+
+
+RESONANCE_TIERS: dict[str, ResonanceTier] = {
+    t.name: t
+    for t in (
+        ResonanceTier("nano", d_model=64, n_layers=2, n_groups=4, n_eigen=8, d_ff=208, chunk_size=64,
+                      max_seq_len=4096),
+        ResonanceTier("A", d_model=384, n_layers=8, n_groups=3, n_eigen=64, d_ff=1088, chunk_size=256,
+                      max_seq_len=131072),
+        ResonanceTier("B", d_model=768, n_layers=12, n_groups=6, n_eigen=64, d_ff=2240, chunk_size=256,
+                      max_seq_len=131072),
+        ResonanceTier("C", d_model=1024, n_layers=24, n_groups=8, n_eigen=64, d_ff=3072, chunk_size=256,
+                      max_seq_len=131072),
+        ResonanceTier("D", d_model=1536, n_layers=24, n_groups=12, n_eigen=64, d_ff=4800, chunk_size=256,
+                      max_seq_len=131072),
+        ResonanceTier("small_32k", d_model=1024, n_layers=8, n_groups=8, n_eigen=16, d_ff=2688, chunk_size=256,
+                      max_seq_len=131072),
+    )
+}
+
+MIXERS = ("attention", "resonance")
+
+
+def tiers_for(mixer: str) -> dict:
+    """The tier table of a model family: TIERS (attention) or RESONANCE_TIERS."""
+    if mixer not in MIXERS:
+        raise ValueError(f"unknown mixer {mixer!r}; known mixers: {', '.join(MIXERS)}")
+    return TIERS if mixer == "attention" else RESONANCE_TIERS
+
+
+def get_mixer_tier(name: str, mixer: str = "attention") -> Tier | ResonanceTier:
+    """The tier called `name` of the `mixer` family; a ValueError naming that family's tiers otherwise."""
+    table = tiers_for(mixer)
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown {mixer} tier {name!r}; known tiers: {', '.join(table)}") from None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.tiers import TIERS, get_tier
+from model.tiers import MIXERS, get_mixer_tier, tiers_for
 
 
 class ConfigError(ValueError):
@@ -32,6 +32,7 @@ class ModelConfig:
     compile: str = "auto"  # auto (on for CUDA) | on | off: regional torch.compile, one block at a time
     activation_checkpointing: str = "none"  # none | all | every_<k> (checkpoint every k-th block)
     attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
+    mixer: str = "attention"  # attention (Llama-style decoder) | resonance (model/resonance.py); same tier names
 
 
 @dataclass
@@ -218,7 +219,8 @@ def _positive(key: str, value: float, zero_ok: bool = False) -> None:
 def validate(cfg: Config) -> None:
     """Check every field; raise ConfigError with one line naming the field and the allowed values."""
     m, d, t, r = cfg.model, cfg.data, cfg.train, cfg.ray
-    _one_of("model.tier", m.tier, TIERS)
+    _one_of("model.mixer", m.mixer, MIXERS)
+    _one_of("model.tier", m.tier, tiers_for(m.mixer))
     _one_of("model.compile", m.compile, ("auto", "on", "off"))
     _one_of("model.attention", m.attention, ("auto", "flex", "varlen", "cudnn", "sdpa", "dense"))
     if m.attention == "cudnn" and m.doc_masking:
@@ -236,7 +238,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.hf_name is empty; data.source=hf needs a dataset name, e.g. roneneldan/TinyStories")
     if not 256 <= d.vocab_size <= 2**31 - 1:
         raise ConfigError(f"data.vocab_size={d.vocab_size} is invalid; it must be at least 256 (byte fallback)")
-    tier = get_tier(m.tier)
+    tier = get_mixer_tier(m.tier, m.mixer)
     if not 8 <= d.seq_len <= tier.max_seq_len:
         raise ConfigError(
             f"data.seq_len={d.seq_len} is out of range for model.tier={m.tier}; allowed 8..{tier.max_seq_len}"
