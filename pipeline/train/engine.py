@@ -29,6 +29,8 @@ from safetensors.torch import load_model, save_model
 from cuda_ops.cross_entropy import linear_cross_entropy
 from cuda_ops.metrics import TokenMetrics
 from model.decoder import build_model
+from model.flops import (attention_flops_per_pair, causal_pairs, matmul_flops_per_token,
+                         within_document_causal_pairs)
 from model.flops import flops_per_token
 from model.tiers import get_tier
 from pipeline.config import Config
@@ -108,6 +110,14 @@ class Engine:
         self.flops_per_token = flops_per_token(tier, cfg.data.seq_len, vocab_size,
                                                tie_embeddings=cfg.model.tie_embeddings)
         self.peak_flops = peak_flops(self.device)
+        # train/mfu counts the FLOPs computed: matmuls plus the (query, key) pairs each batch's attention computed
+        # (within documents under doc masking; model/flops.py), summed on the device. train/mfu_causal_equiv keeps
+        # the whole-row convention, flops_per_token. A model without attention counts flops_per_token for both.
+        counts_pairs = getattr(cfg.model, "mixer", "attention") == "attention"
+        self.attention_flops_per_pair = attention_flops_per_pair(tier) if counts_pairs else 0
+        self.matmul_flops_per_token = (matmul_flops_per_token(tier, vocab_size) if counts_pairs
+                                       else self.flops_per_token)
+        self._interval_attention_pairs = torch.zeros((), dtype=torch.int64, device=self.device)
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
         # train.memory_limit_gib > 0: steps fail with torch.OutOfMemoryError as on a device of that size.
         self.memory_limit = MemoryLimit.for_device(cfg.train.memory_limit_gib, self.device)
@@ -181,6 +191,7 @@ class Engine:
             loss.backward()
             loss_total += loss.detach()
             self.train_metrics.add(res.loss_sum.detach(), res.n_tokens, res.n_correct)
+            self._count_attention_pairs(tokens, doc_ids)
             seqs += tokens.shape[0]
             toks += tokens.shape[0] * (tokens.shape[1] - 1)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
@@ -205,22 +216,58 @@ class Engine:
                 f"train.lr (now {self.cfg.train.lr}), raise train.warmup_steps, or check the data.")
         return StepOutcome(self.step, not finite, seqs, toks)
 
+    def _count_attention_pairs(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
+        """Add the (query, key) pairs this micro-batch's attention computes to an on-device counter: causal pairs
+        within each document under doc masking, the whole causal row without. Queued device ops, no host sync.
+        tokens, doc_ids: (B, T+1) as the batch carries them; the model sees the first T of each row."""
+        if not self.attention_flops_per_pair:
+            return
+        if doc_ids is not None:
+            self._interval_attention_pairs += within_document_causal_pairs(doc_ids[:, :-1])
+        else:
+            self._interval_attention_pairs += tokens.shape[0] * causal_pairs(tokens.shape[1] - 1)
+
+    def _pull_grad_norm_and_pairs(self) -> tuple[float, float]:
+        """The last gradient norm and the interval's attention pairs (all workers) in one device-to-host copy;
+        resets the pair counter. Under DDP a collective, like TokenMetrics.all_reduce."""
+        import torch.distributed as dist
+
+        pairs = self._interval_attention_pairs
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(pairs, op=dist.ReduceOp.SUM)
+            scale = 1
+        else:
+            scale = self.world_size  # as tokens are counted: every worker runs batches of the same shape
+        grad_norm, pairs_total = torch.stack([self._last_grad_norm.double(), pairs.double()]).tolist()
+        self._interval_attention_pairs.zero_()
+        return grad_norm, pairs_total * scale
+
     def pull_train_metrics(self) -> dict[str, float]:
-        """Metrics over the steps since the last pull: one host sync; resets the interval."""
+        """Metrics over the steps since the last pull: one host sync; resets the interval.
+
+        train/executed_flops_per_token: FLOPs computed per token in the interval (matmuls plus the attention pairs
+        the batches' documents allowed); train/mfu: those FLOP/s over the device's peak; train/mfu_causal_equiv:
+        the whole-row causal convention (flops_per_token x tokens/s over the peak). MFU only where the peak is
+        known (not on a CPU)."""
         self.train_metrics.all_reduce()
         m = self.train_metrics.pull()
+        grad_norm, attention_pairs = self._pull_grad_norm_and_pairs()
         now = time.perf_counter()
         elapsed = max(now - self._interval_start, 1e-9)
         tokens_per_s = self._interval_tokens / elapsed
         out = {
             "train/loss": m["loss"], "train/ppl": m["ppl"], "train/accuracy": m["accuracy"],
-            "train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": float(self._last_grad_norm),
+            "train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s, "train/tokens_seen": float(self.tokens_seen),
             "train/peak_mem_gib": (self.memory_limit.peak_gib() if self.memory_limit is not None
                                    else peak_memory_gib(self.device)), "train/bad_steps": float(self.bad_steps_total),
         }
+        executed = (self.matmul_flops_per_token * self._interval_tokens
+                    + self.attention_flops_per_pair * attention_pairs)  # FLOPs computed in the interval
+        out["train/executed_flops_per_token"] = executed / max(self._interval_tokens, 1)
         if self.peak_flops:  # MFU only where the device's peak is known (not on a CPU)
-            out["train/mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+            out["train/mfu"] = executed / elapsed / (self.peak_flops * self.world_size)
+            out["train/mfu_causal_equiv"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
         self._interval_start, self._interval_tokens = now, 0
         return out
 
