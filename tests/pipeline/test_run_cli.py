@@ -103,3 +103,22 @@ def test_bad_command_lines_get_one_clear_line(args, message):
     assert res.returncode == 2
     assert message in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.slow
+def test_the_main_job_reads_well_in_a_log_file(test_runs_root):
+    """`python pipeline/run.py` (every stage) with its output going to a file, as in CI or `ray job logs`:
+    its own local Ray (dashboard URL printed), stage banners, plain progress lines, and none of Ray's
+    placement-group-cleaner or deprecation noise."""
+    res = run_cli("--preset", "test", f"--run.root={test_runs_root}", "--run.name=console", "--max-new-tokens=8",
+                  timeout=400)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    lines = out.splitlines()
+    assert any(ln.startswith("ray: local instance") and "dashboard at http://127.0.0.1:" in ln for ln in lines), out
+    for name in ("prepare", "train", "eval", "generate"):
+        assert any(ln.startswith(f"==> {name}") for ln in lines), f"no {name} banner:\n{out}"
+    assert any(ln.endswith("eta 0m00s") and "step 8/8" in ln for ln in lines), out  # plain progress lines
+    noise = [ln for ln in lines if "PlacementGroupCleaner" in ln or "deprecated" in ln.lower() or "Traceback" in ln]
+    assert not noise, "\n".join(noise)
+    assert len(lines) <= 150, f"{len(lines)} lines:\n{out}"
