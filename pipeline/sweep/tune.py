@@ -129,7 +129,7 @@ def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[s
     tracker = open_tracker(cfg, run_name=f"{trial_id} {short}", parent_run_id=ctx.parent_run_id)
     manifest = load_manifest(ctx.dataset_dir)
     with torch.device("meta"):  # exact count without allocating the weights
-        n_params = build_model(cfg.model.tier, manifest.vocab_size,
+        n_params = build_model(cfg.model.tier, manifest.vocab_size, mixer=cfg.model.mixer,
                                tie_embeddings=cfg.model.tie_embeddings).num_params()
     tracker.set_tags({TAG_SWEEP: ctx.sweep_name, TAG_TRIAL: trial_id})
     tracker.log_config({PARAM_MODEL_PARAMS: n_params, PARAM_WORLD_SIZE: cfg.ray.num_workers,

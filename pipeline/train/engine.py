@@ -31,8 +31,8 @@ from cuda_ops.metrics import TokenMetrics
 from model.decoder import build_model
 from model.flops import (attention_flops_per_pair, causal_pairs, matmul_flops_per_token,
                          within_document_causal_pairs)
-from model.flops import flops_per_token
-from model.tiers import get_tier
+from model.flops import flops_per_token, resonance_flops_per_token
+from model.tiers import get_mixer_tier
 from pipeline.config import Config
 from pipeline.train.hardware import autocast_dtype, configure_cuda_math, default_device, peak_flops, peak_memory_gib
 from pipeline.train.memory_limit import MemoryLimit
@@ -97,18 +97,22 @@ class Engine:
         self.rank, self.world_size = rank, world_size
         configure_cuda_math()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every worker and every run
-        tier = get_tier(cfg.model.tier)
-        decoder = build_model(cfg.model.tier, vocab_size, tie_embeddings=cfg.model.tie_embeddings,
-                              doc_masking=cfg.model.doc_masking, attention=cfg.model.attention,
-                              activation_checkpointing=cfg.model.activation_checkpointing)
+        tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
+        decoder = build_model(cfg.model.tier, vocab_size, mixer=cfg.model.mixer,
+                              tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
+                              attention=cfg.model.attention, activation_checkpointing=cfg.model.activation_checkpointing)
         decoder.to(self.device)
         if cfg.model.compile == "on" or (cfg.model.compile == "auto" and self.device.type == "cuda"):
             decoder.compile_blocks()
         self.module = LossModule(decoder, cfg.train.ce_chunk_size)
         self.model = wrap(self.module) if wrap is not None else self.module
         self.n_params = sum(p.numel() for p in decoder.parameters())
-        self.flops_per_token = flops_per_token(tier, cfg.data.seq_len, vocab_size,
-                                               tie_embeddings=cfg.model.tie_embeddings)
+        if cfg.model.mixer == "resonance":  # FFT or chunked-scan core, as the model runs it (model/flops.py)
+            self.flops_per_token = resonance_flops_per_token(tier, cfg.data.seq_len, vocab_size,
+                                                             doc_masking=cfg.model.doc_masking)
+        else:
+            self.flops_per_token = flops_per_token(tier, cfg.data.seq_len, vocab_size,
+                                                   tie_embeddings=cfg.model.tie_embeddings)
         self.peak_flops = peak_flops(self.device)
         # train/mfu counts the FLOPs computed: matmuls plus the (query, key) pairs each batch's attention computed
         # (within documents under doc masking; model/flops.py), summed on the device. train/mfu_causal_equiv keeps
@@ -325,7 +329,7 @@ class Engine:
     def load(self, directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
         """Restore the state written by save(); returns meta.json. Checks tier and vocab first."""
         meta = read_checkpoint_meta(directory)
-        check_checkpoint_fits(meta, self.cfg.model.tier, self.vocab_size, directory)
+        check_checkpoint_fits(meta, self.cfg.model.tier, self.vocab_size, directory, mixer=self.cfg.model.mixer)
         directory = Path(directory)
         missing, unexpected = load_model(self.module.decoder, str(directory / "model.safetensors"), strict=False)
         if missing or unexpected:
@@ -366,8 +370,14 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def check_checkpoint_fits(meta: dict[str, Any], tier: str, vocab_size: int, where: Any) -> None:
-    """A checkpoint from another tier or vocabulary gets one clear error, before any weight is touched."""
+def check_checkpoint_fits(meta: dict[str, Any], tier: str, vocab_size: int, where: Any,
+                          mixer: str | None = None) -> None:
+    """A checkpoint from another tier, vocabulary or model family (mixer, when given) gets one clear error,
+    before any weight is touched."""
+    ckpt_mixer = meta.get("config", {}).get("model", {}).get("mixer", "attention")
+    if mixer is not None and ckpt_mixer != mixer:
+        raise CheckpointError(f"checkpoint {where} is a {ckpt_mixer} model but model.mixer is {mixer!r}; "
+                              f"set --model.mixer={ckpt_mixer} or start a new run")
     if meta["tier"] != tier:
         raise CheckpointError(f"checkpoint {where} is tier {meta['tier']!r} but model.tier is {tier!r}; "
                               f"set --model.tier={meta['tier']} or start a new run")

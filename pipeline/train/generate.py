@@ -105,7 +105,8 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
                               "names its dataset directory, which must still exist")
     tokenizer = Tokenizer(tok_path)
     device = device or default_device()
-    decoder = build_model(cfg.model.tier, meta["vocab_size"], tie_embeddings=cfg.model.tie_embeddings)
+    decoder = build_model(cfg.model.tier, meta["vocab_size"], mixer=cfg.model.mixer,
+                          tie_embeddings=cfg.model.tie_embeddings)
     load_model(decoder, str(Path(checkpoint) / "model.safetensors"))
     return decoder.to(device).eval(), tokenizer
 

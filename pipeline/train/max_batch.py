@@ -4,6 +4,7 @@ sequence length that trains without running out of device memory.
     python -m pipeline.train.max_batch --tier B --seq-len 32768                    # on this machine's device
     python -m pipeline.train.max_batch --tier A --seq-len 4096 --memory-limit-gib 24    # as on a 24 GiB device
     python -m pipeline.train.max_batch --tier nano --seq-len 256 --preset cpu --json max_batch.json
+    python -m pipeline.train.max_batch --tier B --seq-len 131072 --model.mixer=resonance   # the resonance family
 
     from pipeline.train.max_batch import find_max_batch
     found = find_max_batch(cfg, tier="B", seq_len=32768)       # found.max_batch, found.tries
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     try:
         cfg = load_config(args.preset, rest)
-        print(f"max-batch search: tier {args.tier or cfg.model.tier}, seq_len {args.seq_len or cfg.data.seq_len}")
+        print(f"max-batch search: {cfg.model.mixer} tier {args.tier or cfg.model.tier}, seq_len {args.seq_len or cfg.data.seq_len}")
         found = find_max_batch(cfg, tier=args.tier, seq_len=args.seq_len, vocab_size=args.vocab_size,
                                memory_limit_gib=args.memory_limit_gib, upper=args.upper, verbose=True)
     except (ConfigError, ValueError) as exc:

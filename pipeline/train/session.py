@@ -126,7 +126,7 @@ class TrainSession:
                 record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
                 if i == 0:
                     with torch.device("meta"):  # exact count without allocating the weights
-                        n_params = build_model(pcfg.model.tier, manifest.vocab_size,
+                        n_params = build_model(pcfg.model.tier, manifest.vocab_size, mixer=pcfg.model.mixer,
                                                tie_embeddings=pcfg.model.tie_embeddings).num_params()
                     tracker.log_config({PARAM_MODEL_PARAMS: n_params, PARAM_WORLD_SIZE: pcfg.ray.num_workers,
                                         PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
