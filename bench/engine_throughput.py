@@ -1,11 +1,17 @@
-"""Training throughput of the Ray-free engine: tokens/s, MFU, peak memory, compile time and the share
-of step time spent waiting on data, for one tier / seq_len / micro-batch. Data comes from real
-Parquet shards on disk (synthetic rows written by pipeline.data.synthetic), read by the same ShardReader
-a single-GPU run uses, so the data path is measured too.
+"""Training throughput of the Ray-free engine: tokens/s, MFU (on executed FLOPs and causal-equivalent),
+peak memory, compile time and the share of step time spent waiting on data, for one tier / seq_len /
+micro-batch / attention backend / document-length distribution. Data comes from real Parquet shards on
+disk (synthetic rows written by pipeline.data.synthetic), read by the same ShardReader a single-GPU run
+uses, so the data path is measured too.
 
     python bench/engine_throughput.py --tier B --seq-len 32768 --batch-size 1 --steps 20
+    python bench/engine_throughput.py --tier B --seq-len 32768 --batch-size 2 --attention varlen --doc-len 8192
     python bench/engine_throughput.py --tier A --seq-len 32768 --batch-size max     # largest that fits
     python bench/engine_throughput.py --smoke                                       # tiny, CPU, seconds
+
+--doc-len (pipeline/data/synthetic.py): web (default: log-normal, median 400 tokens, mean ~694, like web
+text), a geometric mean such as 8192 (seq_len / 4 at 32k: the rows before), lognormal:MEDIAN:SIGMA, or
+manifest:DATASET_DIR (fitted to the document lengths `prepare` recorded).
 
 Runs without Ray or MLflow (torch, pyarrow, numba-cuda). Writes bench/results/engine_throughput-*.json.
 """
@@ -23,30 +29,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
+from model.decoder import resolve_attention  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.train.engine import Engine  # noqa: E402
 from pipeline.data.shards import ShardReader  # noqa: E402
-from pipeline.data.synthetic import write_synthetic_dataset  # noqa: E402
+from pipeline.data.synthetic import parse_doc_lengths, write_synthetic_dataset  # noqa: E402
+
+DEFAULT_DOC_LEN = "web"
 
 
 def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int, vocab_size: int = 32000,
             grad_accum: int = 1, compile_mode: str = "auto", doc_masking: bool = True,
-            activation_checkpointing: str = "none", data_dir: Path | None = None,
-            profile_dir: Path | None = None) -> dict:
-    """Train `warmup` + `steps` optimizer steps and time the last `steps`. Returns one result row."""
+            activation_checkpointing: str = "none", attention: str = "auto", doc_lengths: str = DEFAULT_DOC_LEN,
+            data_dir: Path | None = None, profile_dir: Path | None = None) -> dict:
+    """Train `warmup` + `steps` optimizer steps and time the last `steps`. Returns one result row.
+
+    doc_lengths: the synthetic rows' document-length spec (ignored when data_dir already holds a dataset)."""
+    dist = parse_doc_lengths(doc_lengths)
     cfg = load_config("cpu", {"model.tier": tier, "data.seq_len": seq_len, "data.vocab_size": vocab_size,
                               "train.batch_size": batch_size, "train.grad_accum": grad_accum,
                               "train.max_steps": warmup + steps, "train.warmup_steps": 1,
                               "model.compile": compile_mode, "model.doc_masking": doc_masking,
+                              "model.attention": attention,
                               "model.activation_checkpointing": activation_checkpointing})
     row = {"tier": tier, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
-           "compile": compile_mode, "doc_masking": doc_masking, "activation_checkpointing": activation_checkpointing}
+           "compile": compile_mode, "doc_masking": doc_masking, "activation_checkpointing": activation_checkpointing,
+           "doc_len": dist.label, "doc_len_distribution": dist.describe()}
     with tempfile.TemporaryDirectory() as tmp:
         ddir = data_dir or Path(tmp)
         need = (warmup + steps + 3) * batch_size * grad_accum  # + 3 steps for the profiler
         if not (ddir / "manifest.json").exists():
-            write_synthetic_dataset(ddir, n_train=need, n_val=batch_size, seq_len=seq_len, vocab_size=vocab_size)
+            write_synthetic_dataset(ddir, n_train=need, n_val=batch_size, seq_len=seq_len, vocab_size=vocab_size,
+                                    doc_lengths=dist)
         engine = Engine(cfg, vocab_size)
+        row["attention"] = resolve_attention(attention, engine.device, doc_masking)
+        if attention == "auto":
+            row["attention"] = f"auto ({row['attention']})"
         reader = iter(ShardReader(ddir, "train", batch_size, seed=0, epoch=0, start=0))
         sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
         data_wait = 0.0
@@ -72,9 +90,16 @@ def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int
         if profile_dir is not None:
             profile_steps(engine, reader, grad_accum, Path(profile_dir))
         step_time = wall / steps
+        executed = m["train/executed_flops_per_token"]
+        attention_causal = engine.flops_per_token - engine.matmul_flops_per_token
         row.update(
-            params=engine.n_params, flops_per_token=engine.flops_per_token, tokens_per_s=m["train/tokens_per_s"],
-            mfu=m.get("train/mfu", float("nan")), peak_mem_gib=m["train/peak_mem_gib"], step_time_s=step_time,
+            params=engine.n_params, flops_per_token=engine.flops_per_token, executed_flops_per_token=executed,
+            # computed attention pairs over the row's causal T^2/2 (1 + 1/T without doc masking)
+            attn_pairs_frac=((executed - engine.matmul_flops_per_token) / attention_causal
+                             if attention_causal else float("nan")),
+            tokens_per_s=m["train/tokens_per_s"], mfu=m.get("train/mfu", float("nan")),
+            mfu_causal_equiv=m.get("train/mfu_causal_equiv", float("nan")),
+            peak_mem_gib=m["train/peak_mem_gib"], step_time_s=step_time,
             first_step_s=t_first, compile_s_estimate=max(0.0, (t_first or 0) - step_time),
             data_wait_frac=data_wait / wall, loss=m["train/loss"], device=str(engine.device),
             peak_flops=engine.peak_flops)
@@ -115,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--no-doc-masking", action="store_true")
+    p.add_argument("--attention", default="auto", choices=("auto", "flex", "varlen", "cudnn", "sdpa", "dense"),
+                   help="model.attention (cudnn needs --no-doc-masking)")
+    p.add_argument("--doc-len", default=DEFAULT_DOC_LEN,
+                   help="document lengths of the synthetic rows: web | MEAN | lognormal:MEDIAN:SIGMA | manifest:DIR")
     p.add_argument("--activation-checkpointing", default="none")
     p.add_argument("--profile", type=Path, default=None, help="also write a torch.profiler trace to this folder")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: nano, seq_len 64, 3 steps")
@@ -123,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         a.tier, a.seq_len, a.batch_size, a.steps, a.warmup, a.vocab_size = "nano", 64, "2", 3, 1, 512
     kw = dict(vocab_size=a.vocab_size, grad_accum=a.grad_accum, compile_mode=a.compile,
-              doc_masking=not a.no_doc_masking, activation_checkpointing=a.activation_checkpointing)
+              doc_masking=not a.no_doc_masking, activation_checkpointing=a.activation_checkpointing,
+              attention=a.attention, doc_lengths=a.doc_len)
     if a.batch_size == "max":
         from pipeline.train.max_batch import find_max_batch
 
         cfg = load_config("cpu", {"model.tier": a.tier, "data.seq_len": a.seq_len, "data.vocab_size": a.vocab_size,
                                   "model.compile": a.compile, "model.doc_masking": not a.no_doc_masking,
+                                  "model.attention": a.attention,
                                   "model.activation_checkpointing": a.activation_checkpointing})
         batch = find_max_batch(cfg).max_batch
     else:
@@ -138,8 +169,13 @@ def main(argv: list[str] | None = None) -> int:
               f"--activation-checkpointing all", file=sys.stderr)
         return 1
     row = measure(a.tier, a.seq_len, batch, steps=a.steps, warmup=a.warmup, profile_dir=a.profile, **kw)
-    mfu = "n/a (no peak for this device)" if row["mfu"] != row["mfu"] else f"{100 * row['mfu']:.1f}%"
-    print(f"{a.tier} seq_len={a.seq_len} batch={batch}: {row['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+    if row["mfu"] != row["mfu"]:
+        mfu = "n/a (no peak for this device)"
+    else:
+        mfu = f"{100 * row['mfu']:.1f}% executed, {100 * row['mfu_causal_equiv']:.1f}% causal-equivalent"
+    print(f"{a.tier} seq_len={a.seq_len} batch={batch} attention={row['attention']} doc_len={row['doc_len']} "
+          f"(attention pairs {100 * row['attn_pairs_frac']:.1f}% of causal): "
+          f"{row['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
           f"peak {row['peak_mem_gib']:.2f} GiB, step {row['step_time_s'] * 1e3:.1f} ms, "
           f"data wait {100 * row['data_wait_frac']:.2f}% of step time, first step {row['first_step_s']:.1f} s")
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}

@@ -118,6 +118,17 @@ def _flex_attention_for(device: torch.device):
 # Variable-length attention: the documents of a batch laid end to end (no (T, T) mask at all)
 
 
+def resolve_attention(attention: str, device: torch.device | str, doc_masking: bool) -> str:
+    """The backend `attention` runs for a training/eval forward on `device`. auto: flex on CUDA with doc masking
+    (the CUDA default until bench/train_speed.py's --attention table on a GPU shows varlen faster at 32k), the
+    dense mask on CPU with doc masking, SDPA(is_causal) without doc masking."""
+    if attention != "auto":
+        return attention
+    if not doc_masking:
+        return "sdpa"
+    return "flex" if torch.device(device).type == "cuda" else "dense"
+
+
 class DocSpans(NamedTuple):
     """The mask for the varlen backend. cu_seqlens: (N+1,) int32 offsets of the batch's N documents in the
     flattened (B*T) token axis, 0 first and B*T last (a row end is always a document end); max_len: the longest
@@ -440,11 +451,7 @@ class Decoder(nn.Module):
     def _mask(self, doc_ids: torch.Tensor | None, T: int, device: torch.device, B: int = 1):
         """The attention mask for a training/eval forward: None (SDPA is_causal), dense tensor, BlockMask,
         DocSpans (varlen) or CUDNN_CAUSAL."""
-        backend = self.attention
-        if backend == "auto":
-            # flex stays the CUDA default until bench/train_speed.py's --attention table on a GPU shows varlen
-            # faster at 32k (issue 13 leaves that measurement to a GPU session)
-            backend = ("flex" if device.type == "cuda" else "dense") if doc_ids is not None else "sdpa"
+        backend = resolve_attention(self.attention, device, doc_masking=doc_ids is not None)
         if backend == "varlen":
             _prepare_varlen(device)
             return doc_spans(doc_ids, B, T, device)

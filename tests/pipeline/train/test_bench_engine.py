@@ -33,7 +33,8 @@ def test_engine_throughput_smoke(tmp_path):
 
 def test_train_speed_smoke(tmp_path):
     res = run_bench("train_speed.py", tmp_path)
-    assert [r["batch_size"] for r in res["rows"]] == [1, 2]
+    # two document-length distributions by default (web, and short documents at the smoke's 64 tokens)
+    assert [(r["doc_len"], r["batch_size"]) for r in res["rows"]] == [("web", 1), ("web", 2), ("16", 1), ("16", 2)]
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in res["rows"])
     assert "| tier | seq_len |" in res["markdown"]
     assert list(tmp_path.glob("train_speed-*.md"))
