@@ -1,11 +1,21 @@
 """Device facts the engine needs: which device to train on, its dense bf16 peak for MFU, the autocast dtype.
 
 Peaks are the vendors' dense (no sparsity) bf16 tensor-core figures with fp32 accumulation; MFU is
-model FLOPs actually done per second over that peak.
+model FLOPs actually done per second over that peak (model/flops.py: with document masking only the
+within-document attention pairs count). LONGTRAIN_PEAK_TFLOPS=<number> sets the peak by hand, for a device
+the table does not know (or a CPU, to see the MFU arithmetic there).
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+PEAK_ENV = "LONGTRAIN_PEAK_TFLOPS"
+
+
+class PeakFlopsError(ValueError):
+    """LONGTRAIN_PEAK_TFLOPS is set to something that is not a positive number."""
 
 # Dense bf16 peak FLOP/s by a substring of torch.cuda.get_device_name(); first match wins, so the
 # more specific names come first.
@@ -29,7 +39,18 @@ PEAK_BF16_FLOPS: list[tuple[str, float]] = [
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak FLOP/s of `device`, or None when unknown (CPU, unlisted GPU): MFU is then not reported."""
+    """Dense bf16 peak FLOP/s of `device`, or None when unknown (CPU, unlisted GPU): MFU is then not reported.
+    LONGTRAIN_PEAK_TFLOPS, when set, wins on any device."""
+    manual = os.environ.get(PEAK_ENV, "").strip()
+    if manual:
+        try:
+            tflops = float(manual)
+        except ValueError:
+            tflops = float("nan")
+        if not tflops > 0 or tflops == float("inf"):
+            raise PeakFlopsError(f"{PEAK_ENV}={manual!r} is not a peak; set it to the device's dense bf16 "
+                                 "TFLOP/s, e.g. 989 for an H100 SXM, or unset it")
+        return tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
