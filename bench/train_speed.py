@@ -8,6 +8,7 @@ markdown and JSON under bench/results/.
     python bench/train_speed.py --tiers A B C --seq-lens 32768 --batch-sizes 2 --doc-lens web 8192 \
         --attention flex varlen sdpa                              # the attention-backend comparison
     python bench/train_speed.py --smoke                           # nano on CPU, seconds
+    python bench/train_speed.py --count-only --seq-lens 32768     # FLOPs per token only: no training, any host
 
 Columns: `mfu` counts the FLOPs computed (matmuls + the within-document causal attention pairs of the rows
 actually trained on); `mfu_causal_eq` counts every row's whole causal T^2/2 attention (the convention before
@@ -29,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
@@ -68,6 +70,32 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def count_table(tiers: list[str], seq_lens: list[int], dists: list, vocab_size: int, rows: int = 64) -> list[dict]:
+    """Executed vs causal-equivalent training FLOPs per token, counted on `rows` synthetic rows per distribution
+    (no model runs): what the two MFU columns differ by at a given tokens/s."""
+    from model.flops import (attention_flops_per_pair, flops_per_token, matmul_flops_per_token,
+                             within_document_causal_pairs)
+    from model.tiers import get_tier
+    from pipeline.data.synthetic import synthetic_row
+
+    out = []
+    for seq_len, dist in itertools.product(seq_lens, dists):
+        doc_ids = torch.from_numpy(np.stack([synthetic_row(i, seq_len, vocab_size, doc_lengths=dist)[1][:-1]
+                                             for i in range(rows)]))
+        pairs = int(within_document_causal_pairs(doc_ids))
+        docs_per_row = float((doc_ids[:, -1] + 1).double().mean())
+        for tier_name in tiers:
+            tier = get_tier(tier_name)
+            causal = flops_per_token(tier, seq_len, vocab_size)
+            executed = (matmul_flops_per_token(tier, vocab_size) * rows * seq_len
+                        + attention_flops_per_pair(tier) * pairs) / (rows * seq_len)
+            out.append({"tier": tier_name, "seq_len": seq_len, "doc_len": dist.label, "docs_per_row": docs_per_row,
+                        "attn_pairs_frac": pairs / (rows * seq_len * seq_len / 2),
+                        "causal_equiv_gflop_per_token": causal / 1e9, "executed_gflop_per_token": executed / 1e9,
+                        "executed_over_causal_equiv": executed / causal})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiers", nargs="+", default=["A", "B", "C"])
@@ -84,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--count-only", action="store_true",
+                   help="print executed vs causal-equivalent FLOPs per token for the distributions; train nothing")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     if a.smoke:
@@ -93,6 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     dists = [parse_doc_lengths(d) for d in a.doc_lens]  # a bad spec fails here, before anything runs
     for d in dists:
         print(f"doc lengths {d.describe()}")
+    if a.count_only:
+        counts = count_table(a.tiers, a.seq_lens, dists, a.vocab_size)
+        keys = list(counts[0])
+        table = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + [
+            "| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |"
+            for r in counts]) + "\n"
+        print("\n" + table)
+        path = write_result("flop_counts", {"rows": counts, "markdown": table,
+                                            "doc_lengths": {d.label: d.describe() for d in dists}}, a.out)
+        print(f"wrote {path}")
+        return 0
     rows = []
     for tier, seq_len, dist, attention, ac in itertools.product(a.tiers, a.seq_lens, dists, a.attention, a.ac):
         doc_masking = not (a.no_doc_masking or attention in PLAIN_CAUSAL)

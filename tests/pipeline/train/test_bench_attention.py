@@ -41,3 +41,17 @@ def test_engine_throughput_row_names_backend_and_distribution(tmp_path):
     row = json.loads(next(tmp_path.glob("engine_throughput-*.json")).read_text())["rows"][0]
     assert row["attention"] == "varlen" and row["doc_len"] == "12" and "geometric, mean 12" in row["doc_len_distribution"]
     assert 0 < row["attn_pairs_frac"] < 1 and row["mfu"] != row["mfu"]  # no peak for a CPU: MFU is NaN
+
+
+def test_count_only_table_matches_the_flop_functions(tmp_path):
+    from model.flops import flops_per_token
+    from model.tiers import get_tier
+
+    assert train_speed.main(["--count-only", "--tiers", "A", "--seq-lens", "256", "--doc-lens", "64", "100000",
+                             "--out", str(tmp_path)]) == 0
+    rows = json.loads(next(tmp_path.glob("flop_counts-*.json")).read_text())["rows"]
+    short, whole = rows  # documents of ~64 tokens; documents far longer than the row (one per row)
+    for r in rows:
+        assert r["causal_equiv_gflop_per_token"] == pytest.approx(flops_per_token(get_tier("A"), 256, 32000) / 1e9)
+    assert short["attn_pairs_frac"] < 0.5 < whole["attn_pairs_frac"]
+    assert short["executed_over_causal_equiv"] < whole["executed_over_causal_equiv"] <= 1 + 1 / 256
