@@ -54,6 +54,11 @@ class DataConfig:
     dataset_dir: str = ""  # empty = <run.root>/datasets/<content hash>
     split_seed: int = 0
     tokenize_actors: int = 0  # 0 = one per core (local Ray) / per Ray CPU less one per node (cluster)
+    # Unreadable records (a .jsonl line that is not JSON, a missing or non-string text field): skip = drop and
+    # count them per file (manifest, validate report), failing only above max_bad_fraction of all records;
+    # error = the first one fails the prepare.
+    on_bad_record: str = "skip"
+    max_bad_fraction: float = 0.001
 
 
 @dataclass
@@ -249,6 +254,9 @@ def validate(cfg: Config) -> None:
         _positive(key, cfg.flat()[key])
     for key in ("data.max_documents", "data.tokenize_actors"):
         _positive(key, cfg.flat()[key], zero_ok=True)
+    _one_of("data.on_bad_record", d.on_bad_record, ("error", "skip"))
+    if not 0.0 <= d.max_bad_fraction <= 1.0:
+        raise ConfigError(f"data.max_bad_fraction={d.max_bad_fraction} is invalid; it must be in [0, 1]")
     for key in ("train.batch_size", "train.grad_accum", "train.max_steps", "train.lr", "train.ce_chunk_size",
                 "train.max_bad_steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
                 "train.keep_checkpoints", "train.eval_batches"):

@@ -18,8 +18,14 @@ Sources (`data.source`):
 
 Cleaning (`clean_texts`, run inside the tokenizer actors): invalid UTF-8 is replaced with U+FFFD and
 counted, NUL characters are removed and counted, empty and whitespace-only documents (and JSON nulls)
-are dropped and counted. Nothing is dropped silently; a missing or non-string text field is an error
-naming the file and line.
+are dropped and counted. Nothing is dropped silently.
+
+Bad records (a .jsonl line that is not JSON, a missing or non-string text field, a .json file that does
+not parse, a non-text value in a column) are data, not exceptions: the reader emits them as rows with a
+`bad_file` and a `bad_reason` (one line naming the file and line), the tokenizer actors count them per
+file, and only the driver decides (`check_bad_records`, by data.on_bad_record and data.max_bad_fraction)
+whether the prepare fails. Nothing is raised inside a Ray task for the data's fault, so the user sees our
+one line instead of a Ray worker traceback, and Ray never retries what a retry cannot fix.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import json
 import platform
 import re
 import sysconfig
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -62,10 +68,45 @@ class CleanStats:
     replaced_invalid_utf8: int = 0  # invalid UTF-8 sequences (and lone surrogates) replaced by U+FFFD
     nul_removed: int = 0  # NUL characters deleted
     text_chars: int = 0  # characters of the kept documents
+    bad_records: int = 0  # unreadable records (see the module docstring), skipped
+    bad_files: dict[str, list] = field(default_factory=dict)  # file -> [bad records, first reason]
 
     def add(self, other: "CleanStats") -> None:
         for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
+            if k not in ("bad_files", "bad_records"):  # count_bad adds those
+                setattr(self, k, getattr(self, k) + v)
+        for f, (n, reason) in other.bad_files.items():
+            self.count_bad(f, reason, n)
+
+    def count_bad(self, file: str, reason: str, n: int = 1) -> None:
+        entry = self.bad_files.setdefault(file, [0, reason])  # the first reason seen (source order) is kept
+        entry[0] += n
+        self.bad_records += n
+
+    @property
+    def records(self) -> int:
+        """Records read: kept documents, dropped empty ones and unreadable ones."""
+        return self.documents + self.dropped_empty + self.bad_records
+
+    def first_bad_reason(self) -> str:
+        return next(iter(self.bad_files.values()))[1] if self.bad_files else ""
+
+
+def check_bad_records(stats: CleanStats, on_bad_record: str, max_bad_fraction: float) -> None:
+    """The driver's decision on unreadable records: DataSourceError (one line, the first bad record named)
+    when data.on_bad_record=error and there is one, or when more than max_bad_fraction of records are bad."""
+    if not stats.bad_records:
+        return
+    first = stats.first_bad_reason()
+    if on_bad_record == "error":
+        raise DataSourceError(f"{first} (data.on_bad_record=error; set it to skip to drop and count unreadable "
+                              "records)")
+    fraction = stats.bad_records / max(1, stats.records)
+    if fraction > max_bad_fraction:
+        raise DataSourceError(
+            f"{stats.bad_records:,} of {stats.records:,} records ({fraction:.3%}) are unreadable, more than "
+            f"data.max_bad_fraction={max_bad_fraction:g}; the first: {first}. Fix the data (or point data.path / "
+            "data.text_column at the right files and field), or raise data.max_bad_fraction")
 
 
 def decode_utf8(data: bytes) -> tuple[str, int]:
@@ -85,10 +126,28 @@ def fix_surrogates(text: str) -> tuple[str, int]:
         return _SURROGATES.subn("\ufffd", text)
 
 
-def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None) -> tuple[list[str], CleanStats]:
+def _as_list(values: Any) -> list | None:
+    if values is None:
+        return None
+    return values.to_pylist() if hasattr(values, "to_pylist") else list(values)
+
+
+def clean_batch(batch: pa.Table, source: str = "the corpus") -> tuple[list[str], CleanStats]:
+    """clean_texts over a reader's block: `text`, and where the reader added them `replaced`, `bad_file`
+    and `bad_reason`."""
+    names = batch.column_names
+    bad = (batch.column("bad_file"), batch.column("bad_reason")) if "bad_reason" in names else None
+    return clean_texts(batch.column("text"), batch.column("replaced") if "replaced" in names else None, bad, source)
+
+
+def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None, bad: Any = None,
+                source: str = "the corpus") -> tuple[list[str], CleanStats]:
     """Clean one batch of documents. `column` is string or binary (nulls allowed); `replaced` optionally
-    carries per-row counts of invalid UTF-8 already replaced by a reader. Returns (kept texts, stats)."""
+    carries per-row counts of invalid UTF-8 already replaced by a reader; `bad` optionally (files, reasons)
+    per row, a reason marking an unreadable record. Unreadable records and non-text values (counted against
+    `source`) are counted in stats.bad_files and skipped. Returns (kept texts, stats)."""
     stats = CleanStats()
+    bad_files, bad_reasons = (_as_list(bad[0]), _as_list(bad[1])) if bad is not None else (None, None)
     if isinstance(column, (pa.Array, pa.ChunkedArray)):
         if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
             try:
@@ -102,7 +161,10 @@ def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None)
         stats.replaced_invalid_utf8 += int(sum(x or 0 for x in (replaced.to_pylist() if hasattr(replaced, "to_pylist")
                                                                   else replaced)))
     out: list[str] = []
-    for v in values:
+    for i, v in enumerate(values):
+        if bad_reasons is not None and bad_reasons[i] is not None:
+            stats.count_bad(bad_files[i], bad_reasons[i])
+            continue
         if v is None:
             stats.dropped_empty += 1
             continue
@@ -110,8 +172,9 @@ def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None)
             v, n = decode_utf8(bytes(v))
             stats.replaced_invalid_utf8 += n
         elif not isinstance(v, str):
-            raise DataSourceError(f"a document is a {type(v).__name__}, not text; point data.text_column at a "
-                                  "string column")
+            stats.count_bad(source, f"{source}: a document is a {type(v).__name__}, not text; point "
+                                    "data.text_column at a string column")
+            continue
         if "\x00" in v:
             stats.nul_removed += v.count("\x00")
             v = v.replace("\x00", "")
@@ -177,8 +240,22 @@ def _check_parquet_column(files: list[Path], column: str) -> None:
                                   "string column")
 
 
-def _doc_table(texts: list[str], replaced: list[int]) -> pa.Table:
-    return pa.table({"text": pa.array(texts, pa.large_string()), "replaced": pa.array(replaced, pa.int32())})
+def _doc_table(texts: list[str | None] | pa.Array, replaced: Any, bad: list[str | None] | None = None,
+               path: str = "") -> pa.Table:
+    """A reader block: text, replaced, and bad_file/bad_reason (null for readable records)."""
+    text = texts if isinstance(texts, pa.Array) else pa.array(texts, pa.large_string())
+    if bad is None or not any(b is not None for b in bad):
+        files = reasons = pa.nulls(len(text), pa.string())
+    else:
+        files = pa.array([None if b is None else path for b in bad], pa.string())
+        reasons = pa.array(bad, pa.string())
+    return pa.table({"text": text, "replaced": pa.array(replaced, pa.int32()), "bad_file": files,
+                     "bad_reason": reasons})
+
+
+def bad_record_table(path: str, reason: str) -> pa.Table:
+    """One unreadable record of `path` as a reader block."""
+    return _doc_table([None], [0], [reason], path)
 
 
 def _field(obj: Any, column: str, where: str) -> tuple[str | None, int]:
@@ -205,30 +282,32 @@ def read_document_file(f: Any, path: str, kind: str, column: str) -> Iterator[pa
             if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
                 try:  # Parquet does not guarantee valid UTF-8 in string columns
                     col.validate(full=True)
-                    yield pa.table({"text": col.cast(pa.large_string()),
-                                    "replaced": pa.array(np.zeros(len(col), np.int32))})
+                    yield _doc_table(col.cast(pa.large_string()), np.zeros(len(col), np.int32), None, path)
                     continue
                 except pa.ArrowInvalid:
                     col = col.cast(pa.large_binary() if pa.types.is_large_string(col.type) else pa.binary())
             got = [(None, 0) if b is None else decode_utf8(b) for b in col.cast(pa.large_binary()).to_pylist()]
-            yield _doc_table([t for t, _ in got], [k for _, k in got])
+            yield _doc_table([t for t, _ in got], [k for _, k in got], None, path)
         return
     if kind == "txt":
         text, n = decode_utf8(f.read())
-        yield _doc_table([text], [n])
+        yield _doc_table([text], [n], None, path)
         return
     if kind == "json":
         text, n = decode_utf8(f.read())
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataSourceError(f"{path}: not valid JSON ({exc}); .json files hold a list of objects") from None
+        except json.JSONDecodeError as exc:  # the whole file is one unreadable record
+            yield bad_record_table(path, f"{path}: not valid JSON ({exc}); .json files hold a list of objects")
+            return
         rows = doc if isinstance(doc, list) else [doc]
-        got = [_field(r, column, f"{path} item {i}") for i, r in enumerate(rows)]
-        yield _doc_table([t for t, _ in got], [k + (n if i == 0 else 0) for i, (_, k) in enumerate(got)])
+        got = [_read_field(r, column, f"{path} item {i}") for i, r in enumerate(rows)]
+        yield _doc_table([t for t, _, _ in got], [k + (n if i == 0 else 0) for i, (_, k, _) in enumerate(got)],
+                         [b for _, _, b in got], path)
         return
     texts: list[str | None] = []
     counts: list[int] = []
+    bad: list[str | None] = []
     size = 0
     for lineno, raw in enumerate(f, 1):
         if not raw.strip():
@@ -237,17 +316,27 @@ def read_document_file(f: Any, path: str, kind: str, column: str) -> Iterator[pa
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataSourceError(f"{path} line {lineno}: not valid JSON ({exc.msg}); .jsonl holds one object per "
-                                  "line") from None
-        t, k = _field(obj, column, f"{path} line {lineno}")
+            t, k, b = None, 0, (f"{path} line {lineno}: not valid JSON ({exc.msg}); .jsonl holds one object per "
+                                "line")
+        else:
+            t, k, b = _read_field(obj, column, f"{path} line {lineno}")
         texts.append(t)
         counts.append(n + k)
+        bad.append(b)
         size += len(raw)
         if size >= _BLOCK_BYTES:
-            yield _doc_table(texts, counts)
-            texts, counts, size = [], [], 0
+            yield _doc_table(texts, counts, bad, path)
+            texts, counts, bad, size = [], [], [], 0
     if texts:
-        yield _doc_table(texts, counts)
+        yield _doc_table(texts, counts, bad, path)
+
+
+def _read_field(obj: Any, column: str, where: str) -> tuple[str | None, int, str | None]:
+    """(text, replaced, None) for a readable record, (None, 0, reason) for an unreadable one."""
+    try:
+        return (*_field(obj, column, where), None)
+    except DataSourceError as exc:
+        return None, 0, str(exc)
 
 
 def _read_files(files: list[Path], column: str) -> "ray.data.Dataset":
@@ -268,7 +357,11 @@ def _read_files(files: list[Path], column: str) -> "ray.data.Dataset":
         def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
             kind = FILE_KINDS[Path(path).suffix.lower()]
             stream = f if kind == "parquet" else io.BufferedReader(_RawReader(f), 1 << 20)
-            yield from read_document_file(stream, path, kind, column)
+            try:
+                yield from read_document_file(stream, path, kind, column)
+            except (DataSourceError, pa.ArrowInvalid) as exc:  # corrupt content: data, never a Ray task error
+                yield bad_record_table(path, f"{path}: cannot read the rest of the file "
+                                             f"({str(exc).splitlines()[0]})")
 
     return ray.data.read_datasource(DocumentFileDatasource([str(p) for p in files]))
 
@@ -469,11 +562,14 @@ def read_documents(d: "DataConfig") -> "ray.data.Dataset":
     return ds
 
 
-def sample_texts(ds: "ray.data.Dataset", max_bytes: int) -> Iterator[str]:
-    """The first `max_bytes` of cleaned text of `ds` (in source order), for tokenizer training."""
+def sample_texts(ds: "ray.data.Dataset", max_bytes: int, on_bad_record: str = "skip") -> Iterator[str]:
+    """The first `max_bytes` of cleaned text of `ds` (in source order), for tokenizer training. Unreadable
+    records are skipped (the main pass counts them), or with on_bad_record=error the first one fails here."""
     seen = 0
     for batch in ds.iter_batches(batch_size=256, batch_format="pyarrow"):
-        texts, _ = clean_texts(batch["text"])
+        texts, stats = clean_batch(batch)
+        if on_bad_record == "error":
+            check_bad_records(stats, on_bad_record, 1.0)
         for t in texts:
             yield t
             seen += len(t)

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data.corpus import CleanStats, DataSourceError, clean_texts, describe_source, read_documents, sample_texts
+from pipeline.data.corpus import (CleanStats, DataSourceError, check_bad_records, clean_batch, describe_source,
+                                  read_documents, sample_texts)
 from pipeline.data.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,
                              load_manifest, rows_per_row_group, shard_schema, token_numpy_type, windows_table,
                              write_manifest, write_shard)
@@ -129,13 +130,13 @@ class StreamStats:
 class _TokenizeBatch:
     """Ray Data actor: clean + encode a batch of documents; one output row holding the batch's token stream."""
 
-    def __init__(self, tokenizer_path: str, dtype: str):
+    def __init__(self, tokenizer_path: str, dtype: str, source: str):
         self.tok = Tokenizer(tokenizer_path)  # once per actor
         self.dtype = np.dtype(dtype)
+        self.source = source  # what non-text values are counted against (files carry their own path)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        replaced = batch.column("replaced") if "replaced" in batch.column_names else None
-        texts, clean = clean_texts(batch.column("text"), replaced)
+        texts, clean = clean_batch(batch, self.source)
         stream, lengths = encode_stream(self.tok, texts, self.dtype)
         stats = StreamStats()
         stats.add_batch(clean, stream, lengths)
@@ -346,6 +347,13 @@ def _user_error(exc: BaseException) -> BaseException | None:
                       and not isinstance(e, RayError))
 
 
+def _check_manifest_bad_records(m: Manifest, cfg: "Config") -> None:
+    """A reused dataset meets this config's bad-record policy, as a fresh build would have to."""
+    clean = CleanStats(**{k: m.counts.get(k, 0) for k in ("documents", "dropped_empty", "bad_records")})
+    clean.bad_files = {f: [b["count"], b["first"]] for f, b in m.bad_records.items()}
+    check_bad_records(clean, cfg.data.on_bad_record, cfg.data.max_bad_fraction)
+
+
 def _hold(out: Path, stage: str) -> None:
     if os.environ.get("LONGTRAIN_PREPARE_HOLD") == stage:
         (out / f".hold-{stage}").write_text(str(os.getpid()))
@@ -359,13 +367,15 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path:
     settings = dataset_settings(cfg)
     key = settings_hash(settings)
     out = Path(cfg.data.dataset_dir) if cfg.data.dataset_dir else Path(cfg.run.root) / "datasets" / key[:16]
-    if reusable(out, key) is not None:
+    if (m := reusable(out, key)) is not None:
+        _check_manifest_bad_records(m, cfg)  # built with a laxer policy than this one?
         log.info("reusing dataset %s (settings hash %s)", out, key[:16])
         return out
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent prepare of the same directory waits, then reuses
-        if reusable(out, key) is not None:
+        if (m := reusable(out, key)) is not None:
+            _check_manifest_bad_records(m, cfg)
             log.info("reusing dataset %s, built meanwhile by another process", out)
             return out
         clear_dataset_dir(out)
@@ -373,8 +383,8 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path:
             manifest = _build(cfg, settings, key, out, ray_address)
         except Exception as exc:
             err = _user_error(exc)
-            if err is not None and err is not exc:
-                raise type(err)(str(err)) from None
+            if err is not None and err is not exc:  # first line: Ray appends its retry advice to the message
+                raise type(err)(str(err).splitlines()[0]) from None
             raise
         manifest.extra["build_seconds"] = round(time.time() - t0, 2)
         write_manifest(out, manifest)  # last: from here on the directory is a dataset
@@ -394,7 +404,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     else:
         log.info("training a %d-piece tokenizer on up to %d bytes of the corpus", d.vocab_size,
                  d.tokenizer_sample_bytes)
-        train_tokenizer(sample_texts(ds, d.tokenizer_sample_bytes), d.vocab_size, tok_path)
+        train_tokenizer(sample_texts(ds, d.tokenizer_sample_bytes, d.on_bad_record), d.vocab_size, tok_path)
     tok = Tokenizer(tok_path)
     dtype = token_numpy_type(tok.vocab_size)
 
@@ -403,7 +413,8 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     parts_dir.mkdir(exist_ok=True)
     n_actors = d.tokenize_actors or default_actor_count()
     sink = _part_sink(parts_dir)
-    tokens = ds.map_batches(_TokenizeBatch, fn_constructor_args=(str(tok_path), dtype.name),
+    source = d.hf_name if d.source == "hf" else d.source
+    tokens = ds.map_batches(_TokenizeBatch, fn_constructor_args=(str(tok_path), dtype.name, source),
                             batch_size=DOCS_PER_BATCH, batch_format="pyarrow", num_cpus=1,
                             compute=ray.data.ActorPoolStrategy(size=n_actors))
     t0 = time.perf_counter()
@@ -412,6 +423,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     stats = StreamStats()
     for p in sink.parts:
         stats.merge(StreamStats.from_dict(p["stats"]))
+    check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)
     if stats.clean.documents == 0:
         raise DataSourceError(f"no documents left after cleaning ({stats.clean.dropped_empty} empty or "
                               "whitespace-only were dropped); check data.path / data.text_column")
@@ -448,7 +460,9 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
                       for w in sorted(written, key=lambda w: w["index"]) if w["split"] == split]
               for split in ("train", "val")}
     kept = n_windows * width
-    counts_out = {**dataclasses.asdict(stats.clean), "tokens_total": stats.tokens, "tokens_kept": kept,
+    clean = dataclasses.asdict(stats.clean)
+    bad_files = clean.pop("bad_files")
+    counts_out = {**clean, "tokens_total": stats.tokens, "tokens_kept": kept,
                   "tokens_dropped_remainder": stats.tokens - kept, "sequences": n_windows,
                   "eos_in_shards": sum(w["eos"] for w in written), "vocab_used": int(used.sum())}
     return Manifest(
@@ -457,4 +471,5 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
         tokenizer_file=TOKENIZER_FILE, tokenizer_sha256=tok.sha256, settings_hash=key, source=settings["source"],
         settings=settings, counts=counts_out, packing_efficiency=kept / stats.tokens, remainder_policy=REMAINDER_POLICY,
         doc_length=stats.doc_length(), shards=shards, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        bad_records={f: {"count": n, "first": reason} for f, (n, reason) in bad_files.items()},
         extra={"tokenize_actors": n_actors, "parts": len(parts), "split_rule": dataclasses.asdict(rule), **timings})

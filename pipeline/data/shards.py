@@ -85,6 +85,8 @@ class Manifest:
     shards: dict[str, list[ShardInfo]]  # split -> shards in order
     created: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # data.on_bad_record=skip: file -> {"count": unreadable records skipped, "first": the first one's reason}
+    bad_records: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def window(self) -> int:

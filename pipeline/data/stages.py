@@ -54,9 +54,19 @@ def prepare_main(cfg) -> Path:
           f"  ({len(m.shards['train'])} + {len(m.shards['val'])} shards)\n"
           f"  {c['documents']:,} documents, {c['tokens_total']:,} tokens, packing efficiency "
           f"{m.packing_efficiency:.4%}; dropped {c['dropped_empty']:,} empty, replaced "
-          f"{c['replaced_invalid_utf8']:,} invalid UTF-8\n"
+          f"{c['replaced_invalid_utf8']:,} invalid UTF-8; skipped {c.get('bad_records', 0):,} unreadable records"
+          f"{_bad_files_line(m)}\n"
           f"  tokenizer {m.tokenizer_file} vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}")
     return out
+
+
+def _bad_files_line(m) -> str:
+    """` (a.jsonl: 2, b.jsonl: 1; first: ...)` when records were skipped: the user sees where, at once."""
+    if not m.bad_records:
+        return ""
+    files = sorted(m.bad_records.items(), key=lambda kv: -kv[1]["count"])
+    listed = ", ".join(f"{Path(f).name}: {b['count']:,}" for f, b in files[:5]) + (", ..." if len(files) > 5 else "")
+    return f" ({listed}; first: {next(iter(m.bad_records.values()))['first']})"
 
 
 def validate_main(dataset_dir: str | Path) -> int:

@@ -55,6 +55,9 @@ class ValidationReport:
                 f"  documents      {c.get('documents', 0):,} kept; {c.get('dropped_empty', 0):,} empty dropped; "
                 f"{c.get('replaced_invalid_utf8', 0):,} invalid UTF-8 sequences replaced; "
                 f"{c.get('nul_removed', 0):,} NULs removed",
+                f"  bad records    {c.get('bad_records', 0):,} unreadable records skipped"
+                + "".join(f"\n                   {f}: {b['count']:,} (first: {b['first']})"
+                          for f, b in s.get("bad_records", {}).items()),
                 f"  doc length     mean {dl.get('mean', 0):.1f} tokens, min {dl.get('min', 0)}, "
                 f"p50 ~{dl.get('p50_approx', 0)}, p90 ~{dl.get('p90_approx', 0)}, p99 ~{dl.get('p99_approx', 0)}, "
                 f"max {dl.get('max', 0)}",
@@ -96,6 +99,7 @@ def validate_dataset(dataset_dir: Path | str, *, sample_windows: int = 16) -> Va
     report.stats = {"sequences": total, "rows": rows, "seq_len": m.seq_len, "tokens": total * m.window,
                     "vocab_size": m.vocab_size, "vocab_used": int(np.count_nonzero(scan.token_counts)),
                     "packing_efficiency": m.packing_efficiency, "doc_length": m.doc_length, "counts": m.counts,
+                    "bad_records": m.bad_records,
                     "round_trip": scan.round_trip(tok, report.errors)}
     return report
 

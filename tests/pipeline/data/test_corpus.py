@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_config
-from pipeline.data.corpus import (DataSourceError, builtin_document, builtin_items, clean_texts, describe_source,
-                             read_document_file, read_documents, resolve_files)
+from pipeline.data.corpus import (CleanStats, DataSourceError, builtin_document, builtin_items, check_bad_records,
+                                  clean_batch, clean_texts, describe_source, read_document_file, read_documents,
+                                  resolve_files)
 from tests.pipeline.data.helpers import sample_docs, write_jsonl
 
 
@@ -50,9 +52,38 @@ def test_clean_handles_arrow_strings_with_invalid_utf8():
     assert texts == ["a\ufffdb"] and st.replaced_invalid_utf8 == 1
 
 
-def test_clean_rejects_non_text_values():
-    with pytest.raises(DataSourceError, match="not text"):
-        clean_texts([12, "x"])
+def test_clean_counts_non_text_values_as_bad_records():
+    texts, st = clean_texts([12, "x", None], source="myset")
+    assert texts == ["x"] and st.bad_records == 1 and st.dropped_empty == 1 and st.records == 3
+    assert st.bad_files["myset"][0] == 1 and "is a int, not text" in st.bad_files["myset"][1]
+
+
+def test_bad_record_policy():
+    st = CleanStats(documents=997)
+    st.count_bad("a.jsonl", "a.jsonl line 2: not valid JSON")
+    st.count_bad("a.jsonl", "a.jsonl line 9: not valid JSON")
+    st.count_bad("b.jsonl", "b.jsonl line 1: field 'text' is int, not a string")
+    assert st.bad_files == {"a.jsonl": [2, "a.jsonl line 2: not valid JSON"],
+                            "b.jsonl": [1, "b.jsonl line 1: field 'text' is int, not a string"]}
+    check_bad_records(st, "skip", 0.003)  # 3 of 1000: not more than 0.3%
+    with pytest.raises(DataSourceError, match=r"3 of 1,000 records \(0.300%\) are unreadable, more than "
+                                              r"data.max_bad_fraction=0.002; the first: a.jsonl line 2"):
+        check_bad_records(st, "skip", 0.002)
+    with pytest.raises(DataSourceError, match=r"^a.jsonl line 2: not valid JSON \(data.on_bad_record=error"):
+        check_bad_records(st, "error", 1.0)
+    check_bad_records(CleanStats(documents=5), "error", 0.0)  # nothing bad: nothing to decide
+    merged = CleanStats()
+    merged.add(st)
+    merged.add(st)
+    assert merged.bad_records == 6 and merged.bad_files["a.jsonl"][0] == 4
+
+
+def test_json_file_that_does_not_parse_is_one_bad_record(tmp_path):
+    p = tmp_path / "broken.json"
+    p.write_text('[{"text": "a"}, {"text": ')
+    with open(p, "rb") as f:
+        table = pa.concat_tables(read_document_file(f, str(p), "json", "text"))
+    assert table.num_rows == 1 and "broken.json: not valid JSON" in table["bad_reason"][0].as_py()
 
 
 # ------------------------------------------------------------------ files: resolution and parsing (no Ray)
@@ -87,10 +118,18 @@ def test_jsonl_parsing_replaces_invalid_utf8_and_names_bad_lines(tmp_path):
              b'{"text": "a"}\n{broken\n': "line 2: not valid JSON",
              b'["a list"]\n': "line 1: expected a JSON object"}
     for i, (data, message) in enumerate(cases.items()):
+        # A bad record is a row naming the file and line (never an exception inside a Ray task): the driver
+        # decides by data.on_bad_record.
         p = tmp_path / f"bad{i}.jsonl"
         p.write_bytes(data)
-        with open(p, "rb") as f, pytest.raises(DataSourceError, match=message):
-            list(read_document_file(f, str(p), "jsonl", "text"))
+        with open(p, "rb") as f:
+            table = pa.concat_tables(read_document_file(f, str(p), "jsonl", "text"))
+        reasons = [r for r in table["bad_reason"].to_pylist() if r is not None]
+        assert len(reasons) == 1 and re.search(message, reasons[0]) and reasons[0].startswith(str(p))
+        assert table["bad_file"].to_pylist() == [str(p) if r else None for r in table["bad_reason"].to_pylist()]
+        texts, stats = clean_batch(table)
+        assert stats.bad_records == 1 and stats.bad_files == {str(p): [1, reasons[0]]}
+        assert len(texts) == table.num_rows - 1 and stats.dropped_empty == 0  # a bad record is not "empty"
 
 
 def test_describe_source_changes_with_the_files(tmp_path):
