@@ -32,8 +32,10 @@ Generation (no doc masking; one prompt per row) with a KV cache:
 Prompts of different lengths are LEFT-padded to a common length P (any token id in the pad slots) and
 `left_pad[b]` gives row b's number of pad tokens: real tokens never attend to pad slots and their RoPE
 positions start at 0 at the first real token, so each row matches running its prompt alone. Equal-length
-prompts need no left_pad. Generation runs the blocks eagerly even after `compile_blocks` (a compiled block
-would recompile for every new cache length).
+prompts need no left_pad. The cache (model/kv_cache.py) is static: allocated at max_len, in the dtype the keys
+are computed in (the autocast dtype under autocast), with its RoPE tables; a one-token call is a fixed-shape
+masked step over all max_len slots (`decode_step`), so it never rebuilds an attention plan, can be captured in
+a CUDA graph, and runs the blocks' submodules eagerly even after `compile_blocks`.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import checkpoint
 
+from model.kv_cache import KVCache, decode_step
+from model.rope import apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
 from model.tiers import Tier, get_tier
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "dense")
@@ -211,84 +215,8 @@ def varlen_attention(q, k, v, spans: DocSpans, enable_gqa: bool) -> torch.Tensor
 CUDNN_CAUSAL = "cudnn_causal"  # the cudnn backend's mask: plain causal attention through SDPA's cuDNN kernel
 
 
-# ----------------------------------------------------------------------------------------------
-# RoPE
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions (B|1, T) -> cos, sin each (B|1, T, 1, head_dim/2) fp32."""
-    # angles in float64: fp32 products lose ~3 digits of the angle at position 32k; the cost is negligible
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
-    angles = positions.to(torch.float64)[..., None] * inv_freq  # (B|1, T, hd/2)
-    return angles.cos().float()[:, :, None, :], angles.sin().float()[:, :, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, T, n_head, head_dim) by the per-token angles; computed in fp32, returned in x's dtype."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, n_head, hd/2) each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.type_as(x)
-
-
-# ----------------------------------------------------------------------------------------------
-# KV cache for generation
-
-
-class KVCache:
-    """Keys/values of every layer for incremental decoding; see the module docstring for the protocol.
-
-    Per layer a (B, n_kv_heads, max_len, head_dim) buffer, allocated on the first write in the dtype of the
-    keys (so it follows autocast). `length` counts the slots filled so far (pad slots included).
-    left_pad: optional (B,) int64, the number of left-pad tokens at the start of each row's prompt.
-    """
-
-    def __init__(self, n_layers: int, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None):
-        self.batch_size, self.max_len = batch_size, max_len
-        self.k: list[torch.Tensor | None] = [None] * n_layers
-        self.v: list[torch.Tensor | None] = [None] * n_layers
-        self.length = 0
-        if left_pad is not None and tuple(left_pad.shape) != (batch_size,):
-            raise ValueError(f"left_pad must have shape ({batch_size},), got {tuple(left_pad.shape)}")
-        self.left_pad = None if left_pad is None else left_pad.to(torch.int64)
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def positions_and_mask(self, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """RoPE positions (B|1, T) of the next T tokens, and a boolean (B|1, 1, T, length+T) mask or None.
-
-        None means "attend to every cached key" (one new token) or plain causal (prefill of an empty cache).
-        """
-        if B != self.batch_size:
-            raise ValueError(f"KV cache was made for batch size {self.batch_size}, got a batch of {B}")
-        if self.length + T > self.max_len:
-            raise ValueError(f"KV cache is full: {self.length} + {T} tokens > max_len={self.max_len}; "
-                             "create the cache with a larger max_len")
-        q_abs = torch.arange(self.length, self.length + T, device=device)  # (T,) slot of each new token
-        if self.left_pad is None:
-            mask = None
-            if T > 1 and self.length > 0:  # several new tokens after a prefix: bottom-right aligned causal
-                k_abs = torch.arange(self.length + T, device=device)
-                mask = (k_abs[None, :] <= q_abs[:, None])[None, None]  # (1, 1, T, S)
-            return q_abs[None], mask
-        pad = self.left_pad.to(device)[:, None]  # (B, 1)
-        positions = (q_abs[None] - pad).clamp_min(0)  # (B, T): real tokens start at 0
-        k_abs = torch.arange(self.length + T, device=device)  # (S,)
-        causal = k_abs[None, :] <= q_abs[:, None]  # (T, S)
-        # real keys only; a pad query also sees itself so its softmax row is never empty (its output is unused)
-        real_key = (k_abs[None, None, :] >= pad[:, :, None]) | (k_abs[None, None, :] == q_abs[None, :, None])
-        return positions, (causal[None] & real_key)[:, None]  # (B, 1, T, S)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v (B, n_kv_heads, T, head_dim) at the current length; return all keys/values so far."""
-        B, H, T, D = k.shape
-        if self.k[layer] is None:
-            self.k[layer] = k.new_zeros(B, H, self.max_len, D)
-            self.v[layer] = v.new_zeros(B, H, self.max_len, D)
-        end = self.length + T
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)  # (B, H, S, D)
+# RoPE (rope_cos_sin, apply_rope, rope_table) is in model/rope.py; the static KVCache and the one-token decode
+# step are in model/kv_cache.py (both imported above).
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,8 +368,23 @@ class Decoder(nn.Module):
             block.compile(**compile_kwargs)
         return self
 
-    def new_kv_cache(self, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None) -> KVCache:
-        return KVCache(self.tier.n_layers, batch_size, max_len, left_pad)
+    def new_kv_cache(self, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
+                     dtype: torch.dtype | None = None) -> KVCache:
+        """A static cache on the model's device, allocated here at max_len. dtype defaults to the dtype the keys
+        will be computed in: the autocast dtype when autocast is on for that device (create the cache inside the
+        autocast region), else the model's."""
+        weight = self.output_weight
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(weight.device.type)
+            dtype = torch.get_autocast_dtype(weight.device.type) if autocast else weight.dtype
+        t = self.tier
+        return KVCache(t.n_layers, batch_size, max_len, left_pad, n_kv_heads=t.n_kv_heads, head_dim=t.head_dim,
+                       rope_base=t.rope_base, dtype=dtype, device=weight.device)
+
+    def decode_step(self, tok: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """tok (B,) int64, one new token per row -> hidden (B, D): the fixed-shape step of model/kv_cache.py
+        (what `self(tok[:, None], kv_cache=cache)` runs, without the sequence axis)."""
+        return decode_step(self, tok, kv_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., V) fp32 logits, for generation and inspection of a few positions only; training
@@ -478,13 +421,16 @@ class Decoder(nn.Module):
         if kv_cache is not None:
             if doc_ids is not None:
                 raise ValueError("generation with a KV cache has no document masking; pass doc_ids=None")
+            if T == 1:
+                return decode_step(self, idx[:, 0], kv_cache)[:, None]  # (B, 1, D): the static decode step
             positions, mask = kv_cache.positions_and_mask(B, T, idx.device)
+            cos, sin = kv_cache.rope(positions)  # (B|1, T, 1, hd/2) in the cache dtype
         else:
             if not self.doc_masking:
                 doc_ids = None
             positions = doc_positions(doc_ids) if doc_ids is not None else torch.arange(T, device=idx.device)[None]
             mask = self._mask(doc_ids, T, idx.device, B)
-        cos, sin = rope_cos_sin(positions, self.tier.head_dim, self.tier.rope_base)  # (B|1, T, 1, hd/2)
+            cos, sin = rope_cos_sin(positions, self.tier.head_dim, self.tier.rope_base)  # (B|1, T, 1, hd/2)
 
         x = self.tok_emb(idx)  # (B, T, D)
         for i, block in enumerate(self.blocks):
@@ -495,7 +441,7 @@ class Decoder(nn.Module):
             else:
                 x = block(x, cos, sin, mask)
         if kv_cache is not None:
-            kv_cache.length += T
+            kv_cache.advance(T)
         return self.norm(x)  # (B, T, D)
 
 

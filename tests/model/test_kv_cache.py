@@ -90,3 +90,89 @@ def test_cache_misuse_raises_clear_errors():
         model(tokens[:, :2], kv_cache=cache)
     with pytest.raises(ValueError, match="left_pad must have shape"):
         model.new_kv_cache(batch_size=2, max_len=6, left_pad=torch.zeros(3, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------- static cache
+
+
+def _left_padded(lengths: list[int], seed: int, pad_id: int = 3) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    P = max(lengths)
+    batch = torch.stack([torch.cat([torch.full((P - len(p),), pad_id), p]) for p in prompts])  # (B, P)
+    return prompts, batch, torch.tensor([P - n for n in lengths])
+
+
+def test_static_decode_of_left_padded_prompts_equals_full_prefix_recompute():
+    """Prompts of lengths 2, 9 and 5 in one left-padded batch, greedy decoding through the fixed-shape step:
+    at every step each row's logits equal a full forward (no cache) over that row's real tokens so far."""
+    model = make_model()
+    prompts, batch, pad = _left_padded([2, 9, 5], seed=7)
+    new = 6
+    cache = model.new_kv_cache(batch_size=3, max_len=batch.shape[1] + new, left_pad=pad)
+    seqs = [p.clone() for p in prompts]
+    with torch.no_grad():
+        h = model(batch, kv_cache=cache)[:, -1]  # (B, D) prefill
+        for step in range(new):
+            logits = model.logits(h)
+            for b, seq in enumerate(seqs):
+                full = model.logits(model(seq[None])[:, -1])[0]  # recompute everything, this row alone
+                torch.testing.assert_close(logits[b], full, rtol=0, atol=1e-4, msg=f"row {b} step {step}")
+            nxt = logits.argmax(-1)
+            seqs = [torch.cat([s, nxt[b:b + 1]]) for b, s in enumerate(seqs)]
+            h = model.decode_step(nxt, cache)
+    assert cache.length == batch.shape[1] + new and int(cache.pos) == cache.length
+
+
+def test_cache_is_allocated_once_at_max_len_and_decode_writes_in_place():
+    model = make_model()
+    tokens, _ = packed_row([10], batch=2, seed=2)
+    cache = model.new_kv_cache(batch_size=2, max_len=16)
+    tier = model.tier
+    assert cache.k.shape == (tier.n_layers, 2, tier.n_kv_heads, 16, tier.head_dim) == cache.v.shape
+    buffers = (cache.k.data_ptr(), cache.v.data_ptr(), cache.pos.data_ptr())
+    with torch.no_grad():
+        model(tokens[:, :4], kv_cache=cache)
+        for t in range(4, 10):
+            model.decode_step(tokens[:, t], cache)
+    assert (cache.k.data_ptr(), cache.v.data_ptr(), cache.pos.data_ptr()) == buffers
+    assert bool(cache.k[:, :, :, 10:].eq(0).all())  # slots past the filled length never written
+
+
+def test_cache_dtype_follows_autocast_and_rope_tables_match_per_position_angles():
+    from model.rope import rope_cos_sin
+
+    model = make_model()
+    assert model.new_kv_cache(batch_size=1, max_len=8).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = model.new_kv_cache(batch_size=1, max_len=8)
+    assert cache.dtype == torch.bfloat16 and cache.k.dtype == cache.cos.dtype == torch.bfloat16
+    fp32 = model.new_kv_cache(batch_size=1, max_len=300)
+    cos, sin = rope_cos_sin(torch.arange(300)[None], model.tier.head_dim, model.tier.rope_base)
+    assert torch.equal(fp32.cos, cos[0, :, 0]) and torch.equal(fp32.sin, sin[0, :, 0])  # bit for bit
+
+
+def test_compiled_decode_step_never_recompiles_and_matches_eager():
+    """The fixed-shape step reads no host state that changes: compiled once (fullgraph, no graph break), it runs
+    every later step without a recompile — what lets a CUDA graph replay it — and gives the eager results."""
+    import torch._dynamo
+
+    from model.kv_cache import decode_compute
+
+    model = make_model()
+    prompts, batch, pad = _left_padded([3, 6], seed=4)
+    caches = [model.new_kv_cache(batch_size=2, max_len=12, left_pad=pad) for _ in range(2)]
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_compute, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for cache in caches:
+            model(batch, kv_cache=cache)
+        tok = torch.tensor([5, 6])
+        for _ in range(5):
+            eager = model.decode_step(tok, caches[0])
+            got = compiled(model, tok, caches[1])
+            caches[1].length += 1  # as the CUDA-graph replay keeps it: host state moves, the step must not read it
+            torch.testing.assert_close(got, eager, rtol=0, atol=ATOL)
+            tok = model.logits(eager).argmax(-1)
+    assert int(caches[1].pos) == 6 + 5
+    torch._dynamo.reset()

@@ -1,0 +1,165 @@
+"""The static KV cache of model/decoder.py and its one-token decode step.
+
+    cache = model.new_kv_cache(batch_size=B, max_len=P + N, left_pad=pad)   # every buffer allocated here, once
+    h = model(prompt, kv_cache=cache)                 # prefill (B, P): eager, any length
+    h = model.decode_step(tok, cache)                 # tok (B,) -> (B, D); the same as model(tok[:, None], ...)
+
+Why static. Decoding one token at a time with a cache that grows by one slot per step gives every step new
+shapes: a new cuDNN attention plan per key length (78% of the time in the first H100 run), a new allocation per
+step, and a recompile per step under torch.compile. Here the cache is (n_layers, B, n_kv_heads, max_len, hd),
+allocated zeroed at its final length; a decode step writes its key/value at slot `pos` (a device tensor) and
+attends over all max_len slots with a mask (slot <= pos and slot >= the row's left pad). Every tensor of a
+step has the same shape and address at every step, and the step reads no Python state that changes, so it
+can be captured once in a CUDA graph and replayed (pipeline/train/generate.py does that on CUDA) and a
+torch.compile'd step never recompiles (tests/model/test_kv_cache.py checks that on CPU). The price: attention
+reads max_len slots instead of the pos filled ones (at most 2x the attention work over a generation; the
+projections and MLP, which dominate at short context, are unchanged).
+
+State. `length` (host int) and `pos` (a (1,) int64 device tensor) both count the filled slots, pad slots
+included. Eager calls (prefill, chunks, `decode_step`) advance both; `decode_compute`, the graph-safe part,
+advances only `pos`, and whoever replays it keeps `length` in step (see generate.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from model.rope import apply_rope, rope_table
+
+
+class KVCache:
+    """Keys/values of every layer for incremental decoding, preallocated to max_len.
+
+    k, v: (n_layers, B, n_kv_heads, max_len, head_dim) in `dtype` (the dtype the keys are computed in: the
+    model's, or the autocast dtype). left_pad: optional (B,) int64, the number of left-pad tokens at the start
+    of each row's prompt. cos/sin: (max_len, head_dim/2) RoPE tables in `dtype`.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
+                 n_kv_heads: int, head_dim: int, rope_base: float, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        if left_pad is not None and tuple(left_pad.shape) != (batch_size,):
+            raise ValueError(f"left_pad must have shape ({batch_size},), got {tuple(left_pad.shape)}")
+        if max_len < 1:
+            raise ValueError(f"KV cache max_len must be >= 1, got {max_len}")
+        self.batch_size, self.max_len, self.dtype = batch_size, max_len, dtype
+        self.device = torch.device(device)
+        self.length = 0
+        # zeroed, not empty: masked slots get probability 0, and 0 * NaN garbage would still be NaN
+        self.k = torch.zeros(n_layers, batch_size, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.left_pad = None if left_pad is None else left_pad.to(device=device, dtype=torch.int64)
+        self.pad = self.left_pad if self.left_pad is not None else torch.zeros(batch_size, dtype=torch.int64,
+                                                                                device=device)  # (B,)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # the next slot to write
+        self.slots = torch.arange(max_len, device=device)  # (S,)
+        self.cos, self.sin = rope_table(max_len, head_dim, rope_base, dtype=dtype, device=device)  # (S, hd/2)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.pos.zero_()
+
+    def check(self, B: int, T: int) -> None:
+        """A clear error for a batch of the wrong size or a cache without room for T more tokens (host-side)."""
+        if B != self.batch_size:
+            raise ValueError(f"KV cache was made for batch size {self.batch_size}, got a batch of {B}")
+        if self.length + T > self.max_len:
+            raise ValueError(f"KV cache is full: {self.length} + {T} tokens > max_len={self.max_len}; "
+                             "create the cache with a larger max_len")
+
+    def advance(self, T: int) -> None:
+        self.length += T
+        self.pos += T
+
+    # -- prefill and multi-token chunks (eager; shapes follow the chunk) ----------------------------------------
+
+    def positions_and_mask(self, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RoPE positions (B|1, T) of the next T tokens, and a boolean (B|1, 1, T, length+T) mask or None.
+
+        None means plain causal (prefill of an empty cache without left padding)."""
+        self.check(B, T)
+        q_abs = torch.arange(self.length, self.length + T, device=device)  # (T,) slot of each new token
+        k_abs = self.slots[: self.length + T]  # (S,)
+        if self.left_pad is None:
+            mask = None
+            if self.length > 0:  # new tokens after a prefix: bottom-right aligned causal
+                mask = (k_abs[None, :] <= q_abs[:, None])[None, None]  # (1, 1, T, S)
+            return q_abs[None], mask
+        pad = self.left_pad[:, None]  # (B, 1)
+        positions = (q_abs[None] - pad).clamp_min(0)  # (B, T): real tokens start at 0
+        causal = k_abs[None, :] <= q_abs[:, None]  # (T, S)
+        # real keys only; a pad query also sees itself so its softmax row is never empty (its output is unused)
+        real_key = (k_abs[None, None, :] >= pad[:, :, None]) | (k_abs[None, None, :] == q_abs[None, :, None])
+        return positions, (causal[None] & real_key)[:, None]  # (B, 1, T, S)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B|1, T) -> cos, sin each (B|1, T, 1, hd/2) in the cache dtype, from the tables."""
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, n_kv_heads, T, head_dim) at slots [length, length+T); return the filled slots as views
+        (B, n_kv_heads, length+T, head_dim) in k's dtype (no copy when it is the cache dtype)."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end].to(k.dtype), self.v[layer, :, :, :end].to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The one-token decode step: fixed shapes, device state only
+
+
+def _attend_one(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                key_bias: torch.Tensor) -> torch.Tensor:
+    """One new token per row through model/decoder.py's Attention `attn`: x (B, 1, D) -> (B, 1, D).
+
+    Writes this token's key/value at slot cache.pos, then attends over all max_len slots; key_bias (B, 1, 1, S)
+    fp32 is 0 on visible slots and -inf elsewhere. Plain matmuls rather than SDPA: no backend choice and no plan
+    per shape, and grouped-query attention without copying keys (query head h reads key head h // G, as SDPA's
+    enable_gqa does)."""
+    B = x.shape[0]
+    H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    q, k, v = attn.wqkv(x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)  # (B, 1, *)
+    q = apply_rope(q.view(B, 1, H, hd), cos, sin)  # (B, 1, H, hd)
+    k = apply_rope(k.view(B, 1, Hkv, hd), cos, sin)  # (B, 1, Hkv, hd)
+    keys, values = cache.k[layer], cache.v[layer]  # (B, Hkv, S, hd) views
+    keys.index_copy_(2, cache.pos, k.transpose(1, 2).to(keys.dtype))
+    values.index_copy_(2, cache.pos, v.view(B, 1, Hkv, hd).transpose(1, 2).to(values.dtype))
+    q = q.view(B, Hkv, H // Hkv, hd).to(keys.dtype) * (1.0 / math.sqrt(hd))  # (B, Hkv, G, hd)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() + key_bias  # (B, Hkv, G, S) fp32
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    y = torch.matmul(probs, values)  # (B, Hkv, G, hd)
+    return attn.wo(y.reshape(B, 1, H * hd))
+
+
+def decode_compute(decoder, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The graph-safe part of a decode step: tok (B,) int64 -> hidden (B, D) after the final RMSNorm.
+
+    Reads and advances only device state (cache.pos += 1 in place); no host sync, no shape that depends on the
+    step. Does not check capacity and does not advance cache.length: use `decode_step` unless you replay this
+    in a CUDA graph (and then keep cache.length yourself)."""
+    pos = cache.pos  # (1,)
+    rope_pos = (pos - cache.pad).clamp_min(0)  # (B,) position of the new token in its own prompt
+    cos = cache.cos.index_select(0, rope_pos)[:, None, None]  # (B, 1, 1, hd/2)
+    sin = cache.sin.index_select(0, rope_pos)[:, None, None]
+    visible = (cache.slots[None] <= pos) & (cache.slots[None] >= cache.pad[:, None])  # (B, S)
+    key_bias = torch.zeros(visible.shape, dtype=torch.float32, device=pos.device).masked_fill_(
+        ~visible, float("-inf"))[:, None, None]  # (B, 1, 1, S)
+    x = decoder.tok_emb(tok[:, None])  # (B, 1, D)
+    for i, block in enumerate(decoder.blocks):
+        # the block's submodules, not block(): eager even after compile_blocks
+        x = x + _attend_one(block.attn, block.attn_norm(x), cos, sin, cache, i, key_bias)
+        x = x + block.mlp(block.mlp_norm(x))
+    pos += 1
+    return decoder.norm(x)[:, 0]  # (B, D)
+
+
+def decode_step(decoder, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """tok (B,) int64, one new token per row -> hidden (B, D); checks capacity and advances the cache."""
+    if tok.dim() != 1:
+        raise ValueError(f"decode_step takes one token per row, shape (B,), got {tuple(tok.shape)}")
+    cache.check(tok.shape[0], 1)
+    hidden = decode_compute(decoder, tok, cache)
+    cache.length += 1
+    return hidden
