@@ -3,14 +3,28 @@
     python pipeline/run.py generate --checkpoint runs/<run>/checkpoints/phase0/step_000200 \
         --prompt "Once upon a time" --prompt "def main" --max-new-tokens 64 --top-p 0.95
     python pipeline/run.py generate --resume runs/<run> --prompts-file prompts.txt
+    python bench/generate.py                          # decode tokens/s at batch 1, 8, 64
 
-Prompts of different lengths are left-padded into one batch; the KV cache masks the pads and starts
-each row's RoPE positions at its first real token. One forward per new token for the whole batch,
-and one sampling kernel launch per step (no host sync inside the loop on CUDA).
+Prompts of different lengths are left-padded into one batch; the KV cache masks the pads and starts each row's
+RoPE positions at its first real token. The prompt is one forward (prefill); then one fixed-shape decode step
+and one sampling call per new token for the whole batch, with no host sync inside the loop. The cache of
+model/decoder.py is static (model/kv_cache.py), so on CUDA the decode step (model + logits) is captured once in a
+CUDA graph after WARMUP_STEPS eager steps and replayed for every later token: one graph launch instead of
+hundreds of kernel launches per token. On CPU, or for a model without a graph-safe `decode_step` (any model
+that keeps the `new_kv_cache(batch_size, max_len, left_pad)` + `model(ids, kv_cache=cache)` protocol), the loop
+runs the same steps eagerly. On CUDA a checkpoint is loaded in bf16; an fp32 model (the eval-time samples)
+generates under bf16 autocast.
+
+Timing (GenerationTimings): prefill = the prompt forward and its logits; warm-up = the first sampling call (where
+Numba compiles the sampling kernel on first use), the eager warm-up steps and the graph capture; decode = the
+remaining steps. Each phase ends with a device sync, so the three are measured apart and the decode figure is
+the steady state.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,48 +32,176 @@ import torch
 
 from cuda_ops.sampling import sample
 
+WARMUP_STEPS = 2  # eager decode steps before capture: cuBLAS and the allocator settle on the side stream first
+
+
+@dataclass
+class GenerationTimings:
+    """Seconds and token counts per phase (see the module docstring). Decode tokens count every row at every
+    timed step (rows past EOS included: they are computed all the same)."""
+    prefill_tokens: int  # real prompt tokens (left pads not counted)
+    prefill_s: float
+    warmup_tokens: int
+    warmup_s: float
+    decode_tokens: int
+    decode_s: float
+    decode_cpu_s: float  # process CPU time during decode (all threads): on a shared CPU, less noisy than decode_s
+    cuda_graph: bool  # whether the decode steps replayed a CUDA graph
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / max(self.prefill_s, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / max(self.decode_s, 1e-9) if self.decode_tokens else 0.0
+
 
 @dataclass
 class GenerationOutput:
     token_ids: list[list[int]]  # new tokens per prompt (up to and including EOS when it came)
     texts: list[str]  # decoded new text per prompt
     new_tokens: int  # total new tokens across the batch
-    seconds: float
-    tokens_per_s: float
+    seconds: float  # the whole call, warm-up included
+    tokens_per_s: float  # new_tokens / seconds
+    timings: GenerationTimings
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eager_step(decoder, cache):
+    """tok (B,) -> logits (B, V) fp32, eagerly: the static decode step when the model has one, else the generic
+    cache protocol (one token through `model(ids, kv_cache=cache)`)."""
+    if hasattr(decoder, "decode_step"):
+        return lambda tok: decoder.logits(decoder.decode_step(tok, cache))
+    return lambda tok: decoder.logits(decoder(tok[:, None], kv_cache=cache)[:, -1])
+
+
+def _captured_step(decoder, cache, example_tok: torch.Tensor):
+    """The decode step (model + logits) captured in a CUDA graph: tok (B,) -> logits (B, V), a static buffer
+    overwritten by the next call. model/kv_cache.py's decode_compute reads and advances only device state, so
+    replaying it is a real step; the host-side capacity check and cache.length are kept here."""
+    from model.kv_cache import decode_compute
+
+    static_tok = example_tok.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # records only: nothing runs, cache.pos is not advanced
+        static_logits = decoder.logits(decode_compute(decoder, static_tok, cache))
+
+    def step(tok: torch.Tensor) -> torch.Tensor:
+        cache.check(tok.shape[0], 1)
+        static_tok.copy_(tok)
+        graph.replay()
+        cache.length += 1
+        return static_logits
+
+    return step
+
+
+def _graph_wanted(decoder, device: torch.device, cuda_graph: bool | None) -> bool:
+    """None (auto): on CUDA, for a model with a graph-safe decode step. True where it cannot run is an error."""
+    possible = device.type == "cuda" and hasattr(decoder, "decode_step")
+    if cuda_graph and not possible:
+        raise ValueError("cuda_graph=True needs a CUDA device and a model with decode_step (model/decoder.py)")
+    return possible if cuda_graph is None else bool(cuda_graph)
 
 
 @torch.no_grad()
-def generate_ids(decoder, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
-                 eos_id: int | None = None, pad_id: int = 0) -> torch.Tensor:
-    """(B, max_new_tokens) int64 new tokens for token-id prompts (rows finished at EOS are padded with eos_id).
-
-    temperature 0 is greedy. Prompts are left-padded to the longest; the cache hides the pads.
-    """
+def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+                       eos_id: int | None = None, pad_id: int = 0, cuda_graph: bool | None = None,
+                       sampling_backend: str | None = None) -> tuple[torch.Tensor, GenerationTimings]:
+    """`generate_ids` plus the per-phase timings. sampling_backend: None (cuda_ops dispatch), "reference"
+    or "numba", passed to cuda_ops.sampling.sample."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = decoder.output_weight.device
+    use_graph = _graph_wanted(decoder, device, cuda_graph)
     B, longest = len(prompts), max(len(p) for p in prompts)
-    left_pad = torch.tensor([longest - len(p) for p in prompts], dtype=torch.int64, device=device)
-    idx = torch.full((B, longest), pad_id, dtype=torch.int64, device=device)
+    left_pad = torch.tensor([longest - len(p) for p in prompts], dtype=torch.int64)
+    idx = torch.full((B, longest), pad_id, dtype=torch.int64)
     for i, p in enumerate(prompts):
         idx[i, longest - len(p):] = torch.tensor(p, dtype=torch.int64)
-    cache = decoder.new_kv_cache(B, longest + max_new_tokens,
-                                 left_pad=left_pad if int(left_pad.max()) > 0 else None)
+    idx, left_pad = idx.to(device), left_pad.to(device)  # one copy each, not one per prompt
     out = torch.empty(B, max_new_tokens, dtype=torch.int64, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     seeds = torch.arange(B, dtype=torch.int64, device=device) + seed  # an independent stream per row
-    hidden = decoder(idx, kv_cache=cache)[:, -1]  # (B, D): prefill, last position of each row
-    for t in range(max_new_tokens):
-        logits = decoder.logits(hidden)  # (B, V) fp32, only the last position
-        nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds, step=t)
+
+    def emit(nxt: torch.Tensor, t: int) -> torch.Tensor:
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            done |= nxt == eos_id
+            done.logical_or_(nxt == eos_id)
         out[:, t] = nxt
-        if t + 1 < max_new_tokens:
-            hidden = decoder(nxt[:, None], kv_cache=cache)[:, -1]
-    return out
+        return nxt
+
+    _sync(device)
+    t0 = time.perf_counter()
+    ragged = longest > min(len(p) for p in prompts)
+    cache = decoder.new_kv_cache(B, longest + max_new_tokens, left_pad=left_pad if ragged else None)
+    logits = decoder.logits(decoder(idx, kv_cache=cache)[:, -1])  # (B, V) fp32: prefill, last position only
+    _sync(device)
+    t1 = time.perf_counter()
+    # step 0 with the scalar arguments, which sample() validates; later steps pass the same values as (B,)
+    # tensors built once, and the step counter as a tensor updated in place (no per-step host-to-device copy)
+    nxt = emit(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds,
+                      step=0, backend=sampling_backend), 0)
+    row = lambda value, dtype: torch.full((B,), value, dtype=dtype, device=device)  # noqa: E731
+    params = dict(temperature=row(temperature, torch.float32), top_k=row(top_k, torch.int64),
+                  top_p=row(top_p, torch.float32), min_p=row(min_p, torch.float32), seed=seeds)
+    step_t = row(0, torch.int64)
+    step = _eager_step(decoder, cache)
+    warm = min(WARMUP_STEPS, max_new_tokens - 1) if use_graph else min(1, max_new_tokens - 1)
+    side = torch.cuda.Stream(device) if use_graph else None
+    if side is not None:  # warm up on a side stream, as torch.cuda.graph asks; these are real steps
+        side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for t in range(1, 1 + warm):
+            logits = step(nxt)
+            step_t.fill_(t)
+            nxt = emit(sample(logits, **params, step=step_t, backend=sampling_backend), t)
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
+    graphed = False
+    if use_graph and 1 + warm < max_new_tokens:
+        try:
+            step = _captured_step(decoder, cache, nxt)
+            graphed = True
+        except RuntimeError as exc:  # a capture that fails leaves the eager step, which is always correct
+            _sync(device)
+            warnings.warn(f"CUDA-graph capture of the decode step failed, decoding eagerly: {exc}", stacklevel=2)
+    _sync(device)
+    t2, cpu2 = time.perf_counter(), time.process_time()
+    for t in range(1 + warm, max_new_tokens):
+        logits = step(nxt)
+        step_t.fill_(t)
+        nxt = emit(sample(logits, **params, step=step_t, backend=sampling_backend), t)
+    _sync(device)
+    t3, cpu3 = time.perf_counter(), time.process_time()
+    timings = GenerationTimings(prefill_tokens=sum(map(len, prompts)), prefill_s=t1 - t0,
+                                warmup_tokens=B * (1 + warm), warmup_s=t2 - t1,
+                                decode_tokens=B * (max_new_tokens - 1 - warm), decode_s=t3 - t2,
+                                decode_cpu_s=cpu3 - cpu2, cuda_graph=graphed)
+    return out, timings
+
+
+def generate_ids(decoder, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+                 eos_id: int | None = None, pad_id: int = 0, cuda_graph: bool | None = None,
+                 sampling_backend: str | None = None) -> torch.Tensor:
+    """(B, max_new_tokens) int64 new tokens for token-id prompts (rows finished at EOS are padded with eos_id).
+
+    temperature 0 is greedy. Prompts are left-padded to the longest; the cache hides the pads. cuda_graph: None
+    (auto: on CUDA for a model with decode_step), True or False.
+    """
+    ids, _ = generate_ids_timed(decoder, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_id=eos_id, pad_id=pad_id,
+                                cuda_graph=cuda_graph, sampling_backend=sampling_backend)
+    return ids
 
 
 def _trim(ids: list[int], eos_id: int | None) -> list[int]:
@@ -68,24 +210,41 @@ def _trim(ids: list[int], eos_id: int | None) -> list[int]:
     return ids
 
 
+def generation_autocast(decoder):
+    """bf16 autocast for an fp32 model on CUDA (the residual stream stays fp32, matmuls and the KV cache run in
+    bf16); a no-op on CPU and for a model already in bf16."""
+    weight = decoder.output_weight
+    enabled = weight.device.type == "cuda" and weight.dtype == torch.float32
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled) if enabled else contextlib.nullcontext()
+
+
+def prepare_for_generation(decoder, device: torch.device):
+    """The model on `device` in eval mode; an attention Decoder on CUDA also in bf16 (weights, residual stream
+    and KV cache: a decode step reads every weight once per token, so half the bytes is up to twice the speed;
+    norms and softmax still compute in fp32). Other models keep their dtype and decode under bf16 autocast."""
+    from model.decoder import Decoder
+
+    decoder = decoder.to(device).eval()
+    return decoder.to(torch.bfloat16) if device.type == "cuda" and isinstance(decoder, Decoder) else decoder
+
+
 def generate_texts(decoder, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, temperature: float = 0.8,
                    top_k: int = 0, top_p: float = 0.95, seed: int = 0) -> GenerationOutput:
     """Text in, text out, with the tokenizer's BOS before each prompt and generation stopping at EOS."""
     ids = [[tokenizer.bos_id] + row for row in tokenizer.encode_batch(prompts)]
     was_training = decoder.training
     decoder.eval()
-    device = decoder.output_weight.device
     t0 = time.perf_counter()
-    new = generate_ids(decoder, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                       top_p=top_p, seed=seed, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    with generation_autocast(decoder):
+        new, timings = generate_ids_timed(decoder, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_k=top_k, top_p=top_p, seed=seed, eos_id=tokenizer.eos_id,
+                                          pad_id=tokenizer.pad_id)
     rows = [_trim(r, tokenizer.eos_id) for r in new.tolist()]  # the one host sync, at the end
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     decoder.train(was_training)
     n_new = sum(len(r) for r in rows)
     texts = [tokenizer.decode([t for t in r if t != tokenizer.eos_id]) for r in rows]
-    return GenerationOutput(rows, texts, n_new, seconds, n_new / max(seconds, 1e-9))
+    return GenerationOutput(rows, texts, n_new, seconds, n_new / max(seconds, 1e-9), timings)
 
 
 def load_for_generation(checkpoint: str | Path, device: torch.device | None = None):
@@ -108,7 +267,7 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
     decoder = build_model(cfg.model.tier, meta["vocab_size"], mixer=cfg.model.mixer,
                           tie_embeddings=cfg.model.tie_embeddings)
     load_model(decoder, str(Path(checkpoint) / "model.safetensors"))
-    return decoder.to(device).eval(), tokenizer
+    return prepare_for_generation(decoder, device), tokenizer
 
 
 def generate_from_checkpoint(checkpoint: str | Path, prompts: list[str], **kw) -> GenerationOutput:

@@ -1,10 +1,11 @@
 """KV-cached batched generation: same greedy tokens as recomputing the full prefix every step."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model.decoder import build_model
-from pipeline.train.generate import generate_ids
+from pipeline.train.generate import generate_ids, generate_ids_timed
 
 
 def full_recompute_greedy(decoder, prompt: list[int], n: int) -> list[int]:
@@ -51,3 +52,66 @@ def test_seeded_sampling_repeats_and_eos_stops_rows():
     first = int(generate_ids(decoder, prompts[:1], max_new_tokens=1, temperature=0.0)[0, 0])
     out = generate_ids(decoder, prompts, max_new_tokens=6, temperature=0.0, eos_id=first)
     assert out[0].tolist() == [first] * 6
+
+
+class CacheProtocolOnly(torch.nn.Module):
+    """A model that keeps only the generic generation protocol (new_kv_cache + model(ids, kv_cache=cache),
+    logits, output_weight) and no decode_step, as the resonance mixer does: the loop must run it eagerly."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.inner = decoder
+
+    @property
+    def output_weight(self):
+        return self.inner.output_weight
+
+    def new_kv_cache(self, batch_size, max_len, left_pad=None):
+        return self.inner.new_kv_cache(batch_size, max_len, left_pad)
+
+    def logits(self, hidden):
+        return self.inner.logits(hidden)
+
+    def forward(self, ids, kv_cache=None):
+        return self.inner(ids, kv_cache=kv_cache)
+
+
+@torch.no_grad()
+def test_generic_cache_protocol_model_gives_the_same_tokens():
+    decoder = make_decoder(3)
+    prompts = [[4, 5, 6, 7, 8], [9, 10, 11]]
+    kw = dict(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=5)
+    assert torch.equal(generate_ids(CacheProtocolOnly(decoder), prompts, **kw), generate_ids(decoder, prompts, **kw))
+
+
+@torch.no_grad()
+def test_timings_count_every_phase_and_cpu_decodes_eagerly():
+    decoder = make_decoder(4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    ids, timings = generate_ids_timed(decoder, prompts, max_new_tokens=10, temperature=0.0)
+    assert torch.equal(ids, generate_ids(decoder, prompts, max_new_tokens=10, temperature=0.0))
+    assert timings.prefill_tokens == 9 and not timings.cuda_graph
+    assert timings.warmup_tokens + timings.decode_tokens == 2 * 10 and timings.decode_tokens > 0
+    assert min(timings.prefill_s, timings.warmup_s, timings.decode_s) >= 0
+    one = generate_ids_timed(decoder, prompts[:1], max_new_tokens=1, temperature=0.0)[1]
+    assert one.decode_tokens == 0 and one.decode_tokens_per_s == 0.0
+    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
+        generate_ids(decoder, prompts, max_new_tokens=3, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_cuda_graph_decoding_equals_eager_decoding_in_bf16():
+    """The captured decode step replays real steps: the same greedy and sampled tokens as the eager loop, for a
+    left-padded batch (tiny model with head_dim 16, in bf16 as load_for_generation prepares it)."""
+    from pipeline.train.generate import prepare_for_generation
+    from tests.model.tiny import TINY_GPU, make_model
+
+    decoder = prepare_for_generation(make_model(TINY_GPU), torch.device("cuda"))
+    prompts = [[7, 8, 9, 10, 11, 12, 13], [40, 41], [60, 3, 70, 71]]
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=2)):
+        eager = generate_ids(decoder, prompts, max_new_tokens=12, cuda_graph=False, **kw)
+        graphed, timings = generate_ids_timed(decoder, prompts, max_new_tokens=12, cuda_graph=True, **kw)
+        assert timings.cuda_graph
+        assert torch.equal(graphed, eager), kw
