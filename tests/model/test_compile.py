@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.tiny import make_model, packed_row
+from tests.model.tiny import TINY_GPU, make_model, packed_row
 
 ATOL = 1e-4
 
@@ -57,8 +57,8 @@ def test_compiled_flex_blocks_on_cuda_match_eager_dense_in_bf16():
     tokens, doc_ids = tokens.cuda(), doc_ids.cuda()
     probe = torch.randn(2, 512, 32, generator=torch.Generator().manual_seed(1)).cuda()
     results = []
-    for model in (make_model(attention="auto").cuda().train().compile_blocks(),
-                  make_model(attention="dense").cuda().train()):
+    for model in (make_model(TINY_GPU, attention="auto").cuda().train().compile_blocks(),
+                  make_model(TINY_GPU, attention="dense").cuda().train()):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             h = model(tokens, doc_ids)
         (h.float() * probe).sum().backward()

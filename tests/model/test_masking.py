@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model.decoder import dense_mask, doc_positions
-from tests.model.tiny import VOCAB, make_model, packed_row
+from tests.model.tiny import TINY_GPU, VOCAB, make_model, packed_row
 
 LENGTHS = [9, 13, 10]  # three documents in one packed row
 
@@ -132,7 +132,7 @@ def test_flex_attention_on_cuda_matches_dense_cpu_attention_in_bf16():
 def test_flex_model_on_cuda_matches_dense_and_isolates_documents():
     tokens, doc_ids = _gpu_rows()
     tokens, doc_ids = tokens.cuda(), doc_ids.cuda()
-    flex, dense = make_model(attention="auto").cuda(), make_model(attention="dense").cuda()
+    flex, dense = make_model(TINY_GPU, attention="auto").cuda(), make_model(TINY_GPU, attention="dense").cuda()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         got, ref = flex(tokens, doc_ids), dense(tokens, doc_ids)
         changed = tokens.clone()

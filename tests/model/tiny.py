@@ -9,11 +9,14 @@ from model.tiers import Tier
 VOCAB = 97
 # GQA (4 query heads share 2 key/value heads), 3 layers so every_2 checkpoints a strict subset
 TINY = Tier("tiny", d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=256)
+# The GPU tests' model: TINY's width with head_dim 16, the smallest flex_attention's CUDA kernels accept (TINY's 8
+# fails there); still GQA (2 query heads share 1 key/value head)
+TINY_GPU = Tier("tiny_gpu", d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=1024)
 
 
-def make_model(**kw) -> Decoder:
+def make_model(tier: Tier = TINY, **kw) -> Decoder:
     torch.manual_seed(0)
-    model = Decoder(TINY, VOCAB, **kw).eval()
+    model = Decoder(tier, VOCAB, **kw).eval()
     # init_weights' 0.02 std makes every block nearly the identity; larger weights make the tests sharper
     with torch.no_grad():
         for p in model.parameters():
