@@ -1,0 +1,33 @@
+"""bench/generate.py runs end to end at tiny size (--smoke) and writes the JSON it promises.
+
+Only structure and sanity are asserted (keys, counts, positive figures); timings are never assertions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_generate_bench_smoke(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "LONGTRAIN_KERNELS"}
+    # run as documented (`python bench/generate.py`) from outside the repo: the script finds its own imports
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "generate.py"), "--smoke", "--out", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = list(tmp_path.glob("generate_nano_t*-*.json"))
+    assert len(files) == 1, files
+    rec = json.loads(files[0].read_text())
+    assert rec["smoke"] is True and {"date", "commit", "device", "load_average_before"} <= rec.keys()
+    assert rec["shapes"]["batch_sizes"] == [1, 2] and rec["shapes"]["new_tokens"] == 6
+    assert [(r["batch"], r["sampler"]) for r in rec["rows"]] == [(1, "kernels"), (1, "reference"),
+                                                                (2, "kernels"), (2, "reference")]
+    for row in rec["rows"]:
+        assert row["decode_tokens"] == row["batch"] * (6 - 2)  # the first token and one warm-up step apart
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
+        assert row["sampler_backend"] == "reference" and row["cuda_graph"] is False  # CPU
+    assert "ratio kernels / reference" in proc.stdout
