@@ -128,7 +128,11 @@ def stage_generate(checkpoint: Path, args: argparse.Namespace, prompts: list[str
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     for p, text in zip(prompts, out.texts):
         print(f"--- {p!r}\n{text}")
-    print(f"generate: {out.tokens_per_s:.1f} tokens/s ({out.new_tokens} new tokens, batch {len(prompts)})")
+    t = out.timings
+    print(f"generate: batch {len(prompts)}, {out.new_tokens} new tokens; prefill {t.prefill_tokens_per_s:,.0f} "
+          f"tokens/s ({t.prefill_tokens} prompt tokens), decode {t.decode_tokens_per_s:,.0f} tokens/s "
+          f"({t.decode_tokens} tokens{', CUDA graph' if t.cuda_graph else ''}); first-step warm-up "
+          f"{t.warmup_s:.2f} s apart ({t.warmup_tokens} tokens: sampler compile, warm-up steps, graph capture)")
     return out.texts
 
 
