@@ -120,13 +120,13 @@ def _attend_one(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
     enable_gqa does)."""
     B = x.shape[0]
     H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    q, k, v = attn.wqkv(x).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)  # (B, 1, *)
-    q = apply_rope(q.view(B, 1, H, hd), cos, sin)  # (B, 1, H, hd)
-    k = apply_rope(k.view(B, 1, Hkv, hd), cos, sin)  # (B, 1, Hkv, hd)
+    qk, v = attn.wqkv(x).split([(H + Hkv) * hd, Hkv * hd], dim=-1)  # (B, 1, *)
+    qk = apply_rope(qk.view(B, 1, H + Hkv, hd), cos, sin)  # queries and keys rotated together: half the ops
+    q, k = qk.split([H, Hkv], dim=2)  # (B, 1, H, hd), (B, 1, Hkv, hd)
     keys, values = cache.k[layer], cache.v[layer]  # (B, Hkv, S, hd) views
     keys.index_copy_(2, cache.pos, k.transpose(1, 2).to(keys.dtype))
     values.index_copy_(2, cache.pos, v.view(B, 1, Hkv, hd).transpose(1, 2).to(values.dtype))
-    q = q.view(B, Hkv, H // Hkv, hd).to(keys.dtype) * (1.0 / math.sqrt(hd))  # (B, Hkv, G, hd)
+    q = q.reshape(B, Hkv, H // Hkv, hd).to(keys.dtype) * (1.0 / math.sqrt(hd))  # (B, Hkv, G, hd)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() + key_bias  # (B, Hkv, G, S) fp32
     probs = scores.softmax(dim=-1).to(values.dtype)
     y = torch.matmul(probs, values)  # (B, Hkv, G, hd)
