@@ -5,6 +5,14 @@ shards with pyarrow) on the same corpus, plus the Ray driver's peak RSS at two c
     python bench/data_throughput.py                    # 110 MB corpus (and 28 MB for RSS), seq_len 32768, 2 reps
     python bench/data_throughput.py --mb 200 --small-mb 50
     python bench/data_throughput.py --smoke            # ~3 MB, seconds of work (used by a test)
+    python bench/data_throughput.py --mb 400 --cpus 1 --cpus 2   # a scaling table: Ray on 1 core, then on 2
+
+--cpus N (repeatable) pins the Ray child (driver, Ray's daemons, every worker: they inherit the CPU affinity)
+to N cores and starts its local Ray with N tokenizer actors; each N is one row. Per row: tokens/s, the
+speed-up over the one-process baseline, parallel efficiency (speed-up / N) and CPU efficiency (Ray's CPU-s
+over the baseline's for the same shards; 1.0 = no overhead), and where Ray's CPU went (CPU-s per process
+kind, sampled from the process titles Ray sets: tokenizer actors, read tasks, shard writers, driver,
+Ray's daemons).
 
 The corpus is generated locally and deterministically: documents re-assembled from random paragraphs of
 the built-in corpus (pydoc topics + stdlib docstrings), written as .jsonl files. One tokenizer (8,000-piece
@@ -92,6 +100,7 @@ class TreeCPU:
         self._root, self._psutil = psutil.Process(), psutil
         self._base: dict[int, float] = {}
         self._last: dict[int, float] = {}
+        self.by_kind: dict[str, float] = {}  # CPU-s per process kind (what the process was doing when sampled)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -99,10 +108,13 @@ class TreeCPU:
         for p in [self._root] + self._root.children(recursive=True):
             try:
                 t = p.cpu_times()
+                kind = "driver" if p.pid == self._root.pid else process_kind(p.cmdline(), p.name())
             except self._psutil.Error:
                 continue
             v = t.user + t.system
             self._base.setdefault(p.pid, v if first else 0.0)
+            delta = v - self._last.get(p.pid, self._base[p.pid])
+            self.by_kind[kind] = self.by_kind.get(kind, 0.0) + delta
             self._last[p.pid] = v
 
     def _run(self) -> None:
@@ -121,16 +133,32 @@ class TreeCPU:
         return sum(v - self._base[pid] for pid, v in self._last.items())
 
 
+def process_kind(cmdline: list[str], name: str) -> str:
+    """What a process of the Ray tree is: `ray::<task or actor>` titles (Ray sets them), or the daemon's name."""
+    title = " ".join(cmdline) or name
+    if title.startswith("ray::"):
+        return "ray::" + title[5:].split("(")[0].split(" ")[0].split("->")[0]
+    for daemon in ("raylet", "gcs_server", "dashboard", "runtime_env", "log_monitor", "monitor.py", "agent"):
+        if daemon in title:
+            return f"daemon:{daemon}"
+    return f"other:{name}"
+
+
 # ------------------------------------------------------------------ the two sides (run in child processes)
 
-def run_ray(corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: int) -> dict:
+def run_ray(corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: int, cpus: int = 0) -> dict:
     from pipeline.config import load_config
     from pipeline.data.pack import prepare
-    from pipeline.ray_runtime import ensure_ray
     from pipeline.data.shards import load_manifest
+    from pipeline.ray_runtime import ensure_ray, joins_cluster, start_local_ray
 
+    if cpus:  # inherited by Ray's daemons and workers: the whole Ray side runs on these cores
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:cpus])
     t0 = time.perf_counter()
-    ensure_ray(None)
+    if cpus and not joins_cluster():
+        start_local_ray(cpus + 2)  # as ensure_ray sizes it: a core's worth of slack for read tasks and writers
+    else:
+        ensure_ray(None)
     ray_init_s = time.perf_counter() - t0
     warm_up_ray()
     ray_warmup_s = time.perf_counter() - t0 - ray_init_s
@@ -138,18 +166,20 @@ def run_ray(corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: in
     cfg = load_config("cpu", {"model.tier": "B", "data.source": "files", "data.path": str(corpus),
                               "data.tokenizer": str(tok), "data.seq_len": seq_len, "data.vocab_size": 8000,
                               "data.rows_per_shard": rows_per_shard, "data.dataset_dir": str(out),
-                              "data.max_documents": 0, "run.root": str(out.parent)})
+                              "data.max_documents": 0, "run.root": str(out.parent), "data.tokenize_actors": cpus})
     tree, busy0, t0 = TreeCPU().start(), machine_busy_seconds(), time.perf_counter()
     prepare(cfg)
     seconds = time.perf_counter() - t0
     cpu, busy = tree.stop(), machine_busy_seconds() - busy0
+    by_kind = {k: round(v, 2) for k, v in sorted(tree.by_kind.items(), key=lambda kv: -kv[1]) if v >= 0.05}
     m = load_manifest(out)
     return {"seconds": seconds, "cpu_seconds": cpu, "other_cpu_seconds": max(0.0, busy - cpu),
             "ray_init_seconds": ray_init_s, "ray_warmup_seconds": ray_warmup_s,
             "tokens": m.counts["tokens_total"],
             "tokens_kept": m.counts["tokens_kept"], "packing_efficiency": m.packing_efficiency,
             "documents": m.counts["documents"], "actors": m.extra["tokenize_actors"],
-            "stage_seconds": {k: m.extra[k] for k in ("tokenize_s", "shards_s")}, "parts": m.extra["parts"],
+            "stage_seconds": {k: m.extra[k] for k in ("tokenize_s", "shards_after_tokenize_s")},
+            "parts": m.extra["parts"], "cpu_by_process_kind": by_kind, "cores": cpus or os.cpu_count(),
             "shards": {s.file: s.sha256 for lst in m.shards.values() for s in lst},
             "driver_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "driver_rss_after_ray_init_mb": rss_after_init / 1024}
@@ -222,10 +252,11 @@ def run_baseline(corpus: Path, tok_path: Path, out: Path, seq_len: int, rows_per
             "shards": written, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def child(kind: str, corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: int) -> dict:
+def child(kind: str, corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: int, cpus: int = 0) -> dict:
     """Run one side in a fresh Python process; returns its JSON result."""
     cmd = [sys.executable, __file__, "--child", kind, "--corpus", str(corpus), "--tokenizer", str(tok),
-           "--out", str(out), "--seq-len", str(seq_len), "--rows-per-shard", str(rows_per_shard)]
+           "--out", str(out), "--seq-len", str(seq_len), "--rows-per-shard", str(rows_per_shard),
+           "--child-cpus", str(cpus)]
     # Ray starts its workers at nice 15 by default (to keep its own daemons responsive); the baseline runs
     # at nice 0. Same priority for both, or a busy shared machine starves only the Ray side.
     env = {**os.environ, "RAY_worker_niceness": "0"}
@@ -233,6 +264,14 @@ def child(kind: str, corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} run failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def timed_child(kind: str, corpus: Path, tok: Path, out: Path, args: argparse.Namespace, cpus: int = 0) -> dict:
+    """child() with the 1-minute load average before and after (this machine may be shared)."""
+    before = os.getloadavg()[0]
+    result = child(kind, corpus, tok, out, args.seq_len, args.rows_per_shard, cpus)
+    result["load_1min"] = [round(before, 2), round(os.getloadavg()[0], 2)]
+    return result
 
 
 def main() -> None:
@@ -245,14 +284,20 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny corpus and sizes: checks the bench runs")
     ap.add_argument("--out-dir", type=Path, default=None, help="results directory (default bench/results)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--cpus", type=int, action="append", default=None,
+                    help="run Ray on N cores (repeatable: one row per N); default: all cores")
     ap.add_argument("--child", choices=("ray", "baseline"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-cpus", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        run = run_ray if args.child == "ray" else run_baseline
-        print(json.dumps(run(args.corpus, args.tokenizer, args.out, args.seq_len, args.rows_per_shard)))
+        if args.child == "ray":
+            result = run_ray(args.corpus, args.tokenizer, args.out, args.seq_len, args.rows_per_shard, args.child_cpus)
+        else:
+            result = run_baseline(args.corpus, args.tokenizer, args.out, args.seq_len, args.rows_per_shard)
+        print(json.dumps(result))
         return
     if args.smoke:
         args.mb, args.small_mb, args.seq_len, args.rows_per_shard, args.repeat = 2.0, 1.0, 512, 32, 1
@@ -266,32 +311,49 @@ def main() -> None:
         tok = train_tokenizer(paragraphs[:20000], 1000 if args.smoke else 8000, work / "bench.model")
         print(f"corpus: {args.mb:g} MB in {len(big)} files + {args.small_mb:g} MB; tokenizer ready "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
-        bases, rays = [], []
-        for rep in range(args.repeat):  # alternate the two sides; keep each side's best (least disturbed) run
-            bases.append(child("baseline", work / "big", tok, work / f"out-base{rep}", args.seq_len,
-                               args.rows_per_shard))
+        cores_list = args.cpus or [0]  # 0: every core
+        bases: list[dict] = []
+        rays: dict[int, list[dict]] = {n: [] for n in cores_list}
+        for rep in range(args.repeat):  # alternate the sides; keep each side's best (least disturbed) run
+            bases.append(timed_child("baseline", work / "big", tok, work / f"out-base{rep}", args))
             print(f"baseline: {bases[-1]['tokens'] / bases[-1]['seconds']:,.0f} tokens/s "
                   f"({bases[-1]['seconds']:.1f} s; {bases[-1]['cpu_seconds']:.1f} CPU-s; other tenants used "
-                  f"{bases[-1]['other_cpu_seconds']:.1f} CPU-s meanwhile)", flush=True)
-            rays.append(child("ray", work / "big", tok, work / f"out-ray{rep}", args.seq_len, args.rows_per_shard))
-            print(f"ray data: {rays[-1]['tokens'] / rays[-1]['seconds']:,.0f} tokens/s ({rays[-1]['seconds']:.1f} s; "
-                  f"{rays[-1]['cpu_seconds']:.1f} CPU-s; other tenants used {rays[-1]['other_cpu_seconds']:.1f} "
-                  f"CPU-s meanwhile; +{rays[-1]['ray_init_seconds']:.1f} s ray.init; stages "
-                  f"{rays[-1]['stage_seconds']})", flush=True)
-        base, ray_big = min(bases, key=lambda r: r["seconds"]), min(rays, key=lambda r: r["seconds"])
-        ray_small = child("ray", work / "small", tok, work / "out-ray-small", args.seq_len, args.rows_per_shard)
+                  f"{bases[-1]['other_cpu_seconds']:.1f} CPU-s meanwhile; load {bases[-1]['load_1min']})", flush=True)
+            for n in cores_list:
+                r = timed_child("ray", work / "big", tok, work / f"out-ray{n}-{rep}", args, n)
+                rays[n].append(r)
+                print(f"ray data on {r['cores']} cores: {r['tokens'] / r['seconds']:,.0f} tokens/s ({r['seconds']:.1f} s; "
+                      f"{r['cpu_seconds']:.1f} CPU-s; other tenants used {r['other_cpu_seconds']:.1f} CPU-s meanwhile; "
+                      f"+{r['ray_init_seconds']:.1f} s ray.init; stages {r['stage_seconds']}; load {r['load_1min']})",
+                      flush=True)
+        base = min(bases, key=lambda r: r["seconds"])
+        best = {n: min(runs, key=lambda r: r["seconds"]) for n, runs in rays.items()}
+        ray_big = best[max(cores_list)]
+        ray_small = timed_child("ray", work / "small", tok, work / "out-ray-small", args, max(cores_list))
         mb_big = sum(p.stat().st_size for p in big) / 1e6
         mb_small = sum(p.stat().st_size for p in small) / 1e6
-    identical = all(r["shards"] == bases[0]["shards"] for r in bases + rays)
-    ratio = (ray_big["tokens"] / ray_big["seconds"]) / (base["tokens"] / base["seconds"])
+    identical = all(r["shards"] == bases[0]["shards"] for r in bases + sum(rays.values(), []))
+    base_tps = base["tokens"] / base["seconds"]
+    scaling = []
+    for n, r in best.items():
+        speedup = (r["tokens"] / r["seconds"]) / base_tps
+        scaling.append({
+            "cores": r["cores"], "ray_tokens_per_s": r["tokens"] / r["seconds"], "ray_seconds": r["seconds"],
+            "speedup": speedup, "parallel_efficiency": speedup / r["cores"],
+            "cpu_efficiency": r["cpu_seconds"] / base["cpu_seconds"], "ray_cpu_seconds": r["cpu_seconds"],
+            "cpu_by_process_kind": r["cpu_by_process_kind"], "stage_seconds": r["stage_seconds"],
+            "other_tenants_cpu_seconds": r["other_cpu_seconds"], "load_1min": r["load_1min"],
+            "all_seconds": [x["seconds"] for x in rays[n]]})
+    ratio = (ray_big["tokens"] / ray_big["seconds"]) / base_tps
     figures = {
         "corpus_mb": round(mb_big, 1), "seq_len": args.seq_len, "rows_per_shard": args.rows_per_shard,
         "vocab_size": 1000 if args.smoke else 8000, "cpu_count": os.cpu_count(), "tokenize_actors": ray_big["actors"],
         "tokens": ray_big["tokens"], "documents": ray_big["documents"],
-        "baseline_tokens_per_s": base["tokens"] / base["seconds"], "baseline_seconds": base["seconds"],
+        "baseline_tokens_per_s": base_tps, "baseline_seconds": base["seconds"],
         "ray_tokens_per_s": ray_big["tokens"] / ray_big["seconds"], "ray_seconds": ray_big["seconds"],
         "ray_init_seconds": ray_big["ray_init_seconds"], "ray_warmup_seconds": ray_big["ray_warmup_seconds"],
-        "speedup_ray_over_baseline": ratio,
+        "speedup_ray_over_baseline": ratio, "parallel_efficiency": ratio / ray_big["cores"],
+        "cpu_efficiency": ray_big["cpu_seconds"] / base["cpu_seconds"], "scaling": scaling,
         "ray_stage_seconds": ray_big["stage_seconds"], "ray_parts": ray_big["parts"],
         "ray_tokens_per_s_with_init": ray_big["tokens"] / (ray_big["seconds"] + ray_big["ray_init_seconds"]
                                                            + ray_big["ray_warmup_seconds"]),
@@ -299,27 +361,29 @@ def main() -> None:
         "driver_peak_rss_mb": {f"{mb_small:.1f}MB": ray_small["driver_peak_rss_mb"],
                                f"{mb_big:.1f}MB": ray_big["driver_peak_rss_mb"]},
         "driver_rss_after_ray_init_mb": ray_big["driver_rss_after_ray_init_mb"],
-        "baseline_peak_rss_mb": base["peak_rss_mb"],
-        "all_baseline_seconds": [r["seconds"] for r in bases], "all_ray_seconds": [r["seconds"] for r in rays],
+        "baseline_peak_rss_mb": base["peak_rss_mb"], "baseline_load_1min": base["load_1min"],
+        "all_baseline_seconds": [r["seconds"] for r in bases],
         "baseline_cpu_seconds": base["cpu_seconds"], "ray_cpu_seconds": ray_big["cpu_seconds"],
-        "ray_cpu_overhead": ray_big["cpu_seconds"] / base["cpu_seconds"],
         "other_tenants_cpu_seconds": {"baseline_run": base["other_cpu_seconds"],
                                       "ray_run": ray_big["other_cpu_seconds"]},
-        "ideal_speedup_from_cpu": (os.cpu_count() or 1) * base["cpu_seconds"] / ray_big["cpu_seconds"],
         "load_average_1min": {"start": load_start, "end": os.getloadavg()[0]},
     }
-    print(f"speedup (Ray Data / single process, tokens/s): {ratio:.2f}x on {os.cpu_count()} CPUs "
+    print("\n| cores | Ray tokens/s | speed-up | parallel efficiency | CPU efficiency (Ray CPU-s / baseline) | load |")
+    print("|---|---|---|---|---|---|")
+    for row in scaling:
+        print(f"| {row['cores']} | {row['ray_tokens_per_s']:,.0f} | {row['speedup']:.2f}x | "
+              f"{row['parallel_efficiency']:.0%} | {row['cpu_efficiency']:.2f} | {row['load_1min']} |")
+    print(f"baseline (1 process): {base_tps:,.0f} tokens/s, {base['cpu_seconds']:.1f} CPU-s\n"
+          f"speedup (Ray Data / single process, tokens/s): {ratio:.2f}x on {ray_big['cores']} cores "
           f"[{mb_big:.0f} MB, seq_len {args.seq_len}]; tokens kept {ray_big['packing_efficiency']:.4%}; "
           f"identical shards: {identical}\n"
-          f"CPU: Ray used {ray_big['cpu_seconds']:.1f} CPU-s for what the baseline did in {base['cpu_seconds']:.1f} "
-          f"(x{ray_big['cpu_seconds'] / base['cpu_seconds']:.2f}): on {os.cpu_count()} idle cores at best "
-          f"{figures['ideal_speedup_from_cpu']:.2f}x; other tenants took {ray_big['other_cpu_seconds']:.1f} of "
-          f"{os.cpu_count() * ray_big['seconds']:.1f} CPU-s during the Ray run\n"
+          f"Ray CPU by process kind (CPU-s): {ray_big['cpu_by_process_kind']}\n"
           f"driver peak RSS: {ray_small['driver_peak_rss_mb']:.0f} MB at {mb_small:.0f} MB, "
           f"{ray_big['driver_peak_rss_mb']:.0f} MB at {mb_big:.0f} MB (baseline process: {base['peak_rss_mb']:.0f} MB)")
     if not identical:
         raise SystemExit("the Ray and baseline shards differ: the comparison is not like for like")
     name = "data_throughput_smoke" if args.smoke else "data_throughput" + ("" if args.mb == 110 else f"_{args.mb:g}mb")
+    name += "".join(f"_c{n}" for n in args.cpus or [])
     print(f"wrote {write_result(name, figures, args.out_dir)}")
 
 

@@ -3,18 +3,29 @@
     from pipeline.data.pack import prepare
     dataset_dir = prepare(cfg)          # <run.root>/datasets/<hash>, or cfg.data.dataset_dir
 
-Stages
-  1. Ray Data stream: read (pipeline.data.corpus) -> map_batches on an actor pool (_TokenizeBatch: the tokenizer is
-     loaded once per actor; each batch of documents is cleaned, batch-encoded, and concatenated with EOS after
-     every document) -> a Datasink that appends each write task's token stream to `_parts/part-<task>.bin`.
-     Order is the source order (preserve_order; write tasks are numbered in input order), so the parts
-     concatenated are THE token stream of the corpus.
-  2. Plan (driver, O(#shards) memory): window w is tokens [w*(T+1), (w+1)*(T+1)) of the stream, seq_id = w.
-     The split is a hash of (seq_id, data.split_seed): val when below data.val_fraction (if no window lands in
-     val, the last one does). Each shard is a range of window ids, data.rows_per_shard rows per split.
-  3. Ray Data over shard specs: every shard is cut from the memory-mapped parts and written in parallel
-     (Parquet, zstd, page checksums; doc_starts = the positions after each EOS). The parts are then deleted.
-  4. manifest.json, written last and atomically. A killed run leaves no manifest; the rerun starts over.
+Stages, overlapped (shards are written while the corpus is still being tokenized):
+  1. Ray Data stream: read (pipeline.data.corpus) -> map_batches on a fixed actor pool (_TokenizeBatch: the
+     tokenizer is loaded once per actor; each batch of documents is cleaned, batch-encoded and concatenated
+     with EOS after every document, and APPENDED TO THE ACTOR'S OWN FILE `_parts/part-<actor>.bin`). What
+     leaves the actor is one small row per batch: (file, offset, token count, stats). The tokens never
+     travel through the object store or the driver.
+  2. The driver iterates those rows in source order (preserve_order): batch i's tokens are the stream's
+     [sum of earlier counts, + its count). Window w is tokens [w*(T+1), (w+1)*(T+1)), seq_id = w. The split
+     is a hash of (seq_id, data.split_seed): val below data.val_fraction (if no window lands in val, the
+     last one does). Shard k of a split holds that split's windows k*R .. (k+1)*R-1 (R = data.rows_per_shard)
+     so it is final as soon as the stream reaches the first window of shard k+1: ShardPlanner hands it out
+     then, and a Ray task cuts it from the memory-mapped parts and writes it (Parquet, zstd, page checksums;
+     doc_starts = the positions after each EOS) while tokenization goes on. The last shard of each split
+     waits for the end of the stream. The driver keeps only the batches a pending shard still needs: its
+     memory does not grow with the corpus.
+  3. manifest.json, written last and atomically. A killed run leaves no manifest; the rerun starts over.
+
+Ray Data settings (why): `compute=ActorPoolStrategy(size=n)` with n = one actor per core (a fixed pool:
+each actor costs ~1 CPU-s to start and the work is CPU-bound from the first to the last batch, so
+autoscaling would only add start-ups); `num_cpus=1` per actor (SentencePiece runs single-threaded);
+`batch_size=DOCS_PER_BATCH` documents in `batch_format="pyarrow"` (the reader's Arrow blocks go to the
+actor without a pandas/numpy conversion); one read task per file with ~1 MB blocks (corpus.py); the
+shard writers are plain Ray tasks because which shard is ready is only known in the driver, in order.
 
 Remainder policy: packing is global (concat-then-split over the whole stream), so the only tokens lost are
 the final partial window, fewer than seq_len + 1 tokens in the whole dataset; nothing is padded. The result
@@ -38,16 +49,17 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from pipeline.data.corpus import (CleanStats, DataSourceError, check_bad_records, clean_batch, describe_source,
                                   read_documents, sample_texts)
+from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, ShardWriters, SplitRule,  # noqa: F401
+                                      plan_shards)
 from pipeline.data.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,
-                             load_manifest, rows_per_row_group, shard_schema, token_numpy_type, windows_table,
-                             write_manifest, write_shard)
+                                  load_manifest, token_numpy_type, write_manifest)
 from pipeline.ray_runtime import ensure_ray, find_cause
 from pipeline.data.tokenizer import Tokenizer, TokenizerError, file_sha256, train_tokenizer
 
@@ -56,9 +68,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("longtrain.data")
 PACK_VERSION = 1
-PARTS_DIR = "_parts"
 DOCS_PER_BATCH = 256  # documents per tokenizer call: ~1 MB of text, a fraction of a second of encoding
-BATCHES_PER_PART = 8  # tokenizer batches per write task / part file: fewer, larger tasks
 HIST_BINS = 128  # document-length histogram: 4 bins per octave of token count
 REMAINDER_POLICY = "global concat-then-split; the final partial window (< seq_len+1 tokens) is dropped; no padding"
 
@@ -128,159 +138,30 @@ class StreamStats:
 
 
 class _TokenizeBatch:
-    """Ray Data actor: clean + encode a batch of documents; one output row holding the batch's token stream."""
+    """Ray Data actor: clean + encode a batch of documents, append its token stream to this actor's part file,
+    return one row (file, offset, tokens, stats) locating it."""
 
-    def __init__(self, tokenizer_path: str, dtype: str, source: str):
+    def __init__(self, tokenizer_path: str, dtype: str, source: str, parts_dir: str):
+        import uuid
+
         self.tok = Tokenizer(tokenizer_path)  # once per actor
         self.dtype = np.dtype(dtype)
         self.source = source  # what non-text values are counted against (files carry their own path)
+        self.file = f"part-{uuid.uuid4().hex}.bin"  # a restarted actor starts a new file: offsets stay valid
+        self.out = open(Path(parts_dir) / self.file, "wb")
+        self.offset = 0  # in tokens
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         texts, clean = clean_batch(batch, self.source)
         stream, lengths = encode_stream(self.tok, texts, self.dtype)
+        self.out.write(stream.tobytes())
+        self.out.flush()  # in the page cache before the driver hears of it: shard writers may map it at once
         stats = StreamStats()
         stats.add_batch(clean, stream, lengths)
-        return pa.table({"stream": pa.array([stream.tobytes()], pa.large_binary()),
-                         "stats": pa.array([json.dumps(stats.to_dict())])})
-
-
-def _part_sink(parts_dir: Path):
-    from ray.data import Datasink
-    from ray.data.block import BlockAccessor
-
-    class PartDatasink(Datasink):
-        """Each write task appends its rows' streams, in order, to part-<task index>.bin."""
-
-        def __init__(self) -> None:
-            self.parts: list[dict[str, Any]] = []
-
-        @property
-        def min_rows_per_write(self) -> int:
-            return BATCHES_PER_PART
-
-        def write(self, blocks, ctx) -> dict[str, Any]:
-            path = parts_dir / f"part-{ctx.task_idx:06d}.bin"
-            stats = StreamStats()
-            with open(path, "wb") as f:
-                for block in blocks:
-                    table = BlockAccessor.for_block(block).to_arrow()
-                    for stream, st in zip(table.column("stream").to_pylist(), table.column("stats").to_pylist()):
-                        f.write(stream)
-                        stats.merge(StreamStats.from_dict(json.loads(st)))
-            return {"task": ctx.task_idx, "file": path.name, "stats": stats.to_dict()}
-
-        def on_write_complete(self, write_result) -> None:
-            self.parts = sorted(write_result.write_returns, key=lambda r: r["task"])
-
-    return PartDatasink()
-
-
-# ----------------------------------------------------------------------------------------------
-# Plan: windows, split, shards.
-
-@dataclass(frozen=True)
-class SplitRule:
-    """Window id -> split, from a hash of (id, seed): reproducible anywhere without a global table."""
-    n_windows: int
-    val_fraction: float
-    seed: int
-    force_last_val: bool = False
-
-    def is_val(self, ids: np.ndarray) -> np.ndarray:
-        x = np.asarray(ids, np.uint64) + np.uint64((self.seed * 0x9E3779B97F4A7C15 + 1) % (1 << 64))
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64 finalizer
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-        val = (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < self.val_fraction
-        if self.force_last_val:
-            val |= np.asarray(ids) == self.n_windows - 1
-        return val
-
-
-def plan_shards(rule: SplitRule, rows_per_shard: int, chunk: int = 1 << 20) -> tuple[list[dict], dict[str, int]]:
-    """Shard specs {split, index, file, first, stop, rows}: shard k of a split holds that split's windows
-    k*R .. (k+1)*R-1, all with ids in [first, stop). Scans ids in chunks, so memory stays O(#shards)."""
-    counts = {"train": 0, "val": 0}
-    firsts: dict[str, list[int]] = {"train": [], "val": []}
-    for c0 in range(0, rule.n_windows, chunk):
-        ids = np.arange(c0, min(rule.n_windows, c0 + chunk))
-        val = rule.is_val(ids)
-        for split, sel in (("train", ids[~val]), ("val", ids[val])):
-            firsts[split] += sel[(-counts[split]) % rows_per_shard::rows_per_shard].tolist()
-            counts[split] += len(sel)
-    specs = []
-    for split in ("train", "val"):
-        starts = firsts[split]
-        for k, first in enumerate(starts):
-            stop = starts[k + 1] if k + 1 < len(starts) else rule.n_windows
-            specs.append({"split": split, "index": k, "file": f"{split}-{k:05d}.parquet", "first": first,
-                          "stop": stop, "rows": min(rows_per_shard, counts[split] - k * rows_per_shard)})
-    return specs, counts
-
-
-class TokenStream:
-    """The corpus token stream as memory-mapped parts; reads any range without loading the rest."""
-
-    def __init__(self, parts_dir: Path, parts: list[tuple[str, int]], dtype: np.dtype):
-        self.parts_dir, self.dtype = Path(parts_dir), np.dtype(dtype)
-        self.files = [f for f, n in parts if n > 0]
-        self.offsets = np.concatenate([[0], np.cumsum([n for _, n in parts if n > 0])]).astype(np.int64)
-        self._maps: dict[int, np.ndarray] = {}
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        out = []
-        i = int(np.searchsorted(self.offsets, start, side="right") - 1)
-        while start < stop:
-            take = min(stop, int(self.offsets[i + 1])) - start
-            if i not in self._maps:
-                self._maps[i] = np.memmap(self.parts_dir / self.files[i], dtype=self.dtype, mode="r")
-            local = start - int(self.offsets[i])
-            out.append(self._maps[i][local:local + take])
-            start += take
-            i += 1
-        return np.concatenate(out) if len(out) != 1 else np.array(out[0])
-
-    def windows(self, ids: np.ndarray, width: int) -> np.ndarray:
-        """(len(ids), width) windows; each run of consecutive ids is one contiguous read."""
-        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-        runs = [self.read(int(r[0]) * width, (int(r[-1]) + 1) * width).reshape(-1, width)
-                for r in np.split(ids, breaks) if len(r)]
-        return np.concatenate(runs) if len(runs) != 1 else runs[0]
-
-
-def write_planned_shard(spec: dict, *, out_dir: str, parts: list, rule: dict, seq_len: int, vocab_size: int,
-                        eos_id: int) -> dict:
-    """Ray Data map function: cut one planned shard's windows out of the parts and write it."""
-    dtype = token_numpy_type(vocab_size)
-    stream = TokenStream(Path(out_dir) / PARTS_DIR, [tuple(p) for p in parts], dtype)
-    split_rule = SplitRule(**rule)
-    ids = np.arange(spec["first"], spec["stop"], dtype=np.int64)
-    val = split_rule.is_val(ids)
-    ids = ids[val] if spec["split"] == "val" else ids[~val]
-    ids = ids[:spec["rows"]]
-    group = rows_per_row_group(seq_len, vocab_size)
-    used = np.zeros(vocab_size, bool)
-    eos = 0
-
-    def tables() -> Iterable[pa.Table]:
-        nonlocal eos
-        for i in range(0, len(ids), group):
-            chunk = ids[i:i + group]
-            windows = stream.windows(chunk, seq_len + 1)  # (rows, T+1)
-            used[np.bincount(windows.reshape(-1), minlength=vocab_size) > 0] = True
-            eos += int(np.count_nonzero(windows == eos_id))
-            yield windows_table(windows, chunk, eos_id, vocab_size)
-
-    info = write_shard(Path(out_dir) / spec["file"], tables(), shard_schema(seq_len, vocab_size))
-    return {"split": spec["split"], "index": spec["index"], "file": info.file, "rows": info.rows,
-            "sha256": info.sha256, "eos": eos, "used": np.packbits(used).tobytes()}
-
-
-def _write_shard_batch(batch: dict[str, Any], **kw: Any) -> dict[str, list]:
-    """Ray Data map_batches function: a block of shard specs, written one after the other (few, larger tasks)."""
-    keys = list(batch)
-    out = [write_planned_shard({k: batch[k][i] for k in keys}, **kw) for i in range(len(batch[keys[0]]))]
-    return {k: [o[k] for o in out] for k in out[0]}
+        row = {"file": [self.file], "offset": [self.offset], "tokens": [len(stream)],
+               "stats": [json.dumps(stats.to_dict())]}
+        self.offset += len(stream)
+        return pa.table(row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,8 +215,9 @@ def default_actor_count() -> int:
 
     cpus = int(ray.cluster_resources().get("CPU", 1))
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-    if nodes <= 1:  # this machine: one actor per core, whatever logical CPU count Ray was started with
-        return max(1, min(cpus - 1, os.cpu_count() or 1))
+    if nodes <= 1:  # this machine: one actor per core it may use, whatever logical CPU count Ray was started with
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(cpus - 1, cores))
     return max(1, cpus - nodes)
 
 
@@ -408,48 +290,58 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     tok = Tokenizer(tok_path)
     dtype = token_numpy_type(tok.vocab_size)
 
-    # Stage 1: tokenize on an actor pool, stream to parts in source order.
+    # Tokenize on an actor pool (each actor appends to its own part file); in the driver, follow the stream
+    # in source order and write every shard that became final while the rest is still being tokenized.
     parts_dir = out / PARTS_DIR
     parts_dir.mkdir(exist_ok=True)
     n_actors = d.tokenize_actors or default_actor_count()
-    sink = _part_sink(parts_dir)
     source = d.hf_name if d.source == "hf" else d.source
-    tokens = ds.map_batches(_TokenizeBatch, fn_constructor_args=(str(tok_path), dtype.name, source),
-                            batch_size=DOCS_PER_BATCH, batch_format="pyarrow", num_cpus=1,
-                            compute=ray.data.ActorPoolStrategy(size=n_actors))
-    t0 = time.perf_counter()
-    tokens.write_datasink(sink)
-    timings = {"tokenize_s": round(time.perf_counter() - t0, 2)}
-    stats = StreamStats()
-    for p in sink.parts:
-        stats.merge(StreamStats.from_dict(p["stats"]))
-    check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)
-    if stats.clean.documents == 0:
-        raise DataSourceError(f"no documents left after cleaning ({stats.clean.dropped_empty} empty or "
-                              "whitespace-only were dropped); check data.path / data.text_column")
-    _hold(out, "parts")
-
-    # Stage 2: plan windows and the split.
+    batches = ds.map_batches(_TokenizeBatch, fn_constructor_args=(str(tok_path), dtype.name, source, str(parts_dir)),
+                             batch_size=DOCS_PER_BATCH, batch_format="pyarrow", num_cpus=1,
+                             compute=ray.data.ActorPoolStrategy(size=n_actors))
     width = d.seq_len + 1
-    n_windows = stats.tokens // width
-    if n_windows == 0:
-        raise DataSourceError(f"the corpus gives {stats.tokens} tokens, less than one row of seq_len+1={width}; "
-                              "lower data.seq_len or add text")
-    rule = SplitRule(n_windows, d.val_fraction, d.split_seed)
-    specs, counts = plan_shards(rule, d.rows_per_shard)
-    if d.val_fraction > 0 and counts["val"] == 0 and n_windows >= 2:
-        rule = dataclasses.replace(rule, force_last_val=True)
-        specs, counts = plan_shards(rule, d.rows_per_shard)
+    planner = ShardPlanner(d.val_fraction, d.split_seed, d.rows_per_shard)
+    segments = SegmentIndex()
+    writers = ShardWriters(max(2, n_actors // 2), out_dir=str(out), seq_len=d.seq_len, vocab_size=tok.vocab_size,
+                           eos_id=tok.eos_id)
+    open_rule = dataclasses.asdict(planner.rule)
 
-    # Stage 3: write the shards in parallel.
-    parts = [(p["file"], p["stats"]["tokens"]) for p in sink.parts]
-    kw = {"out_dir": str(out), "parts": parts, "rule": dataclasses.asdict(rule), "seq_len": d.seq_len,
-          "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
-    shard_ds = ray.data.from_items(specs, override_num_blocks=min(len(specs), 4 * n_actors))
-    shard_ds.context.execution_options.preserve_order = True
+    def hand_out(specs: list[dict], rule: dict) -> None:
+        for spec in specs:
+            segs, base = segments.covering(spec["first"] * width, spec["stop"] * width)
+            writers.submit(spec, segs, base, rule)
+        segments.drop_before(planner.lowest_pending() * width)
+
+    stats = StreamStats()
     t0 = time.perf_counter()
-    written = shard_ds.map_batches(_write_shard_batch, fn_kwargs=kw, batch_size=None).take_all()
-    timings["shards_s"] = round(time.perf_counter() - t0, 2)
+    try:
+        for batch in batches.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for file, offset, n, st in zip(*(batch.column(c).to_pylist() for c in ("file", "offset", "tokens",
+                                                                                    "stats"))):
+                segments.append(file, offset, n)
+                stats.merge(StreamStats.from_dict(json.loads(st)))
+            if d.on_bad_record == "error":
+                check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)  # at once, not hours later
+            hand_out(planner.advance(segments.total // width), open_rule)
+        timings = {"tokenize_s": round(time.perf_counter() - t0, 2)}
+        check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)
+        if stats.clean.documents == 0:
+            raise DataSourceError(f"no documents left after cleaning ({stats.clean.dropped_empty} empty or "
+                                  "whitespace-only were dropped); check data.path / data.text_column")
+        _hold(out, "parts")
+        n_windows = stats.tokens // width
+        if n_windows == 0:
+            raise DataSourceError(f"the corpus gives {stats.tokens} tokens, less than one row of seq_len+1={width}; "
+                                  "lower data.seq_len or add text")
+        rule = SplitRule(n_windows, d.val_fraction, d.split_seed,
+                         force_last_val=d.val_fraction > 0 and planner.counts["val"] == 0 and n_windows >= 2)
+        hand_out(planner.finish(n_windows, rule.force_last_val), dataclasses.asdict(rule))
+        counts = dict(planner.counts)
+        written = writers.results()
+    except BaseException:
+        writers.cancel()
+        raise
+    timings["shards_after_tokenize_s"] = round(time.perf_counter() - t0 - timings["tokenize_s"], 2)
     _hold(out, "shards")
     shutil.rmtree(parts_dir, ignore_errors=True)
 
@@ -472,4 +364,5 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
         settings=settings, counts=counts_out, packing_efficiency=kept / stats.tokens, remainder_policy=REMAINDER_POLICY,
         doc_length=stats.doc_length(), shards=shards, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         bad_records={f: {"count": n, "first": reason} for f, (n, reason) in bad_files.items()},
-        extra={"tokenize_actors": n_actors, "parts": len(parts), "split_rule": dataclasses.asdict(rule), **timings})
+        extra={"tokenize_actors": n_actors, "parts": segments.count, "split_rule": dataclasses.asdict(rule),
+               "rows": counts, **timings})

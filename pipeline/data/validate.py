@@ -148,7 +148,7 @@ class _Scan:
         self.sample_rows: dict[int, np.ndarray] = {}
         rule = m.extra.get("split_rule")
         if rule:
-            from pipeline.data.pack import SplitRule
+            from pipeline.data.shard_plan import SplitRule
 
             self.rule = SplitRule(**rule)
         else:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline.data.corpus import DataSourceError
-from pipeline.data.pack import SplitRule, plan_shards, prepare
+from pipeline.data.pack import ShardPlanner, SplitRule, plan_shards, prepare
 from pipeline.data.validate import validate_dataset
 from pipeline.data.shards import MANIFEST_FILE, DatasetError, load_manifest
 from pipeline.data.tokenizer import Tokenizer
@@ -67,19 +67,19 @@ def test_windows_reproduce_the_token_stream_in_order(messy_dataset, tok_path):
 
 
 def test_order_holds_across_many_batches_parts_and_actors(ray_session, tok_path, tmp_path, monkeypatch):
-    """Small batches and parts (planned in the driver, so patchable here): two actors finish batches out of
-    order, yet the parts, concatenated by write-task index, are the corpus stream in source order."""
+    """Small batches (planned in the driver, so patchable here) and small shards: two actors finish batches out
+    of order and shards are written while tokenization goes on, yet the rows are the corpus stream in order."""
     import pipeline.data.pack as pack
 
     monkeypatch.setattr(pack, "DOCS_PER_BATCH", 7)
-    monkeypatch.setattr(pack, "BATCHES_PER_PART", 2)
     docs = sample_docs(80, 600)
     for k in range(6):
         write_jsonl(tmp_path / f"part{k}.jsonl", docs[k * 13:(k + 1) * 13] + docs[:k])
     raw = [d for k in range(6) for d in docs[k * 13:(k + 1) * 13] + docs[:k]]
-    out = prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path)))
+    out = prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path),
+                           data__rows_per_shard=8))
     m = load_manifest(out)
-    assert m.extra["parts"] >= 5
+    assert m.extra["parts"] >= 5 and len(m.shards["train"]) >= 5  # batches, and shards handed out midway
     stream = expected_stream(Tokenizer(tok_path), raw)
     rows = read_rows(out)
     assert np.array_equal(rows["tokens"].reshape(-1), stream[:rows["tokens"].size])
@@ -127,6 +127,36 @@ def test_plan_shards_tiny_cases():
     specs, counts = plan_shards(rule, rows_per_shard=32, chunk=100)  # chunking does not change the plan
     assert (specs, counts) == plan_shards(rule, rows_per_shard=32)
     assert counts["val"] == int(rule.is_val(np.arange(1000)).sum()) and 60 < counts["val"] < 140
+
+
+@pytest.mark.parametrize("val_fraction", [0.0, 0.002, 0.02, 0.3])
+@pytest.mark.parametrize("rows_per_shard", [1, 3, 16])
+def test_shards_handed_out_as_the_stream_grows_hold_what_the_whole_plan_holds(val_fraction, rows_per_shard):
+    """ShardPlanner (shards final mid-stream, in any increments) == the plan of the complete stream, row for
+    row, including the case where no window hashes to val and the last one is moved there."""
+    rng = np.random.default_rng(int(val_fraction * 1000) + rows_per_shard)
+
+    def rows_of(specs, rule):
+        out = {}
+        for sp in specs:
+            ids = np.arange(sp["first"], sp["stop"])
+            v = rule.is_val(ids)
+            out[sp["file"]] = (ids[v] if sp["split"] == "val" else ids[~v])[:sp["rows"]].tolist()
+        return out
+
+    for n in (1, 2, 3, 50, 701):
+        forced = val_fraction > 0 and plan_shards(SplitRule(n, val_fraction, 5), rows_per_shard)[1]["val"] == 0 \
+            and n >= 2
+        rule = SplitRule(n, val_fraction, 5, forced)
+        whole, counts = plan_shards(rule, rows_per_shard)
+        planner, got, known = ShardPlanner(val_fraction, 5, rows_per_shard), [], 0
+        while known < n:
+            known = min(n, known + int(rng.integers(0, 40)))
+            got += planner.advance(known)
+            assert all(sp["stop"] <= known for sp in got)  # only what the stream already holds
+        got += planner.finish(n, forced)
+        assert rows_of(got, rule) == rows_of(whole, rule) and planner.counts == counts
+        assert sorted(sum(rows_of(got, rule).values(), [])) == list(range(n))  # every window once
 
 
 def test_same_settings_same_bytes_whatever_the_parallelism(ray_session, tok_path, messy_corpus, messy_dataset,
