@@ -103,6 +103,9 @@ class TrackingConfig:
     tracking_uri: str = ""  # empty = MLFLOW_TRACKING_URI, else sqlite:///<run.root>/mlflow.db
     experiment: str = "longtrain"
     enabled: bool = True
+    system_metrics: bool = True  # CPU/memory/disk/network (+ GPU with pynvml) as system/* metrics of the run
+    system_metrics_interval_s: float = 10.0  # seconds between samples (>= 1; each sample is one MLflow request)
+    register_model: str = ""  # a name: at the end of training, export to Hugging Face format and register it
 
 
 @dataclass
@@ -275,6 +278,12 @@ def validate(cfg: Config) -> None:
     _positive("ray.max_failures", r.max_failures, zero_ok=True)
     _one_of("ray.use_gpu", r.use_gpu, ("auto", "true", "false"))
     _one_of("ray.placement_strategy", r.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    tr = cfg.tracking
+    if not (math.isfinite(tr.system_metrics_interval_s) and tr.system_metrics_interval_s >= 1.0):
+        raise ConfigError(f"tracking.system_metrics_interval_s={tr.system_metrics_interval_s} is invalid; it must "
+                          f"be >= 1 (seconds between samples)")
+    if tr.register_model and not tr.enabled:
+        raise ConfigError("tracking.register_model needs tracking.enabled=true (the model is registered in MLflow)")
 
 
 # ----------------------------------------------------------------------------------------------

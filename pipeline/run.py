@@ -11,6 +11,7 @@
     python pipeline/run.py eval --checkpoint runs/<run>/checkpoint
     python pipeline/run.py generate --checkpoint runs/<run>/checkpoint --prompt "Once upon a time"
     python pipeline/run.py tune --space tune_spaces/bs_tier.yaml
+    python pipeline/run.py export --resume runs/<run> --out hf/<name> [--overwrite] [--register NAME]
     ray job submit --working-dir . -- python pipeline/run.py --address auto
 
 Every config field can be overridden by its path (--train.batch_size=8); `--preset` picks a named
@@ -29,7 +30,7 @@ from pipeline.config import Config, ConfigError, from_flat, load_config  # noqa:
 from pipeline.console import stage  # noqa: E402
 from pipeline.train.run_dir import find_run, new_run_dir, read_run_file  # noqa: E402
 
-STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune")
+STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune", "export")
 
 
 class UsageError(ValueError):
@@ -57,6 +58,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--space", help="tune: a search space file from tune_spaces/")
     p.add_argument("--audit-data", action="store_true", help="log the seq_ids each step consumed (data_audit/)")
+    p.add_argument("--out", help="export: the Hugging Face model directory to write")
+    p.add_argument("--overwrite", action="store_true", help="export: replace an existing --out directory")
+    p.add_argument("--register", metavar="NAME", help="export: also register it in the MLflow Model Registry")
     return p.parse_known_args(argv)
 
 
@@ -106,13 +110,43 @@ def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path:
     raise CheckpointError("no checkpoint given; pass --checkpoint DIR or --resume RUN (a finished run)")
 
 
-def stage_eval(cfg: Config, checkpoint: Path, dataset_dir: Path | None = None) -> dict[str, float]:
-    from pipeline.train.evaluate import evaluate_checkpoint
+def stage_eval(cfg: Config, checkpoint: Path, dataset_dir: Path | None = None,
+               run_dir: Path | None = None) -> dict[str, float]:
+    from pipeline.train.evaluate import evaluate_checkpoint, log_eval_to_run
 
     stage("eval", f"{checkpoint} on the validation split")
     metrics = evaluate_checkpoint(checkpoint, dataset_dir)
     print("eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    from pipeline.tracking.tracker import TrackingError
+
+    try:
+        logged = log_eval_to_run(checkpoint, metrics, run_dir, cfg.tracking.tracking_uri)
+        print(f"eval: logged to MLflow run {logged[1]}" if logged else "eval: not logged (no tracked run for it)")
+    except TrackingError as exc:  # the numbers are printed above; a store that is down does not undo them
+        print(f"eval: not logged: {exc}")
     return metrics
+
+
+def stage_export(cfg: Config, args: argparse.Namespace) -> None:
+    from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
+    from pipeline.train.export import export_checkpoint, register_export
+
+    if not args.out:
+        raise UsageError("export needs --out DIR: python pipeline/run.py export --resume RUN --out DIR")
+    checkpoint = latest_checkpoint(cfg, args)
+    run = None
+    if args.register:  # find the training run before writing anything
+        run_dir = find_run(cfg, args.resume) if args.resume else run_dir_of_checkpoint(checkpoint)
+        run = tracked_run(run_dir, cfg.tracking.tracking_uri)
+        if run is None:
+            raise UsageError(f"--register needs the MLflow run that trained {checkpoint}, and none was found (no "
+                             f"run.json above it, or tracking was off); export without --register")
+    stage("export", f"{checkpoint} -> {args.out} (Hugging Face LlamaForCausalLM)")
+    result = export_checkpoint(checkpoint, args.out, overwrite=args.overwrite)
+    print(f"exported {result.out_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained / AutoTokenizer")
+    if run is not None:
+        version = register_export(result, run[0], run[1], args.register)
+        print(f"registered {args.register} version {version.version} (run {run[1]}) in {run[0]}")
 
 
 def stage_generate(checkpoint: Path, args: argparse.Namespace, prompts: list[str] | None = None) -> list[str]:
@@ -159,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "generate":
             stage_generate(latest_checkpoint(cfg, args), args)
             return 0
+        if args.stage == "export":
+            stage_export(cfg, args)
+            return 0
         run_dir, result = stage_train(cfg, args)
         if result.stopped:
             print(f"\nstopped after a checkpoint: {result.checkpoint}\n"
                   f"continue with: python pipeline/run.py train --resume {run_dir}")
             return 0
         if args.stage == "all" and result.checkpoint is not None:
-            stage_eval(result.cfg, result.checkpoint)
+            stage_eval(result.cfg, result.checkpoint, run_dir=run_dir)
             stage_generate(result.checkpoint, args)
         print(f"\noutputs:    {run_dir}\ncheckpoint: {result.checkpoint}\ndatasets:   {', '.join(result.dataset_dirs)}\n"
               f"compare runs in the MLflow UI:\n  {result.ui_command}")

@@ -39,6 +39,9 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
 | metric | `val/ppl`                  | exp(val/loss)                                                  |
 | metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
+| metric | `eval/loss`, `eval/ppl`, `eval/accuracy` | the `eval` stage on the whole validation split, at the checkpoint's step |
+| metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
+| input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py) |
 
 Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
 """
@@ -237,6 +240,7 @@ class Tracker:
         self.nonfinite_skipped = 0  # metric values dropped because they were NaN/inf
         self.git_commit = git_commit()
         self._finished = False
+        self._system_monitor = None
         if run_id:
             run = self.client.get_run(run_id)  # raises MlflowException naming the id when it does not exist
             self.client.update_run(run_id, status="RUNNING")
@@ -358,11 +362,43 @@ class Tracker:
         """A .json / .yaml / .yml artifact (format from the file name)."""
         self.client.log_dict(self._run_id, dict(dictionary), artifact_file)
 
+    def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train") -> None:
+        """The prepared dataset as an MLflow dataset input (digest = manifest settings hash); see lineage.py."""
+        from pipeline.tracking.lineage import log_dataset_input
+
+        log_dataset_input(self.client, self._run_id, manifest, dataset_dir, context)
+
+    # -- system metrics -----------------------------------------------------------------------
+    def start_system_metrics(self, interval_s: float = 10.0) -> bool:
+        """Sample CPU, memory, disk, network and, with pynvml, GPU utilisation and memory of this machine every
+        interval_s seconds into `system/*` metrics of this run (MLflow's SystemMetricsMonitor: one daemon
+        thread, stopped by finish()). Returns False when psutil is missing (nothing is started)."""
+        if self._system_monitor is not None:
+            return True
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(self._run_id, sampling_interval=interval_s, resume_logging=True,
+                                           tracking_uri=self.tracking_uri)
+        except ImportError as exc:
+            log.warning("system metrics are off: %s (pip install psutil; nvidia-ml-py for GPU metrics)", exc)
+            return False
+        monitor.start()
+        self._system_monitor = monitor
+        return True
+
+    def stop_system_metrics(self) -> None:
+        """Stop the sampling thread (it wakes at once) and flush what it collected."""
+        monitor, self._system_monitor = self._system_monitor, None
+        if monitor is not None:
+            monitor.finish()
+
     # -- lifecycle ----------------------------------------------------------------------------
     def finish(self, status: str = "FINISHED") -> None:
         """Mark the run FINISHED, FAILED or KILLED; later calls do nothing."""
         if status not in _STATUSES:
             raise ValueError(f"run status {status!r} is not allowed; choose one of: {', '.join(_STATUSES)}")
+        self.stop_system_metrics()
         if self._finished:
             return
         if self.nonfinite_skipped:
@@ -422,6 +458,15 @@ class NullTracker:
         pass
 
     def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
+        pass
+
+    def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train") -> None:
+        pass
+
+    def start_system_metrics(self, interval_s: float = 10.0) -> bool:
+        return False
+
+    def stop_system_metrics(self) -> None:
         pass
 
     def finish(self, status: str = "FINISHED") -> None:

@@ -2,6 +2,9 @@
 
     python pipeline/run.py eval --checkpoint runs/<run>/checkpoints/phase0/step_000200
     python pipeline/run.py eval --resume runs/<run>          # the run's latest checkpoint
+
+The metrics (eval/loss, eval/ppl, eval/accuracy) are also logged, at the checkpoint's step, to the MLflow run
+that trained the checkpoint (found through the run directory's run.json), without changing its status.
 """
 from __future__ import annotations
 
@@ -30,3 +33,44 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
     reader = ShardReader(dataset_dir, "val", batch, seed=0, epoch=0, start=0)
     m = engine.evaluate(reader, max_batches=max_batches)
     return {"eval/loss": m["val/loss"], "eval/ppl": m["val/ppl"], "eval/accuracy": m["val/accuracy"]}
+
+
+def run_dir_of_checkpoint(checkpoint: str | Path) -> Path | None:
+    """The run directory (the nearest parent holding run.json) of a checkpoint under it, else None."""
+    from pipeline.train.run_dir import RUN_FILE
+
+    for parent in Path(checkpoint).resolve().parents:
+        if (parent / RUN_FILE).is_file():
+            return parent
+    return None
+
+
+def tracked_run(run_dir: Path | None, tracking_uri: str = "") -> tuple[str, str] | None:
+    """(tracking URI, MLflow run id) recorded for a run directory, or None when it was not tracked.
+    A non-empty `tracking_uri` (from the command line) replaces the one the run recorded."""
+    from pipeline.config import from_flat
+    from pipeline.tracking.tracker import resolve_tracking_uri
+    from pipeline.train.run_dir import read_run_file
+
+    if run_dir is None:
+        return None
+    record = read_run_file(run_dir)
+    if not record.get("mlflow_run_id"):
+        return None
+    return tracking_uri or resolve_tracking_uri(from_flat(record["config"])), record["mlflow_run_id"]
+
+
+def log_eval_to_run(checkpoint: str | Path, metrics: dict[str, float], run_dir: Path | None = None,
+                    tracking_uri: str = "") -> tuple[str, str] | None:
+    """Log eval/* at the checkpoint's step to the MLflow run that trained it (found through run.json);
+    returns (tracking URI, run id), or None when that run was not tracked or cannot be found."""
+    from pipeline.tracking.lineage import log_metrics_to_run
+    from pipeline.tracking.tracker import check_tracking_uri
+
+    run = tracked_run(run_dir or run_dir_of_checkpoint(checkpoint), tracking_uri)
+    if run is None:
+        return None
+    check_tracking_uri(run[0])
+    step = read_checkpoint_meta(checkpoint).get("counters", {}).get("step", 0)
+    log_metrics_to_run(run[0], run[1], metrics, step)
+    return run

@@ -105,8 +105,15 @@ class TrainSession:
                               audit_data=self.audit_data)
         if cfg.tracking.enabled:
             check_tracking_uri(resolve_tracking_uri(cfg))  # fail fast, before any data or worker work
+        if cfg.tracking.register_model:  # and not after hours of training
+            from pipeline.train.export import check_exportable, require_tokenizers
+
+            check_exportable({"config": cfg.to_dict()}, "tracking.register_model: this run")
+            require_tokenizers()
         tracker = open_tracker(cfg, run_id=record.get("mlflow_run_id"), run_name=self.run_dir.name)
         self._record(mlflow_run_id=tracker.run_id)
+        if cfg.tracking.system_metrics:
+            tracker.start_system_metrics(cfg.tracking.system_metrics_interval_s)
         datasets: list[str] = list(record.get("datasets", []))
         checkpoint = Path(record["checkpoint"]) if record.get("checkpoint") else None
         tokenizer = record.get("tokenizer") or cfg.data.tokenizer
@@ -124,6 +131,7 @@ class TrainSession:
                 tokenizer = tokenizer or str(Path(dataset) / "tokenizer.model")
                 datasets = (datasets + [str(dataset)])[: i + 1]
                 record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
+                tracker.log_dataset_input(manifest, dataset)
                 if i == 0:
                     with torch.device("meta"):  # exact count without allocating the weights
                         n_params = build_model(pcfg.model.tier, manifest.vocab_size, mixer=pcfg.model.mixer,
@@ -155,12 +163,22 @@ class TrainSession:
                 record = self._record(checkpoint=str(checkpoint) if checkpoint else None, phases_done=i + 1)
             else:
                 status = "FINISHED"
+                if cfg.tracking.register_model and checkpoint is not None:
+                    self._register(tracker, checkpoint, cfg.tracking.register_model)
         except KeyboardInterrupt:
             status = "KILLED"
             raise
         finally:
             self._finish(tracker, status)
         return SessionResult(checkpoint, pcfg, tracker.ui_command(), datasets, stopped=status == "KILLED")
+
+    def _register(self, tracker, checkpoint: Path, name: str) -> None:
+        """Export the final checkpoint to <run_dir>/hf_model and register it as a version of `name`."""
+        from pipeline.train.export import export_checkpoint, register_export
+
+        result = export_checkpoint(checkpoint, self.run_dir / "hf_model", overwrite=True)
+        version = register_export(result, tracker.tracking_uri, tracker.run_id, name)
+        print(f"registered {name} version {version.version}: {result.out_dir}")
 
     def _finish(self, tracker, status: str) -> None:
         """Curves from the MLflow history, the run record, and the run's final status."""

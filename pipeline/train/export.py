@@ -1,0 +1,347 @@
+"""Export a checkpoint to a Hugging Face Llama directory that transformers loads unchanged.
+
+    python pipeline/run.py export --resume runs/<run> --out hf/nano-run
+    python pipeline/run.py export --checkpoint runs/<run>/checkpoints/phase0/step_000200 --out hf/x --overwrite
+    python pipeline/run.py export --resume runs/<run> --out hf/x --register my-model    # + MLflow Model Registry
+
+    from pipeline.train.export import export_checkpoint
+    result = export_checkpoint("runs/<run>/checkpoints/phase0/step_000200", "hf/x")
+    # then, anywhere with transformers:  AutoModelForCausalLM.from_pretrained("hf/x"), AutoTokenizer...
+
+What the directory holds: config.json (LlamaForCausalLM), model.safetensors, generation_config.json,
+tokenizer.json + tokenizer_config.json (a fast tokenizer converted from the run's SentencePiece model), the
+SentencePiece model itself as tokenizer.model, and README.md (a model card: tier, tokens seen, data manifest
+hash, final val loss, commit).
+
+Why this is only a mapping: the attention decoder (model/decoder.py) is Llama's architecture with Llama's
+conventions. RoPE is the rotate-half form on (first half, second half) of each head with inverse frequencies
+base^(-2i/head_dim), exactly transformers' `rotate_half` layout, so no q/k permutation is needed (Meta's
+original checkpoints need one because they rotate interleaved pairs). RMSNorm normalises in fp32 and then
+multiplies by the weight; SwiGLU is down(silu(gate) * up); no biases; attention scale 1/sqrt(head_dim).
+Our fused weights split by rows: wqkv = [q (H*hd) | k (Hkv*hd) | v (Hkv*hd)], w_gate_up = [gate | up].
+
+The tokenizer: SentencePiece BPE with byte fallback, identity normalisation, add_dummy_prefix and no
+whitespace folding (pipeline/data/tokenizer.py). The fast tokenizer mirrors it step by step: normaliser
+"prepend ▁, then every space -> ▁" (no pre-tokeniser: SentencePiece never splits the text before merging),
+BPE over the same vocabulary with merges ranked by the merged piece's score (SentencePiece merges the pair
+whose result scores highest), byte fallback to the <0xXX> pieces, and the four special pieces as special
+tokens that are never matched inside text (`split_special_tokens`), because SentencePiece encodes the text
+"<s>" as characters too. BOS is added in front, as `run.py generate` does.
+
+Ray-free and MLflow-free: needs torch, safetensors, sentencepiece and `tokenizers` (the `hf` extra).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# SentencePiece ModelProto.SentencePiece.Type values
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6
+HF_ARTIFACT_DIR = "hf_model"  # where a registered export lives in the training run's artifacts
+
+
+class ExportError(ValueError):
+    """A checkpoint cannot be exported (not a checkpoint, no Hugging Face equivalent, output exists)."""
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    tier: str
+    step: int
+    tokens_seen: int
+    val_loss: float | None
+    manifest_hash: str | None
+    commit: str | None
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+
+
+def checkpoint_mixer(meta: dict[str, Any]) -> str:
+    """The model family a checkpoint holds ('attention' for checkpoints from before model.mixer existed)."""
+    return str(meta.get("mixer") or meta.get("config", {}).get("model", {}).get("mixer") or "attention")
+
+
+def check_exportable(meta: dict[str, Any], what: str) -> None:
+    """ExportError unless `what` (a checkpoint's meta, or {"config": cfg.to_dict()}) is an attention model."""
+    mixer = checkpoint_mixer(meta)
+    if mixer != "attention":
+        raise ExportError(f"{what} is a model.mixer={mixer} model; only attention models have a Hugging Face "
+                          f"equivalent (LlamaForCausalLM), so it cannot be exported or registered")
+
+
+def require_tokenizers() -> None:
+    """ExportError naming the install command when the `tokenizers` library (the `hf` extra) is missing."""
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise ExportError("exporting to Hugging Face format needs the `hf` extra; install it with "
+                          "pip install -e '.[hf]'") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights and config
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], tier, tie_embeddings: bool) -> dict[str, torch.Tensor]:
+    """Our Decoder's state dict -> LlamaForCausalLM's (contiguous copies; lm_head omitted when tied)."""
+    H, Hkv, hd, n_layers = tier.n_heads, tier.n_kv_heads, tier.head_dim, tier.n_layers
+    expected = {"tok_emb.weight", "norm.weight"} | ({"lm_head.weight"} if not tie_embeddings else set())
+    for i in range(n_layers):
+        expected |= {f"blocks.{i}.{n}.weight" for n in ("attn_norm", "attn.wqkv", "attn.wo", "mlp_norm",
+                                                       "mlp.w_gate_up", "mlp.w_down")}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ExportError(f"the checkpoint's weights do not match tier {tier.name}: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}; was it written by another model version?")
+    out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm.weight"]}
+    if not tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(n_layers):
+        src, dst = f"blocks.{i}.", f"model.layers.{i}."
+        q, k, v = state[src + "attn.wqkv.weight"].split([H * hd, Hkv * hd, Hkv * hd], dim=0)  # rows: q | k | v
+        gate, up = state[src + "mlp.w_gate_up.weight"].chunk(2, dim=0)  # rows: gate | up
+        out.update({
+            dst + "input_layernorm.weight": state[src + "attn_norm.weight"],
+            dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+            dst + "self_attn.v_proj.weight": v, dst + "self_attn.o_proj.weight": state[src + "attn.wo.weight"],
+            dst + "post_attention_layernorm.weight": state[src + "mlp_norm.weight"],
+            dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+            dst + "mlp.down_proj.weight": state[src + "mlp.w_down.weight"],
+        })
+    return {k: t.detach().contiguous().clone() for k, t in out.items()}
+
+
+def hf_config(tier, vocab_size: int, tie_embeddings: bool, special: dict[str, int],
+              dtype: torch.dtype) -> dict[str, Any]:
+    """config.json for LlamaForCausalLM. rope_theta is written both at the top level (transformers 4.x) and
+    in rope_parameters (5.x); each version reads its own key and ignores the other."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab_size, "hidden_size": tier.d_model, "intermediate_size": tier.d_ff,
+        "num_hidden_layers": tier.n_layers, "num_attention_heads": tier.n_heads,
+        "num_key_value_heads": tier.n_kv_heads, "head_dim": tier.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": tier.max_seq_len, "rms_norm_eps": tier.norm_eps,
+        "rope_theta": tier.rope_base, "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": tier.rope_base},
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "tie_word_embeddings": tie_embeddings, "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": special["bos_id"], "eos_token_id": special["eos_id"], "pad_token_id": special["pad_id"],
+        "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def generation_config(special: dict[str, int]) -> dict[str, Any]:
+    """The sampling `run.py generate` uses by default (temperature 0.8, top-p 0.95)."""
+    return {"bos_token_id": special["bos_id"], "eos_token_id": special["eos_id"], "pad_token_id": special["pad_id"],
+            "do_sample": True, "temperature": 0.8, "top_p": 0.95}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def convert_sentencepiece(model_path: str | Path):
+    """A `tokenizers.Tokenizer` giving the SentencePiece model's ids for every input (see module docstring).
+
+    Refuses models this conversion does not reproduce exactly (unigram, a normalisation rule other than
+    identity, whitespace folding, user-defined pieces)."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+    from tokenizers.models import BPE
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(model_path).read_bytes())
+    ts, ns = proto.trainer_spec, proto.normalizer_spec
+    problems = []
+    if ts.model_type != ts.BPE:
+        problems.append("model_type is not BPE")
+    if ns.precompiled_charsmap or ns.name not in ("identity", ""):
+        problems.append(f"normalization rule {ns.name!r} (only identity converts exactly)")
+    if ns.remove_extra_whitespaces:
+        problems.append("remove_extra_whitespaces is on")
+    if ts.treat_whitespace_as_suffix:
+        problems.append("treat_whitespace_as_suffix is on")
+    if any(p.type == _SP_USER_DEFINED for p in proto.pieces):
+        problems.append("it has user-defined pieces")
+    if problems:
+        raise ExportError(f"tokenizer {model_path} cannot be converted exactly: {'; '.join(problems)}")
+
+    pieces = list(proto.pieces)
+    vocab = {p.piece: i for i, p in enumerate(pieces)}
+    normal = {p.piece for p in pieces if p.type == _SP_NORMAL}
+    # SentencePiece merges the adjacent pair whose concatenation is the highest-scoring piece; a BPE merge list
+    # ranked by that score reproduces it. Only normal pieces take part (never control or byte pieces).
+    ranked = []
+    for i, p in enumerate(pieces):
+        if p.type != _SP_NORMAL or len(p.piece) < 2:
+            continue
+        splits = [(p.piece[:k], p.piece[k:]) for k in range(1, len(p.piece))
+                  if p.piece[:k] in normal and p.piece[k:] in normal]
+        ranked += [(-p.score, i, vocab[a], vocab[b], a, b) for a, b in splits]
+    merges = [(a, b) for *_, a, b in sorted(ranked)]
+
+    unk = pieces[ts.unk_id].piece
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                        byte_fallback=ts.byte_fallback, dropout=None))
+    steps = ([normalizers.Prepend("▁")] if ns.add_dummy_prefix else []) + [normalizers.Replace(" ", "▁")]
+    tok.normalizer = normalizers.Sequence(steps)
+    decode_steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if ns.add_dummy_prefix:
+        decode_steps.append(decoders.Strip(" ", 1, 0))  # SentencePiece drops the dummy prefix's space
+    tok.decoder = decoders.Sequence(decode_steps)
+    specials = [pieces[i].piece for i in (ts.pad_id, ts.unk_id, ts.bos_id, ts.eos_id) if i >= 0]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    if ts.bos_id >= 0:
+        bos = pieces[ts.bos_id].piece
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, ts.bos_id)])
+    tok.encode_special_tokens = True  # "<s>" in text is three characters, as in SentencePiece
+    return tok
+
+
+def write_tokenizer(model_path: str | Path, out_dir: Path, special: dict[str, int], max_len: int) -> None:
+    tok = convert_sentencepiece(model_path)
+    tok.save(str(out_dir / "tokenizer.json"))
+    names = {k: tok.id_to_token(v) for k, v in special.items() if v is not None and v >= 0}
+    config = {
+        # the generic fast class: it loads tokenizer.json as written (LlamaTokenizer would rebuild its own
+        # pre-tokeniser and differ from SentencePiece on spaces)
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": names.get("bos_id"), "eos_token": names.get("eos_id"), "unk_token": names.get("unk_id"),
+        "pad_token": names.get("pad_id"), "add_bos_token": True, "add_eos_token": False,
+        "split_special_tokens": True, "clean_up_tokenization_spaces": False, "model_max_length": max_len,
+        "padding_side": "left",
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(
+        {k.replace("_id", "_token"): v for k, v in names.items()}, indent=2) + "\n")
+    shutil.copyfile(model_path, out_dir / "tokenizer.model")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model card
+
+
+def model_card(r: ExportResult, vocab_size: int, tie: bool, tier, dataset: str | None) -> str:
+    val = f"{r.val_loss:.4f}" if r.val_loss is not None else "not evaluated"
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [longtrain, llama]
+---
+# longtrain {r.tier} (step {r.step})
+
+A Llama-architecture causal language model trained with longtrain and exported to the Hugging Face format
+(`LlamaForCausalLM`, loads with `AutoModelForCausalLM.from_pretrained` without `trust_remote_code`).
+
+| | |
+|---|---|
+| tier | {r.tier}: d_model {tier.d_model}, {tier.n_layers} layers, {tier.n_heads} heads ({tier.n_kv_heads} key/value), d_ff {tier.d_ff} |
+| vocabulary | {vocab_size} (SentencePiece BPE with byte fallback), embeddings {'tied' if tie else 'untied'} |
+| RoPE base | {tier.rope_base:g} |
+| tokens seen | {r.tokens_seen:,} |
+| optimizer steps | {r.step:,} |
+| data manifest hash | {r.manifest_hash or 'unknown'} |
+| dataset | {dataset or 'unknown'} |
+| final val loss | {val} |
+| longtrain commit | {r.commit or 'unknown'} |
+
+The tokenizer gives the same ids as the SentencePiece model it was converted from (`tokenizer.model`);
+BOS is prepended, as during longtrain's own generation.
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# The export
+
+
+def _atomic_publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished temp dir to `out`; an old `out` (overwrite) is moved aside first, removed after."""
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise ExportError(f"--out {out} already exists; pass --overwrite to replace it or choose another "
+                              f"directory")
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False,
+                      commit: str | None = None) -> ExportResult:
+    """Write the Hugging Face directory for `checkpoint` to `out_dir` (temp dir, then rename).
+
+    Raises ExportError (or CheckpointError) with one line: not a checkpoint, a model without a Hugging Face
+    equivalent, `out_dir` exists without overwrite, tokenizer missing."""
+    from safetensors.torch import load_file, save_file
+
+    from model.tiers import get_tier
+    from pipeline.train.engine import read_checkpoint_meta
+
+    checkpoint, out = Path(checkpoint), Path(out_dir).resolve()
+    if (out.exists() or out.is_symlink()) and not overwrite:  # before any work
+        raise ExportError(f"--out {out} already exists; pass --overwrite to replace it or choose another directory")
+    meta = read_checkpoint_meta(checkpoint)
+    check_exportable(meta, f"checkpoint {checkpoint}")
+    require_tokenizers()
+    tier, tie, vocab = get_tier(meta["tier"]), bool(meta.get("tie_embeddings", True)), int(meta["vocab_size"])
+    dataset_dir = Path(meta.get("dataset_dir", ""))
+    sp_model = dataset_dir / "tokenizer.model"
+    if not sp_model.is_file():
+        raise ExportError(f"tokenizer for checkpoint {checkpoint} not found at {sp_model}; the checkpoint names "
+                          f"its dataset directory, which must still exist")
+    manifest_path = dataset_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    special = {k: int(manifest.get(k, d)) for k, d in (("pad_id", 0), ("unk_id", 1), ("bos_id", 2), ("eos_id", 3))}
+    if commit is None:
+        from pipeline.tracking.tracker import git_commit  # imports no MLflow at module level
+
+        commit = git_commit()
+    counters, metrics = meta.get("counters", {}), meta.get("metrics") or {}
+    result = ExportResult(out, meta["tier"], int(counters.get("step", 0)), int(counters.get("tokens_seen", 0)),
+                          float(metrics["val/loss"]) if "val/loss" in metrics else None,
+                          manifest.get("settings_hash"), commit)
+
+    state = load_file(str(checkpoint / "model.safetensors"))
+    weights = hf_state_dict(state, tier, tie)
+    dtype = state["tok_emb.weight"].dtype
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config(tier, vocab, tie, special, dtype), indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config(special), indent=2) + "\n")
+        write_tokenizer(sp_model, tmp, special, tier.max_seq_len)
+        source = manifest.get("source", {})
+        dataset = source.get("name") or source.get("path") or source.get("kind")
+        (tmp / "README.md").write_text(model_card(result, vocab, tie, tier, dataset))
+        _atomic_publish(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
+
+
+def register_export(result: ExportResult, tracking_uri: str, run_id: str, name: str):
+    """Log the exported directory to the training run and register it as a version of model `name`,
+    tagged with tier, tokens seen, step, val loss and data manifest hash. Returns the ModelVersion."""
+    from pipeline.tracking.lineage import register_model_dir
+
+    tags = {"tier": result.tier, "tokens_seen": result.tokens_seen, "step": result.step,
+            "val_loss": "" if result.val_loss is None else f"{result.val_loss:.6f}",
+            "manifest_hash": result.manifest_hash or "", "format": "transformers/LlamaForCausalLM"}
+    return register_model_dir(tracking_uri, run_id, result.out_dir, name, tags,
+                              description=f"longtrain {result.tier}, step {result.step}, "
+                                          f"{result.tokens_seen:,} tokens seen; Hugging Face format (transformers)")
