@@ -22,10 +22,10 @@ import json
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-if TYPE_CHECKING:
-    from pipeline.data.shards import Manifest
+# `manifest` below is a pipeline.data.shards.Manifest, duck-typed: tracking does not import the data package.
+Manifest = Any
 
 REGISTERED_MODEL_ARTIFACT = "hf_model"  # the export's folder inside the training run's artifacts
 REGISTERED_TAG = "longtrain.registered_model"  # on the run: "<name>/<version>"
@@ -33,7 +33,7 @@ DATASET_CONTEXT = "train"
 DIGEST_CHARS = 16  # MLflow allows 36; 16 hex digits are what runs/datasets/<hash> is named by
 
 
-def dataset_name(manifest: "Manifest") -> str:
+def dataset_name(manifest: Manifest) -> str:
     src = manifest.source or {}
     kind = src.get("kind", "")
     if kind == "hf":
@@ -43,7 +43,7 @@ def dataset_name(manifest: "Manifest") -> str:
     return kind or "dataset"
 
 
-def dataset_profile(manifest: "Manifest") -> dict[str, Any]:
+def dataset_profile(manifest: Manifest) -> dict[str, Any]:
     c = manifest.counts
     return {"sequences": manifest.rows("train") + manifest.rows("val"), "train_sequences": manifest.rows("train"),
             "val_sequences": manifest.rows("val"), "tokens": int(c.get("tokens_kept", 0)),
@@ -51,7 +51,7 @@ def dataset_profile(manifest: "Manifest") -> dict[str, Any]:
             "tokenizer_sha256": manifest.tokenizer_sha256, "settings_hash": manifest.settings_hash}
 
 
-def dataset_input(manifest: "Manifest", dataset_dir: str | Path):
+def dataset_input(manifest: Manifest, dataset_dir: str | Path):
     """The MLflow dataset (mlflow.data.Dataset) describing a prepared dataset, without reading its shards."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
@@ -83,7 +83,7 @@ def dataset_input(manifest: "Manifest", dataset_dir: str | Path):
                          schema=schema)
 
 
-def log_dataset_input(client, run_id: str, manifest: "Manifest", dataset_dir: str | Path,
+def log_dataset_input(client, run_id: str, manifest: Manifest, dataset_dir: str | Path,
                       context: str = DATASET_CONTEXT) -> None:
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
