@@ -17,6 +17,15 @@ tag longtrain.failure_reason=oom -- and Tune carries on with the others. With `s
 the max-batch finder (pipeline/train/max_batch.py) runs once per tier first, and batch sizes above what fits
 are recorded as `oom` without being run.
 
+Ending trials. A trial that trains its token budget ends by itself (ASHA does not stop trials at max_t:
+`stop_last_trials=False`), so its Train run shuts down its workers and placement group. A trial ASHA
+stops early is ended by Tune terminating the trial's actor; the Train controller dies with it, and its
+workers' placement group would not: Ray ties it to the job (the sweep's driver), and only Ray Train's
+PlacementGroupCleaner, polling the state API, would remove it later. On a machine whose GPUs fit one
+trial that left every later trial waiting for resources that never came back. So the driver's
+`ReleaseTrialResources` callback removes the trial's placement group (every report names it) the moment
+Tune ends the trial.
+
 At the end: the table (tier, batch size, tokens/s, peak memory, metric, status) is printed and logged to
 the parent run as markdown and PNG, and the best finished trial's config is written as a preset:
 <run.root>/tune/<sweep>/best_preset.yaml, for `python pipeline/run.py train --preset <that file>`.
@@ -24,16 +33,20 @@ the parent run as markdown and PNG, and the best finished trial's config is writ
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ray.tune import Callback
 
 from pipeline.config import Config, from_flat
 from pipeline.console import stage
 from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, plot_sweep
 from pipeline.sweep.report import write_best_preset, write_markdown
 from pipeline.sweep.space import Space, SpaceError, load_space  # noqa: F401  (SpaceError: part of this API)
+from pipeline.train.ray_train import PLACEMENT_GROUP_KEY, START_TIMEOUT_ENV
 
 TRIAL_CPUS = 0.01  # the trial function only waits on its TorchTrainer; Tune refuses a 0-CPU trial
 STATUS_KEY, REASON_KEY, RUN_ID_KEY = "sweep/status", "sweep/reason", "sweep/mlflow_run_id"
@@ -57,6 +70,7 @@ class SweepContext:
     token_budget: int
     parent_run_id: str | None
     max_fit: dict[str, int] = field(default_factory=dict)  # tier -> largest micro-batch that fits
+    env: dict[str, str] = field(default_factory=dict)  # the driver's Ray Train settings, set in every trial
 
 
 @dataclass
@@ -83,14 +97,15 @@ def is_oom(exc: BaseException | None) -> bool:
                       or type(e).__name__ == "OutOfMemoryError") is not None
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException, limit: int = 90) -> str:
+    """One line naming what failed, at most `limit` characters (the table's; MLflow's tag gets 250)."""
     inner = exc
     for e in getattr(exc, "worker_failures", {}).values():
         inner = e
         break
     lines = [ln.strip() for ln in str(inner).strip().splitlines() if ln.strip()]
     text = f"{type(inner).__name__}: {lines[-1] if lines else ''}"
-    return text if len(text) <= 90 else text[:89] + "…"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 # ---------------------------------------------------------------------------------- the trial
@@ -146,6 +161,7 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
     from pipeline.train.ray_train import run_training
 
     trial_id = ray.tune.get_context().get_trial_id()
+    os.environ.update(ctx.env)  # a trial runs in a Ray worker, which has the cluster's environment, not ours
     cfg = trial_config(ctx, params, trial_id)
     run_dir = Path(ctx.sweep_dir) / "trials" / trial_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +169,8 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
     summary = {STATUS_KEY: OK, REASON_KEY: "", RUN_ID_KEY: tracker.run_id or "", ctx.metric: float("nan")}
 
     def fail(status: str, reason: str, exc: BaseException | None) -> None:
-        tracker.set_tags({TAG_STATUS: status, TAG_REASON: status if status == OOM else reason[:250]})
+        full = _reason(exc, limit=250) if exc is not None else reason
+        tracker.set_tags({TAG_STATUS: status, TAG_REASON: status if status == OOM else full})
         tracker.finish("FAILED")
         ray.tune.report({**summary, STATUS_KEY: status, REASON_KEY: reason})
         raise TrialFailed(f"trial {trial_id} failed: {status} ({reason})") from exc
@@ -183,9 +200,10 @@ def _max_fit_per_tier(cfg: Config, space: Space, vocab_size: int) -> dict[str, i
     from pipeline.ray_runtime import use_gpu
 
     upper = max(int(b) for b in space.values_of("train.batch_size", cfg))
-    task = ray.remote(lambda flat, tier: find_max_batch(from_flat(flat), tier=tier, vocab_size=vocab_size,
-                                                        upper=upper))
-    task = task.options(num_cpus=cfg.ray.cpus_per_worker, num_gpus=1 if use_gpu(cfg) else 0)
+    # max_calls=1: the worker process exits after its probe, so its CUDA context and cached device memory
+    # go with it instead of staying in an idle Ray worker beside the trials (.options() cannot set it).
+    task = ray.remote(num_cpus=cfg.ray.cpus_per_worker, num_gpus=1 if use_gpu(cfg) else 0, max_calls=1)(
+        lambda flat, tier: find_max_batch(from_flat(flat), tier=tier, vocab_size=vocab_size, upper=upper))
     tiers = [str(t) for t in space.values_of("model.tier", cfg)]
     found = ray.get([task.remote(cfg.flat(), t) for t in tiers])
     for f in found:
@@ -208,6 +226,42 @@ def _auto_concurrency(cfg: Config) -> int:
     return max(1, n)
 
 
+class ReleaseTrialResources(Callback):
+    """Tune callback (driver side): when Tune ends a trial, remove the placement group its Train run holds.
+
+    A trial ended by its own return has already released it (the Train controller removes it on shutdown);
+    this is for a trial Tune stops (ASHA) or whose actor dies, whose Train controller dies with the actor and
+    leaves the placement group to the job. Removing it also ends the Train workers inside it."""
+
+    def __init__(self) -> None:
+        self.placement_groups: dict[str, str] = {}  # trial id -> hex id of its Train run's latest placement group
+        self.released: list[str] = []
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        if result.get(PLACEMENT_GROUP_KEY):
+            self.placement_groups[trial.trial_id] = result[PLACEMENT_GROUP_KEY]
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self.release(trial.trial_id)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self.release(trial.trial_id)
+
+    def release(self, trial_id: str) -> None:
+        import ray
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        pg_hex = self.placement_groups.pop(trial_id, None)
+        if not pg_hex:
+            return
+        pg = PlacementGroup(ray.PlacementGroupID.from_hex(pg_hex))
+        if ray.util.placement_group_table(pg).get("state") in (None, "REMOVED"):
+            return  # the Train run gave it back itself
+        remove_placement_group(pg)
+        self.released.append(pg_hex)
+        print(f"tune: trial {trial_id} ended; released its Train placement group {pg_hex}", flush=True)
+
+
 def _rows(grid, space: Space, base: Config) -> list[TrialRow]:
     rows = []
     for result in grid:
@@ -217,13 +271,16 @@ def _rows(grid, space: Space, base: Config) -> list[TrialRow]:
         for rec in records:  # last non-missing value of every column
             last.update({k: v for k, v in rec.items() if v is not None and not (isinstance(v, float) and math.isnan(v))})
         status = last.get(STATUS_KEY) or (FAILED if result.error else STOPPED)
+        params = {k: result.config[k] for k in space.params}
+        if status == STOPPED and last.get("step", 0) >= with_token_budget(base.replace(params),
+                                                                          space.token_budget).train.max_steps:
+            status = OK  # stopped at its last report (an ASHA rung at the budget): it trained every step
         reason = last.get(REASON_KEY, "")
         if status == FAILED and not reason and result.error is not None:
             reason = OOM if is_oom(result.error) else _reason(result.error)
             status = OOM if reason == OOM else FAILED
         if status == STOPPED:
             reason = "early, by the scheduler"
-        params = {k: result.config[k] for k in space.params}
         rows.append(TrialRow(
             trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
             tier=str(params.get("model.tier", base.model.tier)),
@@ -236,20 +293,24 @@ def _rows(grid, space: Space, base: Config) -> list[TrialRow]:
 
 
 def _close_stopped_children(parent, rows: list[TrialRow], sweep_name: str) -> None:
-    """Trials ASHA stopped were killed mid-run: mark their child runs finished, tagged as stopped."""
+    """Trials ASHA stopped were ended with their actor, mid-run or just after their last report: mark their
+    child runs finished (a stopped run's Train workers may have seen their placement group go first and
+    recorded a failure), tagged with the row's status."""
     if parent.run_id is None:
         return
     for row in rows:
-        if row.status != STOPPED:
+        if row.status not in (STOPPED, OK) or (row.status == OK and row.mlflow_run_id):
             continue
         found = parent.client.search_runs(
             [parent.experiment_id],
             f"tags.`{TAG_SWEEP}` = '{sweep_name}' and tags.`{TAG_TRIAL}` = '{row.trial_id}'")
         for run in found:
             row.mlflow_run_id = run.info.run_id
-            parent.client.set_tag(run.info.run_id, TAG_STATUS, STOPPED)
-            if run.info.status == "RUNNING":
+            parent.client.set_tag(run.info.run_id, TAG_STATUS, row.status)
+            if run.info.status != "FINISHED":
                 parent.client.set_terminated(run.info.run_id, "FINISHED")
+                if TAG_REASON in run.data.tags:
+                    parent.client.delete_tag(run.info.run_id, TAG_REASON)
 
 
 def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
@@ -290,13 +351,15 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     status = "FAILED"
     try:
         max_fit = _max_fit_per_tier(cfg, space, manifest.vocab_size) if space.skip_unfit_batch else {}
+        env = {k: os.environ[k] for k in (START_TIMEOUT_ENV,) if k in os.environ}
         ctx = SweepContext(cfg.flat(), str(dataset), str(sweep_dir), name, space.metric, space.token_budget,
-                           parent.run_id, max_fit)
+                           parent.run_id, max_fit, env)
         sched = space.scheduler
         if sched["type"] == "asha":
             max_t = sched["max_t"] or space.token_budget or 2**62  # no cap: trials end at train.max_steps
+            # stop_last_trials=False: a trial at its budget ends by itself, releasing what it holds (module doc)
             scheduler = ASHAScheduler(time_attr=sched["time_attr"], max_t=max_t, grace_period=sched["grace_period"],
-                                      reduction_factor=sched["reduction_factor"])
+                                      reduction_factor=sched["reduction_factor"], stop_last_trials=False)
         else:
             scheduler = FIFOScheduler()
         storage = cfg.ray.storage_path or str(sweep_dir / "ray_tune")
@@ -306,7 +369,8 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
             tune_config=ray.tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=space.num_samples,
                                             scheduler=scheduler,
                                             max_concurrent_trials=space.max_concurrent_trials or _auto_concurrency(cfg)),
-            run_config=ray.tune.RunConfig(name=name, storage_path=storage, verbose=1),
+            run_config=ray.tune.RunConfig(name=name, storage_path=storage, verbose=1,
+                                          callbacks=[ReleaseTrialResources()]),
         )
         rows = _rows(tuner.fit(), space, cfg)
         _close_stopped_children(parent, rows, name)

@@ -30,6 +30,16 @@ from pipeline.ray_runtime import ensure_ray, use_gpu, worker_cpus
 from pipeline.train.local import AUDIT_DIR  # <run_dir>/data_audit/rank_<r>.jsonl: seq_ids consumed per step
 
 STOP_FILE = "STOP"  # <run_dir>/STOP: the driver's Ctrl+C, seen by every worker
+# Every report carries the worker group's placement group, so whoever ends the run early (a sweep's scheduler
+# stopping a trial) can give its resources back: pipeline/sweep/tune.py's ReleaseTrialResources.
+PLACEMENT_GROUP_KEY = "ray/placement_group"
+# Ray Train's own setting: seconds one attempt waits for its workers' resources (Ray's default: 60).
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+DEFAULT_START_TIMEOUT_S = 60.0
+
+
+class TrainStartError(RuntimeError):
+    """Ray Train could not place its workers: the message names what was asked, what the cluster has and the fix."""
 
 
 @dataclass
@@ -97,7 +107,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         # Every worker reports (Ray Train synchronises on it); rank 0 attaches the one copy of the state.
         if has_val and "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
             metrics = {**metrics, **e.evaluate(val_batches(), max_batches=t.eval_batches)}
-        report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics}
+        report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics,
+                  PLACEMENT_GROUP_KEY: ray.get_runtime_context().get_placement_group_id() or ""}
         with tempfile.TemporaryDirectory() as tmp:
             if rank == 0:
                 path = e.save(Path(tmp) / "state", extra={**extra, "metrics": metrics})
@@ -138,6 +149,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     if init_from is not None:
         check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
     ensure_ray(cfg.ray.address, cfg)
+    check_fits_cluster(cfg)  # START_TIMEOUT_ENV, when set here, reaches Ray Train's controller
     storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else run_dir / "ray"
     if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
         storage = cfg.ray.storage_path
@@ -158,16 +170,82 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
                                                          checkpoint_score_attribute="val/loss" if has_val else None,
                                                          checkpoint_score_order="min"),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures),
+            # Worker errors and failures to start the workers (their resources never came within the start
+            # timeout) are both retried ray.max_failures times; Ray's default retries the latter forever.
+            failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures,
+                                                   controller_failure_limit=cfg.ray.max_failures),
             # Ray Train's INFO lines (worker group started, each checkpoint reported) stay in its log files.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             callbacks=callbacks),
     )
-    result = fit_with_clean_stop(trainer, run_dir / STOP_FILE)
+    try:
+        result = fit_with_clean_stop(trainer, run_dir / STOP_FILE)
+    except Exception as exc:  # noqa: BLE001 -- a failure to start becomes one line; anything else goes on up
+        start_error = _start_failure(exc, cfg.ray.max_failures + 1)
+        if start_error is None:
+            raise
+        raise TrainStartError(f"{_request_text(cfg)}: {start_error}; {_cluster_text()}. Free the resources, "
+                              f"lower ray.num_workers / ray.cpus_per_worker, or wait longer per attempt with "
+                              f"{START_TIMEOUT_ENV}") from None
     ckpt = Path(result.checkpoint.path) if result.checkpoint is not None else None
     metrics = dict(result.metrics or {})
     stopped = metrics.get("step", 0) < (max_steps or cfg.train.max_steps)
     return TrainOutcome(run_dir, ckpt, metrics, mlflow_run_id, stopped)
+
+
+# ------------------------------------------------------------------------------- resources, start failures
+def worker_resources(cfg: Config) -> dict[str, float]:
+    """What each Ray Train worker reserves (ScalingConfig adds the GPU when use_gpu)."""
+    return {"CPU": worker_cpus(cfg), **({"GPU": 1} if use_gpu(cfg) else {})}
+
+
+def check_fits_cluster(cfg: Config) -> None:
+    """Fail at once, with the fix, when the workers ask for more of a resource than the whole local Ray has.
+    Anything else that keeps them from starting (resources held by others, a placement no node allows) is
+    waited for, START_TIMEOUT_ENV seconds per attempt. A joined cluster may autoscale: it is not checked."""
+    import ray
+
+    from pipeline.ray_runtime import joins_cluster
+
+    if joins_cluster(cfg.ray.address):
+        return
+    total = ray.cluster_resources()
+    n = cfg.ray.num_workers
+    for name, per_worker in worker_resources(cfg).items():
+        if per_worker * n > total.get(name, 0):
+            raise TrainStartError(f"{_request_text(cfg)} can never start: this Ray has {total.get(name, 0):g} {name} "
+                                  f"in all; lower ray.num_workers or ray.cpus_per_worker"
+                                  + (", or set ray.use_gpu=false" if name == "GPU" else ""))
+
+
+def _request_text(cfg: Config) -> str:
+    res = ", ".join(f"{k} {v:g}" for k, v in worker_resources(cfg).items())
+    return f"Ray Train's {cfg.ray.num_workers} worker(s) with {{{res}}} each ({cfg.ray.placement_strategy})"
+
+
+def _cluster_text() -> str:
+    import ray
+
+    free, total = ray.available_resources(), ray.cluster_resources()
+    shown = [k for k in ("CPU", "GPU") if k in total]
+    return "free now: " + ", ".join(f"{k} {free.get(k, 0):g} of {total[k]:g}" for k in shown)
+
+
+def _start_failure(exc: BaseException, attempts: int) -> str | None:
+    """A short reason when `exc` is Ray Train giving up on starting the workers, else None."""
+    from ray.train.v2._internal.exceptions import (InsufficientClusterResourcesError, WorkerGroupStartupFailedError,
+                                                   WorkerGroupStartupTimeoutError)
+
+    from pipeline.ray_runtime import find_cause
+
+    cause = find_cause(exc, lambda e: isinstance(e, (WorkerGroupStartupTimeoutError, WorkerGroupStartupFailedError,
+                                                     InsufficientClusterResourcesError)))
+    if cause is None:
+        return None
+    if isinstance(cause, WorkerGroupStartupTimeoutError):
+        timeout = float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
+        return f"their resources did not come within {timeout:g} s, in {attempts} attempt(s) (ray.max_failures + 1)"
+    return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}"
 
 
 def fit_with_clean_stop(trainer, stop_file: Path):
