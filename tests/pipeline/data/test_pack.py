@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from pipeline.data.corpus import DataSourceError
-from pipeline.data.pack import ShardPlanner, SplitRule, plan_shards, prepare
+from pipeline.data.pack import prepare
+from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, SplitRule, TokenStream,
+                                         plan_shards)
 from pipeline.data.validate import validate_dataset
 from pipeline.data.shards import MANIFEST_FILE, DatasetError, load_manifest
 from pipeline.data.tokenizer import Tokenizer
@@ -157,6 +159,30 @@ def test_shards_handed_out_as_the_stream_grows_hold_what_the_whole_plan_holds(va
         got += planner.finish(n, forced)
         assert rows_of(got, rule) == rows_of(whole, rule) and planner.counts == counts
         assert sorted(sum(rows_of(got, rule).values(), [])) == list(range(n))  # every window once
+
+
+def test_segments_from_interleaved_part_files_read_as_one_stream(tmp_path):
+    """Two actors append their batches to their own files; the driver's index, in source order, reads back
+    the one stream over any range, and forgets batches no pending shard needs (flat driver memory)."""
+    rng = np.random.default_rng(0)
+    parts = tmp_path / PARTS_DIR
+    parts.mkdir()
+    batches = [rng.integers(0, 500, int(rng.integers(0, 40)), dtype=np.uint16) for _ in range(12)]
+    index, offsets = SegmentIndex(), {"a.bin": 0, "b.bin": 0}
+    for i, b in enumerate(batches):
+        file = "a.bin" if i % 3 else "b.bin"
+        with open(parts / file, "ab") as f:
+            f.write(b.tobytes())
+        index.append(file, offsets[file], len(b))
+        offsets[file] += len(b)
+    stream = np.concatenate(batches)
+    for start, stop in [(0, len(stream)), (5, 6), (17, 140), (len(stream) - 3, len(stream))]:
+        segs, base = index.covering(start, stop)
+        assert np.array_equal(TokenStream(parts, segs, base, np.uint16).read(start, stop), stream[start:stop])
+    index.drop_before(100)
+    assert index.items[0][0] <= 100 < index.items[0][0] + index.items[0][3] and index.count == 12
+    segs, base = index.covering(100, len(stream))
+    assert np.array_equal(TokenStream(parts, segs, base, np.uint16).read(100, len(stream)), stream[100:])
 
 
 def test_same_settings_same_bytes_whatever_the_parallelism(ray_session, tok_path, messy_corpus, messy_dataset,
