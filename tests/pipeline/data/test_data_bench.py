@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -22,3 +24,8 @@ def test_data_throughput_bench_smoke(ray_session, tmp_path):
     assert result["tokens"] > 100_000 and 0.99 < result["tokens_kept_fraction"] <= 1.0
     assert len(result["driver_peak_rss_mb"]) == 2 and result["speedup_ray_over_baseline"] > 0
     assert result["commit"] and result["device"]["cpu_count"] == os.cpu_count()
+    row = result["scaling"][0]  # one row per --cpus N (here: every core)
+    assert row["parallel_efficiency"] == pytest.approx(row["speedup"] / row["cores"])
+    assert row["cpu_efficiency"] == pytest.approx(row["ray_cpu_seconds"] / result["baseline_cpu_seconds"])
+    assert "driver" in row["cpu_by_process_kind"]  # (joined to the test session's Ray: its workers are not ours)
+    assert len(row["load_1min"]) == 2
