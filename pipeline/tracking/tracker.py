@@ -388,10 +388,19 @@ class Tracker:
         return True
 
     def stop_system_metrics(self) -> None:
-        """Stop the sampling thread (it wakes at once) and flush what it collected."""
+        """Stop the sampling thread (it wakes at once and is joined) and log the window in progress too, which
+        MLflow's monitor drops: a run shorter than one interval still gets one sample."""
         monitor, self._system_monitor = self._system_monitor, None
-        if monitor is not None:
-            monitor.finish()
+        if monitor is None:
+            return
+        monitor.finish()
+        try:
+            last = monitor.aggregate_metrics()  # samples since the last publish (the thread collects first)
+            if last:
+                monitor.publish_metrics(last)
+                monitor.mlflow_logger.flush()
+        except Exception as exc:  # noqa: BLE001 - system metrics never fail a run
+            log.warning("could not log the last system metrics sample: %s", exc)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def finish(self, status: str = "FINISHED") -> None:
