@@ -1,0 +1,164 @@
+"""Sweeps on a machine that fits one trial at a time, and trials whose Train workers cannot start.
+
+    .venv/bin/python -m pytest tests/pipeline/sweep/test_trial_resources.py -q   # 7 min on 2 cores at load 20-40
+
+Why a trial used to hold its resources after it ended: Tune ends a trial (ASHA stopping it, or at its
+max_t) by terminating the trial's actor. The Ray Train controller the trial started dies with it, without
+shutting its worker group down, and the workers' placement group outlives it (Ray ties it to the job, the
+sweep's driver); only Ray Train's PlacementGroupCleaner, polling the state API, would remove it. On one GPU
+the next trial then waited for a GPU that never came back. The sweep now removes the trial's placement group
+when Tune ends the trial (pipeline/sweep/tune.py ReleaseTrialResources).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.sweep.report import FAILED, OK, STOPPED
+from pipeline.sweep.tune import TAG_REASON, TAG_STATUS, TAG_SWEEP, ReleaseTrialResources
+from pipeline.train.ray_train import PLACEMENT_GROUP_KEY, START_TIMEOUT_ENV
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class _Trial:
+    def __init__(self, trial_id: str):
+        self.trial_id = trial_id
+
+
+def test_release_removes_the_placement_group_of_an_ended_trial(ray_session):
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    held = placement_group([{"CPU": 1}])
+    gone = placement_group([{"CPU": 1}])
+    assert held.wait(30) and gone.wait(30)
+    remove_placement_group(gone)  # as a Train run that shut down by itself leaves it
+    try:
+        callback = ReleaseTrialResources()
+        callback.on_trial_result(1, [], _Trial("stopped"), {PLACEMENT_GROUP_KEY: held.id.hex(), "step": 2})
+        callback.on_trial_result(1, [], _Trial("finished"), {PLACEMENT_GROUP_KEY: gone.id.hex(), "step": 8})
+        callback.on_trial_result(1, [], _Trial("no_report"), {"step": 0})
+        callback.on_trial_complete(2, [], _Trial("stopped"))
+        callback.on_trial_error(2, [], _Trial("finished"))
+        callback.on_trial_complete(2, [], _Trial("no_report"))
+        assert placement_group_table(held)["state"] == "REMOVED"
+        assert callback.released == [held.id.hex()] and callback.placement_groups == {}
+    finally:
+        if placement_group_table(held)["state"] != "REMOVED":
+            remove_placement_group(held)
+
+
+def _space(tmp_path: Path, doc: dict) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# Three trials, one at a time: the first learns (lr 3e-3), the next two barely move (lr 1e-6, 2e-6), so ASHA
+# stops them at its first rung (step 2 of 6), mid-run -- the way of ending a trial that leaked its resources.
+SCARCE_SPACE = {
+    "metric": "val/loss", "mode": "min", "num_samples": 1, "max_concurrent_trials": 0,
+    "scheduler": {"type": "asha", "time_attr": "train/tokens_seen", "grace_period": 2 * 4 * 64,
+                  "reduction_factor": 2},
+    "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 4, "use_gpu": "false"},
+    "fixed": {"ray.max_failures": 0, "train.max_steps": 6, "train.warmup_steps": 0, "train.eval_every": 2,
+              "train.checkpoint_every": 2, "train.log_every": 2, "train.eval_batches": 1, "train.sample_tokens": 0},
+    "params": {"train.lr": {"grid": [3e-3, 1e-6, 2e-6]}},
+}
+# The sweep's own Ray with 7 CPUs: a trial's worker takes 4 and its Ray Data reads use the other 3 (with
+# fewer, Ray Data's per-operator reservations inside the worker starve), so a second trial's worker fits
+# only once the first has given its 4 back. Without the dashboard, as the project started
+# Ray before (ad8b9ea): Ray Train's own cleaner cannot query the state API, so only the sweep's release helps.
+SCARCE_DRIVER = """
+import logging, sys, ray
+from pipeline.run import main
+ray.init(num_cpus=7, include_dashboard=False, logging_level=logging.WARNING)
+try:
+    code = main(sys.argv[1:])
+finally:
+    ray.shutdown()
+sys.exit(code)
+"""
+SCARCE_TIMEOUT_S = 600  # a bound for a hang only: a trial whose worker cannot start fails after 30 s
+
+
+def test_sequential_trials_on_a_ray_that_fits_one_trial_all_finish(mlflow_server, test_runs_root, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri, _ = mlflow_server
+    args = ["tune", "--space", str(_space(tmp_path, SCARCE_SPACE)), "--preset", "test",
+            f"--run.root={test_runs_root}", "--run.name=scarce", f"--tracking.tracking_uri={uri}",
+            "--tracking.experiment=sweep-scarce"]
+    # A trial that cannot get its worker fails after 30 s (one attempt: max_failures 0) instead of hanging.
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT),
+           START_TIMEOUT_ENV: "30"}
+    proc = subprocess.Popen([sys.executable, "-c", SCARCE_DRIVER, *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=SCARCE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray it started
+        out, _ = proc.communicate()
+        pytest.fail(f"the sweep did not finish in {SCARCE_TIMEOUT_S} s:\n{out[-6000:]}")
+    assert proc.returncode == 0, out[-6000:]
+
+    table = (test_runs_root / "tune" / "scarce" / "sweep_table.md").read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| nano |")]
+    assert len(rows) == 3, table
+    statuses = [ln.split(" | ")[-2] for ln in rows]
+    assert all(s.split(" ")[0] in (OK, STOPPED) for s in statuses), table  # none failed waiting for resources
+    assert sum(s.startswith(OK) for s in statuses) >= 1 and sum(s.startswith(STOPPED) for s in statuses) >= 1, table
+    stopped = sum(s.startswith(STOPPED) for s in statuses)
+    assert out.count("ended; released its Train placement group") == stopped, out[-6000:]
+    assert "WorkerGroupStartupTimeoutError" not in out
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("sweep-scarce")
+    children = [r for r in client.search_runs([exp.experiment_id], f"tags.`{TAG_SWEEP}` = 'scarce'")
+                if r.info.run_name != "scarce"]
+    assert len(children) == 3
+    assert all(c.info.status == "FINISHED" and c.data.tags[TAG_STATUS] in (OK, STOPPED) for c in children)
+
+
+def test_a_trial_whose_workers_cannot_start_fails_with_its_reason_and_the_sweep_goes_on(
+        ray_session, mlflow_server, test_runs_root, tmp_path, monkeypatch, capsys):
+    """Two workers placed STRICT_SPREAD (one per node) on the one-node session Ray can never start: Ray Train
+    waits START_TIMEOUT_ENV seconds, gives up after ray.max_failures + 1 attempts, and the trial is recorded
+    as failed with that reason while the one-worker trial trains."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.run import main
+
+    uri, _ = mlflow_server
+    monkeypatch.setenv(START_TIMEOUT_ENV, "3")
+    space = _space(tmp_path, {
+        "metric": "val/loss", "mode": "min", "max_concurrent_trials": 2, "scheduler": {"type": "fifo"},
+        "resources_per_trial": {"cpus_per_worker": 1, "use_gpu": "false"},
+        "fixed": {"ray.max_failures": 0, "ray.placement_strategy": "STRICT_SPREAD", "train.max_steps": 2,
+                  "train.warmup_steps": 0, "train.eval_every": 2, "train.checkpoint_every": 2,
+                  "train.log_every": 2, "train.eval_batches": 1, "train.sample_tokens": 0},
+        "params": {"ray.num_workers": {"grid": [1, 2]}},
+    })
+    assert main(["tune", "--space", str(space), "--preset", "test", f"--run.root={test_runs_root}",
+                 "--run.name=nostart", f"--tracking.tracking_uri={uri}", "--tracking.experiment=sweep-nostart"]) == 0
+    capsys.readouterr()
+    table = (test_runs_root / "tune" / "nostart" / "sweep_table.md").read_text()
+    assert f"| {OK} |" in table and f"| {FAILED} (TrainStartError: Ray Train's 2 worker(s)" in table, table
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("sweep-nostart")
+    children = {int(r.data.params["ray.num_workers"]): r
+                for r in client.search_runs([exp.experiment_id], f"tags.`{TAG_SWEEP}` = 'nostart'")
+                if r.info.run_name != "nostart"}
+    assert children[1].info.status == "FINISHED" and children[1].data.tags[TAG_STATUS] == OK
+    failed = children[2]
+    assert failed.info.status == "FAILED" and failed.data.tags[TAG_STATUS] == FAILED
+    reason = failed.data.tags[TAG_REASON]
+    assert "Ray Train's 2 worker(s) with {CPU 1} each (STRICT_SPREAD)" in reason, reason
+    assert "did not come within 3 s, in 1 attempt(s)" in reason, reason
