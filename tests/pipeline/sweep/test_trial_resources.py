@@ -1,6 +1,7 @@
 """Sweeps on a machine that fits one trial at a time, and trials whose Train workers cannot start.
 
-    .venv/bin/python -m pytest tests/pipeline/sweep/test_trial_resources.py -q   # 7 min on 2 cores at load 20-40
+    .venv/bin/python -m pytest tests/pipeline/sweep/test_trial_resources.py -q
+    # the scarce-resource sweep alone took 7 min here with its fixtures, on 2 cores at load average 20-40
 
 Why a trial used to hold its resources after it ended: Tune ends a trial (ASHA stopping it, or at its
 max_t) by terminating the trial's actor. The Ray Train controller the trial started dies with it, without
