@@ -49,10 +49,20 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
     its state API is."""
     import ray
 
-    port = _free_port(dashboard_host)
-    api = f"http://{'127.0.0.1' if dashboard_host in ('0.0.0.0', '::') else dashboard_host}:{port}"
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=dashboard_host, dashboard_port=port,
-             logging_level=logging.WARNING, runtime_env={"env_vars": {API_SERVER_ENV: api}})
+    for attempt in range(3):
+        # 8265 when free, else a free port; another Ray starting on this machine at the same moment can take
+        # it between the check and the bind, so a failed start is retried on a port the OS hands out.
+        port = _free_port(dashboard_host, preferred=8265 if attempt == 0 else 0)
+        api = f"http://{'127.0.0.1' if dashboard_host in ('0.0.0.0', '::') else dashboard_host}:{port}"
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=dashboard_host, dashboard_port=port,
+                     logging_level=logging.WARNING, runtime_env={"env_vars": {API_SERVER_ENV: api}})
+            break
+        except Exception as exc:  # Ray raises a bare Exception/ValueError for a taken dashboard port
+            taken = any(w in str(exc).lower() for w in ("occupied", "address already in use", "dashboard"))
+            if not taken or attempt == 2:
+                raise
+            ray.shutdown()
     print(f"ray: local instance with {num_cpus} logical CPUs; dashboard at {api}", flush=True)
     return api
 

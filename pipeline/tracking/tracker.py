@@ -79,7 +79,9 @@ TRAIN_PPL = "train/ppl"
 TRAIN_LR = "train/lr"
 TRAIN_GRAD_NORM = "train/grad_norm"
 TRAIN_TOKENS_PER_S = "train/tokens_per_s"
-TRAIN_MFU = "train/mfu"
+TRAIN_MFU = "train/mfu"  # FLOPs executed (attention within documents under doc masking) over the peak
+TRAIN_MFU_CAUSAL_EQUIV = "train/mfu_causal_equiv"  # whole-row causal attention counted, as other tools do
+TRAIN_EXECUTED_FLOPS_PER_TOKEN = "train/executed_flops_per_token"
 TRAIN_PEAK_MEM_GIB = "train/peak_mem_gib"
 TRAIN_TOKENS_SEEN = "train/tokens_seen"
 TRAIN_ACCURACY = "train/accuracy"
@@ -87,8 +89,9 @@ TRAIN_BAD_STEPS = "train/bad_steps"
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
-METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_PEAK_MEM_GIB,
-           TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_MFU_CAUSAL_EQUIV,
+           TRAIN_EXECUTED_FLOPS_PER_TOKEN, TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS,
+           VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
