@@ -99,8 +99,14 @@ def plot_sweep(rows: list[TrialRow], path: str | Path, metric: str, x_key: str =
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    def raw_x(r: TrialRow) -> Any:
+        return r.batch_size if x_key == "train.batch_size" else r.params.get(x_key, float("nan"))
+
+    # a searched string (model.mixer, model.tier) goes on a categorical axis: one tick per value
+    categories = sorted({str(raw_x(r)) for r in rows if isinstance(raw_x(r), str)})
+
     def x_of(r: TrialRow) -> float:
-        return float(r.batch_size if x_key == "train.batch_size" else r.params.get(x_key, float("nan")))
+        return float(categories.index(str(raw_x(r)))) if categories else float(raw_x(r))
 
     def finite(v: Any) -> bool:
         return v is not None and math.isfinite(v)
@@ -129,6 +135,8 @@ def plot_sweep(rows: list[TrialRow], path: str | Path, metric: str, x_key: str =
             lo, hi = all_x[0], all_x[-1]
             pad = (hi / lo) ** 0.08 if log_x and hi > lo else 1.3
             ax.set_xlim(*((lo / pad, hi * pad) if log_x else (lo - 0.1 * (hi - lo + 1), hi + 0.1 * (hi - lo + 1))))
+        if categories:
+            ax.set_xticks(range(len(categories)), categories)
         if log_x:
             ax.set_xscale("log")
             if x_key == "train.batch_size":
