@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.kv_cache import KVCache, decode_step
 from model.rope import apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
+from model.layers import RMSNorm, SwiGLU, checkpointed_layers
 from model.tiers import Tier, get_tier
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "dense")
@@ -223,18 +224,6 @@ CUDNN_CAUSAL = "cudnn_causal"  # the cudnn backend's mask: plain causal attentio
 # The blocks
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # normalize in fp32 even under bf16 autocast
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-
 class Attention(nn.Module):
     def __init__(self, tier: Tier):
         super().__init__()
@@ -270,17 +259,6 @@ class Attention(nn.Module):
         return self.wo(y)
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, tier: Tier):
-        super().__init__()
-        self.w_gate_up = nn.Linear(tier.d_model, 2 * tier.d_ff, bias=False)  # gate and up in one matmul
-        self.w_down = nn.Linear(tier.d_ff, tier.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, d_ff) each
-        return self.w_down(F.silu(gate) * up)
-
-
 class Block(nn.Module):
     def __init__(self, tier: Tier):
         super().__init__()
@@ -296,17 +274,6 @@ class Block(nn.Module):
 
 # ----------------------------------------------------------------------------------------------
 # The model
-
-
-def _checkpointed_layers(spec: str, n_layers: int) -> frozenset[int]:
-    """'none' | 'all' | 'every_<k>' (blocks 0, k, 2k, ...) -> the block indices to recompute in backward."""
-    if spec == "none":
-        return frozenset()
-    if spec == "all":
-        return frozenset(range(n_layers))
-    if spec.startswith("every_") and spec[6:].isdigit() and int(spec[6:]) >= 1:
-        return frozenset(range(0, n_layers, int(spec[6:])))
-    raise ValueError(f"activation_checkpointing={spec!r} is not allowed; choose none, all or every_<k> (k >= 1)")
 
 
 class Decoder(nn.Module):
@@ -327,7 +294,7 @@ class Decoder(nn.Module):
                              "must be a multiple of n_kv_heads")
         self.tier, self.vocab_size = tier, vocab_size
         self.tie_embeddings, self.doc_masking, self.attention = tie_embeddings, doc_masking, attention
-        self.checkpointed = _checkpointed_layers(activation_checkpointing, tier.n_layers)
+        self.checkpointed = checkpointed_layers(activation_checkpointing, tier.n_layers)
         self.tok_emb = nn.Embedding(vocab_size, tier.d_model)
         self.blocks = nn.ModuleList(Block(tier) for _ in range(tier.n_layers))
         self.norm = RMSNorm(tier.d_model, tier.norm_eps)

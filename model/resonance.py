@@ -51,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model.decoder import RMSNorm, SwiGLU, _checkpointed_layers
+from model.layers import RMSNorm, SwiGLU, checkpointed_layers
 from model.tiers import ResonanceTier, get_mixer_tier
 
 MIN_DECAY = 1e-5  # |lambda| <= exp(-1e-5): memory up to ~100k tokens, yet strictly inside the unit circle
@@ -279,7 +279,7 @@ class ResonanceLM(nn.Module):
             raise ValueError(f"form={form!r} is not allowed; choose one of: {', '.join(FORMS)}")
         self.tier, self.vocab_size, self.tie_embeddings, self.doc_masking = tier, vocab_size, tie_embeddings, doc_masking
         self.form = form
-        self.checkpointed = _checkpointed_layers(activation_checkpointing, tier.n_layers)
+        self.checkpointed = checkpointed_layers(activation_checkpointing, tier.n_layers)
         self.tok_emb = nn.Embedding(vocab_size, tier.d_model)
         self.blocks = nn.ModuleList(ResonanceBlock(tier) for _ in range(tier.n_layers))
         self.norm = RMSNorm(tier.d_model, tier.norm_eps)

@@ -29,7 +29,7 @@ from pipeline.console import stage
 from pipeline.train.run_dir import RUN_FILE, write_run_file
 
 # Fields that fix the model's shape or the token ids: they cannot change between phases.
-_FIXED_ACROSS_PHASES = ("model.tier", "model.tie_embeddings", "data.vocab_size", "data.tokenizer")
+_FIXED_ACROSS_PHASES = ("model.tier", "model.mixer", "model.tie_embeddings", "data.vocab_size", "data.tokenizer")
 
 
 @dataclass
