@@ -55,3 +55,24 @@ def quiet_ray_data(progress: bool | None = None) -> None:
             handler.setLevel(max(handler.level, logging.WARNING))
             if not any(isinstance(f, _DropProgressNotice) for f in handler.filters):
                 handler.addFilter(_DropProgressNotice())
+
+
+class _DropRayTrainInfo(logging.Filter):
+    """Ray Train's INFO lines in a worker ("Reporting training result N: ..." per checkpoint): they log
+    under their file path, not under `ray.train`, so its LoggingConfig does not reach them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or f"{os.sep}ray{os.sep}train{os.sep}" not in record.pathname
+
+
+def quiet_ray_train_worker() -> None:
+    """In a Ray Train worker: Ray Train's own INFO lines stay in its log files, off the console."""
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _DropRayTrainInfo) for f in handler.filters):
+            handler.addFilter(_DropRayTrainInfo())
+
+
+def quiet_mlflow() -> None:
+    """MLflow's system-metrics monitor announces every start and stop at INFO; keep its warnings only."""
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)

@@ -14,7 +14,6 @@ latest, and FailureConfig restarts the worker group from the latest after a work
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, from_flat
-from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data
+from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet_ray_train_worker
 from pipeline.ray_runtime import ensure_ray, use_gpu, worker_cpus
 
 from pipeline.train.local import AUDIT_DIR  # <run_dir>/data_audit/rank_<r>.jsonl: seq_ids consumed per step
@@ -67,7 +66,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     cfg: Config = from_flat(lc["config"])
     os.environ[INTERACTIVE_ENV] = "1" if lc.get("interactive") else "0"  # the driver's console, not this pipe
     quiet_ray_data(progress=False)  # the rank-0 progress line is the one to watch
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # "Reporting training result N" per checkpoint
+    quiet_ray_train_worker()  # "Reporting training result N: ..." per checkpoint
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
