@@ -40,7 +40,6 @@ a CUDA graph, and runs the blocks' submodules eagerly even after `compile_blocks
 from __future__ import annotations
 
 import inspect
-import math
 from typing import NamedTuple
 
 import torch
@@ -53,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.kv_cache import KVCache, decode_step
 from model.rope import apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
-from model.layers import RMSNorm, SwiGLU, checkpointed_layers
+from model.layers import RMSNorm, SwiGLU, TokenModel
 from model.tiers import Tier, get_tier
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "dense")
@@ -276,10 +275,12 @@ class Block(nn.Module):
 # The model
 
 
-class Decoder(nn.Module):
+class Decoder(TokenModel):
     """Token ids (B, T) -> hidden states (B, T, D) after the final RMSNorm; see the module docstring.
     Under bf16 autocast the residual stream stays fp32 (embeddings and norm weights are fp32), so the
     hidden states come out fp32 while the matmuls inside run in bf16."""
+
+    RESIDUAL_WRITERS = ("attn.wo.weight", "mlp.w_down.weight")
 
     def __init__(self, tier: Tier, vocab_size: int, *, tie_embeddings: bool = True, doc_masking: bool = True,
                  attention: str = "auto", activation_checkpointing: str = "none"):
@@ -294,46 +295,9 @@ class Decoder(nn.Module):
                              "must be a multiple of n_kv_heads")
         self.tier, self.vocab_size = tier, vocab_size
         self.tie_embeddings, self.doc_masking, self.attention = tie_embeddings, doc_masking, attention
-        self.checkpointed = checkpointed_layers(activation_checkpointing, tier.n_layers)
-        self.tok_emb = nn.Embedding(vocab_size, tier.d_model)
+        self._build_shell(tier, vocab_size, tie_embeddings, activation_checkpointing)
         self.blocks = nn.ModuleList(Block(tier) for _ in range(tier.n_layers))
-        self.norm = RMSNorm(tier.d_model, tier.norm_eps)
-        self.lm_head = None if tie_embeddings else nn.Linear(tier.d_model, vocab_size, bias=False)
         self.init_weights()
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """(V, D) weight of the output projection: logits = hidden @ output_weight.T."""
-        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, 0.02) everywhere; the two projections that write into the residual stream get
-        0.02 / sqrt(2 * n_layers), so the residual's variance does not grow with depth (GPT-2); norms at 1.
-        Call again after `to_empty(device=...)` when the model was built on the meta device."""
-        resid_std = 0.02 / math.sqrt(2 * self.tier.n_layers)
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
-                p.normal_(0.0, resid_std)
-            else:
-                p.normal_(0.0, 0.02)
-
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Exact parameter count; exclude_embedding drops every vocabulary-sized matrix (the token
-        embedding, and the separate output weight when untied), leaving the transformer body."""
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embedding:
-            n -= self.tok_emb.weight.numel() + (0 if self.lm_head is None else self.lm_head.weight.numel())
-        return n
-
-    def compile_blocks(self, **compile_kwargs) -> "Decoder":
-        """torch.compile each block separately (regional compilation: one block's graph, compiled once and
-        reused by the identical blocks, so compile time stays short). State-dict keys do not change."""
-        for block in self.blocks:
-            block.compile(**compile_kwargs)
-        return self
 
     def new_kv_cache(self, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
                      dtype: torch.dtype | None = None) -> KVCache:
@@ -352,11 +316,6 @@ class Decoder(nn.Module):
         """tok (B,) int64, one new token per row -> hidden (B, D): the fixed-shape step of model/kv_cache.py
         (what `self(tok[:, None], kv_cache=cache)` runs, without the sequence axis)."""
         return decode_step(self, tok, kv_cache)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> (..., V) fp32 logits, for generation and inspection of a few positions only; training
-        never forms full logits (cuda_ops' fused cross-entropy takes hidden and output_weight)."""
-        return F.linear(hidden, self.output_weight.to(hidden.dtype)).float()
 
     def _mask(self, doc_ids: torch.Tensor | None, T: int, device: torch.device, B: int = 1):
         """The attention mask for a training/eval forward: None (SDPA is_causal), dense tensor, BlockMask,

@@ -1,6 +1,9 @@
 """Building blocks both model families share (model/decoder.py's attention blocks and model/resonance.py's
-resonance blocks): RMSNorm, the SwiGLU MLP, and which blocks activation checkpointing recomputes."""
+resonance blocks): RMSNorm, the SwiGLU MLP, which blocks activation checkpointing recomputes, and the
+token-in / hidden-out shell around the blocks (TokenModel)."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -39,3 +42,59 @@ def checkpointed_layers(spec: str, n_layers: int) -> frozenset[int]:
     if spec.startswith("every_") and spec[6:].isdigit() and int(spec[6:]) >= 1:
         return frozenset(range(0, n_layers, int(spec[6:])))
     raise ValueError(f"activation_checkpointing={spec!r} is not allowed; choose none, all or every_<k> (k >= 1)")
+
+
+class TokenModel(nn.Module):
+    """The shell both families share around their blocks: token embedding (V, D), the final RMSNorm, and
+    the output projection, tied to the embedding or a separate (V, D) weight. Subclasses set `blocks` and
+    name the projections that write into the residual stream (RESIDUAL_WRITERS, initialised smaller)."""
+
+    RESIDUAL_WRITERS: tuple[str, ...] = ()
+    SKIP_INIT: str | None = None  # parameters whose names contain this initialise themselves
+
+    def _build_shell(self, tier, vocab_size: int, tie_embeddings: bool, activation_checkpointing: str) -> None:
+        self.checkpointed = checkpointed_layers(activation_checkpointing, tier.n_layers)
+        self.tok_emb = nn.Embedding(vocab_size, tier.d_model)
+        self.norm = RMSNorm(tier.d_model, tier.norm_eps)
+        self.lm_head = None if tie_embeddings else nn.Linear(tier.d_model, vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V, D) weight of the output projection: logits = hidden @ output_weight.T."""
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, 0.02) everywhere; the projections that write into the residual stream get
+        0.02 / sqrt(2 * n_layers), so the residual's variance does not grow with depth (GPT-2); norms at 1.
+        Call again after `to_empty(device=...)` when the model was built on the meta device."""
+        resid_std = 0.02 / math.sqrt(2 * self.tier.n_layers)
+        for name, p in self.named_parameters():
+            if self.SKIP_INIT and self.SKIP_INIT in name:
+                continue
+            if p.dim() == 1:
+                p.fill_(1.0)
+            elif name.endswith(self.RESIDUAL_WRITERS):
+                p.normal_(0.0, resid_std)
+            else:
+                p.normal_(0.0, 0.02)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Exact parameter count; exclude_embedding drops every vocabulary-sized matrix (the token
+        embedding, and the separate output weight when untied), leaving the body."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.tok_emb.weight.numel() + (0 if self.lm_head is None else self.lm_head.weight.numel())
+        return n
+
+    def compile_blocks(self, **compile_kwargs):
+        """torch.compile each block separately (regional compilation: one block's graph, compiled once and
+        reused by the identical blocks, so compile time stays short). State-dict keys do not change."""
+        for block in self.blocks:
+            block.compile(**compile_kwargs)
+        return self
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., V) fp32 logits, for generation and inspection of a few positions only; training
+        never forms full logits (cuda_ops' fused cross-entropy takes hidden and output_weight)."""
+        return F.linear(hidden, self.output_weight.to(hidden.dtype)).float()

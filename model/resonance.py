@@ -51,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model.layers import RMSNorm, SwiGLU, checkpointed_layers
+from model.layers import RMSNorm, SwiGLU, TokenModel
 from model.tiers import ResonanceTier, get_mixer_tier
 
 MIN_DECAY = 1e-5  # |lambda| <= exp(-1e-5): memory up to ~100k tokens, yet strictly inside the unit circle
@@ -267,9 +267,12 @@ class ResonanceBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), last
 
 
-class ResonanceLM(nn.Module):
+class ResonanceLM(TokenModel):
     """Token ids (B, T) -> hidden states (B, T, D) after the final RMSNorm; the same interface as
     model/decoder.py's Decoder (output_weight, logits, num_params, compile_blocks, new_kv_cache)."""
+
+    RESIDUAL_WRITERS = ("w_out.weight", "mlp.w_down.weight")
+    SKIP_INIT = ".mixer."  # the mixer's own reset_parameters initialises its eigenvalues and projections
 
     def __init__(self, tier: ResonanceTier, vocab_size: int, *, tie_embeddings: bool = True, doc_masking: bool = True,
                  activation_checkpointing: str = "none", form: str = "auto", attention: str = "auto"):
@@ -279,51 +282,20 @@ class ResonanceLM(nn.Module):
             raise ValueError(f"form={form!r} is not allowed; choose one of: {', '.join(FORMS)}")
         self.tier, self.vocab_size, self.tie_embeddings, self.doc_masking = tier, vocab_size, tie_embeddings, doc_masking
         self.form = form
-        self.checkpointed = checkpointed_layers(activation_checkpointing, tier.n_layers)
-        self.tok_emb = nn.Embedding(vocab_size, tier.d_model)
+        self._build_shell(tier, vocab_size, tie_embeddings, activation_checkpointing)
         self.blocks = nn.ModuleList(ResonanceBlock(tier) for _ in range(tier.n_layers))
-        self.norm = RMSNorm(tier.d_model, tier.norm_eps)
-        self.lm_head = None if tie_embeddings else nn.Linear(tier.d_model, vocab_size, bias=False)
         self.init_weights()
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """As the attention decoder (N(0, 0.02), residual writers 0.02 / sqrt(2L), norms 1), plus S4D-Lin
         eigenvalues. Call again after to_empty(device=...) when built on the meta device."""
-        resid_std = 0.02 / math.sqrt(2 * self.tier.n_layers)
-        for name, p in self.named_parameters():
-            if ".mixer." in name:
-                continue
-            if p.dim() == 1:
-                p.fill_(1.0)
-            elif name.endswith(("w_out.weight", "mlp.w_down.weight")):
-                p.normal_(0.0, resid_std)
-            else:
-                p.normal_(0.0, 0.02)
+        super().init_weights()
         for block in self.blocks:
             block.mixer.reset_parameters()
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embedding:
-            n -= self.tok_emb.weight.numel() + (0 if self.lm_head is None else self.lm_head.weight.numel())
-        return n
-
-    def compile_blocks(self, **compile_kwargs) -> "ResonanceLM":
-        """Regional torch.compile per block; the complex mixer core is excluded (torch.compiler.disable)."""
-        for block in self.blocks:
-            block.compile(**compile_kwargs)
-        return self
-
     def new_kv_cache(self, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None) -> ResonanceState:
         return ResonanceState(self.tier.n_layers, batch_size, max_len, left_pad)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_weight.to(hidden.dtype)).float()
 
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 kv_cache: ResonanceState | None = None) -> torch.Tensor:
