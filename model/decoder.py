@@ -295,8 +295,7 @@ class Decoder(TokenModel):
                              "must be a multiple of n_kv_heads")
         self.tier, self.vocab_size = tier, vocab_size
         self.tie_embeddings, self.doc_masking, self.attention = tie_embeddings, doc_masking, attention
-        self._build_shell(tier, vocab_size, tie_embeddings, activation_checkpointing)
-        self.blocks = nn.ModuleList(Block(tier) for _ in range(tier.n_layers))
+        self._build_shell(tier, vocab_size, tie_embeddings, activation_checkpointing, Block)
         self.init_weights()
 
     def new_kv_cache(self, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,

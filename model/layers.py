@@ -52,9 +52,13 @@ class TokenModel(nn.Module):
     RESIDUAL_WRITERS: tuple[str, ...] = ()
     SKIP_INIT: str | None = None  # parameters whose names contain this initialise themselves
 
-    def _build_shell(self, tier, vocab_size: int, tie_embeddings: bool, activation_checkpointing: str) -> None:
+    def _build_shell(self, tier, vocab_size: int, tie_embeddings: bool, activation_checkpointing: str,
+                     make_block) -> None:
+        """Embedding, `tier.n_layers` blocks from make_block(tier), final norm, separate head when untied, in
+        this order (the order fixes parameter names' order and so what a seed initialises)."""
         self.checkpointed = checkpointed_layers(activation_checkpointing, tier.n_layers)
         self.tok_emb = nn.Embedding(vocab_size, tier.d_model)
+        self.blocks = nn.ModuleList(make_block(tier) for _ in range(tier.n_layers))
         self.norm = RMSNorm(tier.d_model, tier.norm_eps)
         self.lm_head = None if tie_embeddings else nn.Linear(tier.d_model, vocab_size, bias=False)
 

@@ -282,8 +282,7 @@ class ResonanceLM(TokenModel):
             raise ValueError(f"form={form!r} is not allowed; choose one of: {', '.join(FORMS)}")
         self.tier, self.vocab_size, self.tie_embeddings, self.doc_masking = tier, vocab_size, tie_embeddings, doc_masking
         self.form = form
-        self._build_shell(tier, vocab_size, tie_embeddings, activation_checkpointing)
-        self.blocks = nn.ModuleList(ResonanceBlock(tier) for _ in range(tier.n_layers))
+        self._build_shell(tier, vocab_size, tie_embeddings, activation_checkpointing, ResonanceBlock)
         self.init_weights()
 
     @torch.no_grad()
