@@ -40,7 +40,7 @@ def ensure_ray(address: str | None = None, cfg: "Config | None" = None) -> None:
 
 def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
     """A local Ray with its dashboard on `dashboard_host` (8265, or a free port when another Ray has it);
-    returns the dashboard URL.
+    returns the dashboard URL ("" when Ray was installed without its dashboard packages, ray[default]).
 
     The dashboard also serves Ray's state API, which Ray Train's placement-group cleaner polls to see
     whether a run's controller is gone. Without it, or when the cleaner auto-detects another Ray instance
@@ -49,6 +49,14 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
     its state API is."""
     import ray
 
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401  (what ray[default] adds; Ray checks the same import)
+    except ImportError as exc:
+        # A minimal Ray (no `default` extra) cannot serve the dashboard: start without it rather than fail.
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+        print(f"ray: local instance with {num_cpus} logical CPUs; no dashboard ({exc.name or exc} is missing: "
+              f"pip install 'ray[default]')", flush=True)
+        return ""
     for attempt in range(3):
         # 8265 when free, else a free port; another Ray starting on this machine at the same moment can take
         # it between the check and the bind, so a failed start is retried on a port the OS hands out.

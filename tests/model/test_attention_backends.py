@@ -129,8 +129,18 @@ def _model(attention: str, doc_masking: bool = True) -> Decoder:
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.3)
+                p.normal_(0.0, 0.1)
     return model
+
+
+def _next_token_loss(model: Decoder, tokens: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, cross-entropy against the next token): a loss whose gradient reaches every layer. (The mean
+    square of the final hidden states does not: RMSNorm makes it nearly independent of the trunk, whose
+    gradients are then ~1e-8 and pure rounding noise in bf16.)"""
+    logits = model.logits(model(tokens, doc_ids))                                # (B, T, V)
+    targets = torch.roll(tokens, -1, dims=1)                                     # (B, T)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return logits, loss
 
 
 @pytest.mark.gpu
@@ -143,16 +153,42 @@ def test_doc_masked_backends_on_cuda_match_dense_cpu_forward_and_backward(attent
     ref_model, model = _model("dense"), _model(attention).cuda()
     if compiled:
         model.compile_blocks()
-    ref = ref_model(tokens, doc_ids)
-    ref.square().mean().backward()
+    ref, ref_loss = _next_token_loss(ref_model, tokens, doc_ids)
+    ref_loss.backward()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        got = model(tokens.cuda(), doc_ids.cuda())
-    got.float().square().mean().backward()
-    # whole model in bf16 against fp32: rounding only (a few % of the norm); no doc mask would move it by ~90%
-    assert ((got.float().cpu() - ref).norm() / ref.norm()).item() < 0.05
+        got, loss = _next_token_loss(model, tokens.cuda(), doc_ids.cuda())
+    loss.backward()
+    # Whole model in bf16 against fp32 on CPU. On CPU, bf16 autocast of the dense model itself moves the logits
+    # by 0.9% and each parameter's gradient by <= 1.4% of its norm; dropping the document mask moves the
+    # logits by ~100% and every gradient by >= 40% (the CPU twin below).
+    assert ((got.float().cpu() - ref.detach()).norm() / ref.norm()).item() < 0.05
     for (name, pr), pg in zip(ref_model.named_parameters(), model.parameters()):
         rel = ((pg.grad.float().cpu() - pr.grad).norm() / pr.grad.norm()).item()
         assert rel < 0.1, f"{name}: gradient differs by {rel:.3f} of its norm"
+
+
+def test_the_gpu_gradient_check_can_tell_a_missing_document_mask_from_bf16_rounding():
+    """The CPU twin of the test above: the same loss, tolerances and model, so that its thresholds are known to
+    pass bf16 rounding and to fail a model that attends across documents."""
+    tokens, _ = packed_row([512], batch=2, seed=1)
+    doc_ids = _gpu_doc_ids()
+    ref_model = _model("dense")
+    ref, ref_loss = _next_token_loss(ref_model, tokens, doc_ids)
+    ref_loss.backward()
+
+    def worst(model: Decoder, autocast: bool) -> tuple[float, float]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got, loss = _next_token_loss(model, tokens, doc_ids)
+        loss.backward()
+        fwd = ((got.float() - ref.detach()).norm() / ref.norm()).item()
+        grads = [((pg.grad.float() - pr.grad).norm() / pr.grad.norm()).item()
+                 for pr, pg in zip(ref_model.parameters(), model.parameters())]
+        return fwd, grads
+
+    fwd, grads = worst(_model("dense"), autocast=True)
+    assert fwd < 0.05 and max(grads) < 0.1, (fwd, grads)
+    fwd, grads = worst(_model("dense", doc_masking=False), autocast=False)
+    assert fwd > 0.05 and min(grads) > 0.1, (fwd, grads)
 
 
 @pytest.mark.gpu

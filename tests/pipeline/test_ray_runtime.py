@@ -35,3 +35,21 @@ def test_an_explicit_count_is_kept_and_negative_is_refused(cores):
     assert worker_cpus(load_config("cpu", {"ray.cpus_per_worker": 3, "ray.use_gpu": "true"})) == 3
     with pytest.raises(ConfigError, match="ray.cpus_per_worker"):
         load_config("cpu", {"ray.cpus_per_worker": -1})
+
+
+def test_a_ray_without_its_dashboard_packages_starts_without_the_dashboard(monkeypatch, capsys):
+    """ray installed without the `default` extra: the local Ray starts with no dashboard and says how to get
+    one, instead of failing in ray.init with "Cannot include dashboard with missing packages"."""
+    import sys
+
+    import ray
+
+    from pipeline import ray_runtime
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "ray.dashboard.optional_deps", None)  # import raises ImportError
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert ray_runtime.start_local_ray(5) == ""
+    assert calls == [{"num_cpus": 5, "include_dashboard": False, "logging_level": 30}]
+    out = capsys.readouterr().out
+    assert "5 logical CPUs; no dashboard" in out and "pip install 'ray[default]'" in out
