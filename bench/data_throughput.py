@@ -105,9 +105,12 @@ class TreeCPU:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.sampler_cpu_seconds = 0.0  # this sampler's own CPU: the benchmark's, not Ray's (taken off the driver)
+        self._initial: set[int] = set()  # processes that existed at start(): the rest were started meanwhile
 
     def _sample(self, first: bool = False) -> None:
         for p in [self._root] + self._root.children(recursive=True):
+            if first:
+                self._initial.add(p.pid)
             try:
                 with p.oneshot():
                     t = p.cpu_times()
@@ -139,6 +142,9 @@ class TreeCPU:
         self._thread.join()
         self._sample()
         self.by_kind["driver"] = self.by_kind.get("driver", 0.0) - self.sampler_cpu_seconds
+        started = [pid for pid in self._last if pid not in self._initial]
+        self.processes_started = len(started)  # Ray worker processes started during the run (actors, churn)
+        self.started_cpu_seconds = sum(self._last[pid] - self._base[pid] for pid in started)
         return sum(v - self._base[pid] for pid, v in self._last.items()) - self.sampler_cpu_seconds
 
 
@@ -147,6 +153,8 @@ def process_kind(cmdline: list[str], name: str) -> str:
     title = " ".join(cmdline) or name
     if title.startswith("ray::"):
         return "ray::" + title[5:].split("(")[0].split(" ")[0].split("->")[0]
+    if "default_worker.py" in title:  # a Ray worker starting (interpreter + Ray import) before it takes a title;
+        return "worker-start"         # its command line names the raylet, so test this before the daemons
     for daemon in ("raylet", "gcs_server", "dashboard", "runtime_env", "log_monitor", "monitor.py", "agent"):
         if daemon in title:
             return f"daemon:{daemon}"
@@ -190,6 +198,7 @@ def run_ray(corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: in
             "stage_seconds": {k: m.extra[k] for k in ("tokenize_s", "shards_after_tokenize_s")},
             "parts": m.extra["parts"], "cpu_by_process_kind": by_kind, "cores": cpus or os.cpu_count(),
             "bench_sampler_cpu_seconds": round(tree.sampler_cpu_seconds, 2),
+            "processes_started": tree.processes_started, "started_processes_cpu_seconds": round(tree.started_cpu_seconds, 2),
             "shards": {s.file: s.sha256 for lst in m.shards.values() for s in lst},
             "driver_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "driver_rss_after_ray_init_mb": rss_after_init / 1024}
@@ -352,6 +361,8 @@ def main() -> None:
             "speedup": speedup, "parallel_efficiency": speedup / r["cores"],
             "cpu_efficiency": r["cpu_seconds"] / base["cpu_seconds"], "ray_cpu_seconds": r["cpu_seconds"],
             "cpu_by_process_kind": r["cpu_by_process_kind"], "stage_seconds": r["stage_seconds"],
+            "processes_started": r["processes_started"],
+            "started_processes_cpu_seconds": r["started_processes_cpu_seconds"],
             "other_tenants_cpu_seconds": r["other_cpu_seconds"], "load_1min": r["load_1min"],
             "all_seconds": [x["seconds"] for x in rays[n]]})
     ratio = (ray_big["tokens"] / ray_big["seconds"]) / base_tps
@@ -388,6 +399,8 @@ def main() -> None:
           f"[{mb_big:.0f} MB, seq_len {args.seq_len}]; tokens kept {ray_big['packing_efficiency']:.4%}; "
           f"identical shards: {identical}\n"
           f"Ray CPU by process kind (CPU-s): {ray_big['cpu_by_process_kind']}\n"
+          f"processes started during prepare: {ray_big['processes_started']} "
+          f"({ray_big['started_processes_cpu_seconds']:.1f} CPU-s in all)\n"
           f"driver peak RSS: {ray_small['driver_peak_rss_mb']:.0f} MB at {mb_small:.0f} MB, "
           f"{ray_big['driver_peak_rss_mb']:.0f} MB at {mb_big:.0f} MB (baseline process: {base['peak_rss_mb']:.0f} MB)")
     if not identical:
