@@ -22,6 +22,12 @@ import pytest
 # Before mlflow is imported anywhere in the test process: no telemetry from tests (there is no network either).
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
+# Before any Ray starts (the session's, or one a subprocess starts, inherits this environment): Ray Train's
+# controller polls its workers every 0.5 s instead of 2 s. Reports, a run's end and a dead worker are noticed at
+# a poll, so every Train run and Tune trial waited up to 2 s at each of those; the worker-kill test, which goes
+# through two restarts, took 68 s instead of 48. Nothing a test checks depends on the interval (a slow poll keeps
+# waiting: a worker is declared dead only after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, 10 min).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="session")
