@@ -11,7 +11,6 @@ from pipeline.config import load_config
 from pipeline.sweep.space import load_space
 from pipeline.sweep.tune import TAG_SWEEP
 from pipeline.tracking.tracker import PARENT_RUN_TAG
-from tests.pipeline.sweep.test_tune import _corpus
 
 ROOT = Path(__file__).resolve().parents[3]
 SPACE = ROOT / "tune_spaces" / "mixer_tier.yaml"
@@ -24,7 +23,8 @@ def test_the_shipped_space_sweeps_both_families_at_equal_tokens():
     assert space.token_budget > 0 and space.scheduler["grace_period"] >= space.token_budget  # nobody stopped early
 
 
-def test_mixer_sweep_gives_one_parent_with_a_child_per_family(ray_session, mlflow_server, tmp_path, capsys):
+def test_mixer_sweep_gives_one_parent_with_a_child_per_family(ray_session, mlflow_server, sweep_files, tmp_path,
+                                                             capsys):
     from mlflow.tracking import MlflowClient
 
     from pipeline.run import main
@@ -40,8 +40,9 @@ def test_mixer_sweep_gives_one_parent_with_a_child_per_family(ray_session, mlflo
     space = tmp_path / "mixer_tier.yaml"
     space.write_text(yaml.safe_dump(doc))
     uri, _ = mlflow_server
-    args = ["tune", "--space", str(space), "--preset", "test", f"--run.root={tmp_path / 'runs'}",
-            "--data.source=files", f"--data.path={_corpus(tmp_path / 'corpus.jsonl')}", "--data.seq_len=32",
+    corpus, runs = sweep_files  # shared with test_tune.py's sweep: one prepared dataset for both
+    args = ["tune", "--space", str(space), "--preset", "test", f"--run.root={runs}",
+            "--data.source=files", f"--data.path={corpus}", "--data.seq_len=32",
             "--data.vocab_size=400", "--data.max_documents=0", "--data.val_fraction=0.1",
             "--data.tokenize_actors=1", f"--tracking.tracking_uri={uri}", "--tracking.experiment=mixer-sweep",
             "--run.name=mixers"]
@@ -62,7 +63,7 @@ def test_mixer_sweep_gives_one_parent_with_a_child_per_family(ray_session, mlflo
     assert by_mixer["attention"].data.params["model.params"] != by_mixer["resonance"].data.params["model.params"]
 
     # The table: a model.mixer column, one row per family, printed and logged to the parent run
-    table = (tmp_path / "runs" / "tune" / "mixers" / "sweep_table.md").read_text()
+    table = (runs / "tune" / "mixers" / "sweep_table.md").read_text()
     assert "| tier | batch size | model.mixer | tokens/s | peak memory (GiB) | val/loss | status | trial |" in table
     for mixer, child in by_mixer.items():
         assert f"| nano | 2 | {mixer} | " in table and f"{child.data.metrics['val/loss']:.4f} | ok |" in table

@@ -11,7 +11,6 @@ and the table artifacts; the best trial's preset is loaded back through the conf
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -213,32 +212,23 @@ SWEEP_SPACE = {
 }
 
 
-def _corpus(path: Path) -> Path:
-    import pydoc_data.topics
-
-    topics = pydoc_data.topics.topics
-    with open(path, "w") as f:
-        for k in sorted(topics)[:60]:
-            f.write(json.dumps({"text": topics[k][:3000]}) + "\n")
-    return path
-
-
-def test_sweep_end_to_end_with_mlflow_parent_and_children(ray_session, mlflow_server, tmp_path, capsys):
+def test_sweep_end_to_end_with_mlflow_parent_and_children(ray_session, mlflow_server, sweep_files, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     from pipeline.run import main
 
     uri, _ = mlflow_server
+    corpus, runs = sweep_files  # shared with test_mixer_sweep.py: one prepared dataset for both
     space = _space(tmp_path, SWEEP_SPACE)
-    args = ["tune", "--space", str(space), "--preset", "test", f"--run.root={tmp_path / 'runs'}",
-            "--data.source=files", f"--data.path={_corpus(tmp_path / 'corpus.jsonl')}", "--data.seq_len=32",
+    args = ["tune", "--space", str(space), "--preset", "test", f"--run.root={runs}",
+            "--data.source=files", f"--data.path={corpus}", "--data.seq_len=32",
             "--data.vocab_size=400", "--data.max_documents=0", "--data.val_fraction=0.1",
             "--data.tokenize_actors=1", f"--tracking.tracking_uri={uri}", "--tracking.experiment=sweep-e2e",
             "--run.name=bs-sweep"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| tier | batch size | tokens/s | peak memory (GiB) | val/loss | status | trial |" in out
-    sweep_dir = tmp_path / "runs" / "tune" / "bs-sweep"
+    sweep_dir = runs / "tune" / "bs-sweep"
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("sweep-e2e")
