@@ -3,15 +3,12 @@
     .venv/bin/python -m pytest tests/cuda_ops/test_cross_entropy_cudasim.py -q      (~15 s)
 
 NUMBA_ENABLE_CUDASIM must be set before numba is first imported, and other test modules may already have imported
-it in this process, so the cases (tests/cuda_ops/cudasim_cross_entropy.py) run once in a subprocess; each case is
-then reported here as its own test.
+it in this process, so the cases (tests/cuda_ops/cudasim_cross_entropy.py) run once in a subprocess, started in the
+background by tests/cuda_ops/conftest.py; each case is then reported here as its own test.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,10 +21,8 @@ CASES = ["case_end_to_end_bf16", "case_end_to_end_fp32", "case_rowwise_all_rows_
 
 
 @pytest.fixture(scope="module")
-def report() -> dict[str, str]:
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    env.pop("LONGTRAIN_KERNELS", None)
-    out = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+def report(cudasim_runs) -> dict[str, str]:
+    out = cudasim_runs.result(SCRIPT)  # started in the background by tests/cuda_ops/conftest.py
     assert out.returncode == 0, f"simulator run crashed:\n{out.stdout}\n{out.stderr}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -3,16 +3,14 @@
     .venv/bin/python -m pytest tests/cuda_ops/test_sampling_cudasim.py -q      (~30 s on 2 cores)
 
 NUMBA_ENABLE_CUDASIM must be set before numba is first imported, and other test modules may already have imported
-it in this process, so the kernel runs once over every case in a subprocess (tests/cuda_ops/cudasim_sampling.py)
-and each property is asserted here. Reference and kernel share the counter-based uniform, so they must return the
-same token per row, except on rows `fragile_rows` flags (a CDF boundary or filter threshold within fp rounding).
+it in this process, so the kernel runs once over every case in a subprocess (tests/cuda_ops/cudasim_sampling.py,
+started in the background by tests/cuda_ops/conftest.py) and each property is asserted here. Reference and kernel
+share the counter-based uniform, so they must return the same token per row, except on rows `fragile_rows` flags (a
+CDF boundary or filter threshold within fp rounding).
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +29,8 @@ CASES = cases()
 
 
 @pytest.fixture(scope="module")
-def tokens() -> dict[str, np.ndarray]:
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    env.pop("LONGTRAIN_KERNELS", None)
-    out = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+def tokens(cudasim_runs) -> dict[str, np.ndarray]:
+    out = cudasim_runs.result(SCRIPT)  # started in the background by tests/cuda_ops/conftest.py
     assert out.returncode == 0, f"simulator run crashed:\n{out.stdout}\n{out.stderr}"
     report = json.loads(out.stdout.strip().splitlines()[-1])
     errors = {k: v for k, v in report.items() if isinstance(v, str)}
