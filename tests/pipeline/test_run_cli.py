@@ -62,9 +62,10 @@ def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(test_runs_root, ra
     assert len(ids) == len(set(ids)) == 30 * 4
 
 
-def test_phases_carry_the_model_and_schedule(tmp_path):
+def test_phases_carry_the_model_and_schedule(tmp_path, ray_address):
     """Two phases on two corpora (Ray-free path): phase 2 starts from phase 1's final state with its own
-    data, one LR schedule spans both, and the second dataset reuses the first tokenizer."""
+    data, one LR schedule spans both, and the second dataset reuses the first tokenizer. Training is Ray-free;
+    preparing the two datasets (Ray Data) joins the session's Ray instead of starting one of its own."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for path, word in ((a, "alpha"), (b, "omega")):
         with open(path, "w") as f:
@@ -73,7 +74,8 @@ def test_phases_carry_the_model_and_schedule(tmp_path):
                         + "\n")
     phases = tmp_path / "phases.yaml"
     phases.write_text(f"- steps: 4\n  overrides: {{data.path: '{a}'}}\n- steps: 6\n  overrides: {{data.path: '{b}'}}\n")
-    res = run_cli("train", "--no-ray", "--preset", "test", f"--run.root={tmp_path / 'runs'}", "--run.name=ph",
+    res = run_cli("train", "--no-ray", "--address", ray_address, "--preset", "test",
+                  f"--run.root={tmp_path / 'runs'}", "--run.name=ph",
                   "--data.source=files", f"--data.path={a}", "--data.vocab_size=300", "--phases", str(phases),
                   "--train.checkpoint_every=2", "--train.eval_every=2", "--train.sample_tokens=0")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
