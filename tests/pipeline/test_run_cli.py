@@ -91,7 +91,7 @@ def test_phases_carry_the_model_and_schedule(tmp_path, ray_address):
     assert m1["tokenizer_sha256"] == m0["tokenizer_sha256"]
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_COMMAND_LINES = [
     (["train", "--train.batch_size=0"], "train.batch_size=0 is invalid; it must be > 0"),
     (["train", "--model.tier=Z"], "model.tier='Z' is not allowed; choose one of: nano, A, B, C, D"),
     (["train", "--train.bogus=1"], "unknown config field 'train.bogus'"),
@@ -99,9 +99,30 @@ def test_phases_carry_the_model_and_schedule(tmp_path, ray_address):
     (["train", "--resume", "/nonexistent/run"], "--resume /nonexistent/run: no run there"),
     (["eval", "--checkpoint", "/nonexistent/ckpt"], "is not a checkpoint"),
     (["validate"], "validate needs a dataset directory"),
-])
-def test_bad_command_lines_get_one_clear_line(args, message):
-    res = run_cli(*args, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_command_line_runs(request) -> dict[tuple[str, ...], subprocess.Popen]:
+    """`python pipeline/run.py ARGS` for every bad command line this session runs, all started at once: each is
+    a few seconds of imports on one core, so side by side they take the time of the slowest few instead of the
+    sum; test_bad_command_lines_get_one_clear_line waits for and checks its own."""
+    wanted = [tuple(item.callspec.params["args"]) for item in request.session.items
+              if item.originalname == "test_bad_command_lines_get_one_clear_line" and item.path == request.path]
+    procs = {args: subprocess.Popen([*RUN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    cwd=ROOT) for args in dict.fromkeys(wanted)}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("args, message", BAD_COMMAND_LINES)
+def test_bad_command_lines_get_one_clear_line(args, message, bad_command_line_runs):
+    proc = bad_command_line_runs[tuple(args)]
+    stdout, stderr = proc.communicate(timeout=120)
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert res.returncode == 2
     assert message in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
