@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ import yaml
 from pipeline.sweep.report import FAILED, OK, STOPPED
 from pipeline.sweep.tune import TAG_REASON, TAG_STATUS, TAG_SWEEP, ReleaseTrialResources
 from pipeline.train.ray_train import PLACEMENT_GROUP_KEY, START_TIMEOUT_ENV
+from tests.conftest import _free_ports
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -67,44 +69,74 @@ SCARCE_SPACE = {
     "metric": "val/loss", "mode": "min", "num_samples": 1, "max_concurrent_trials": 0,
     "scheduler": {"type": "asha", "time_attr": "train/tokens_seen", "grace_period": 2 * 4 * 64,
                   "reduction_factor": 2},
-    "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 4, "use_gpu": "false"},
+    "resources_per_trial": {"num_workers": 1, "cpus_per_worker": 5, "use_gpu": "false"},
     "fixed": {"ray.max_failures": 0, "train.max_steps": 6, "train.warmup_steps": 0, "train.eval_every": 2,
               "train.checkpoint_every": 2, "train.log_every": 2, "train.eval_batches": 1, "train.sample_tokens": 0},
     "params": {"train.lr": {"grid": [3e-3, 1e-6, 2e-6]}},
 }
-# The sweep's own Ray with 7 CPUs: a trial's worker takes 4 and its Ray Data reads use the other 3 (with
-# fewer, Ray Data's per-operator reservations inside the worker starve), so a second trial's worker fits
-# only once the first has given its 4 back. Without the dashboard, as the project started
-# Ray before (ad8b9ea): Ray Train's own cleaner cannot query the state API, so only the sweep's release helps.
+SESSION_CPUS = 8  # tests/conftest.py's ray_session
+# The sweep's driver joins the session's Ray (8 CPUs) as a job of its own: a trial's worker takes 5 and its Ray
+# Data reads use the other 3 (with fewer, Ray Data's per-operator reservations inside the worker starve), so a
+# second trial's worker fits only once the first has given its 5 back. The job's processes are told a state
+# API address where nothing listens (RAY_API_SERVER_ADDRESS, where Ray's state clients look first), so Ray
+# Train's own PlacementGroupCleaner cannot see that a stopped trial's controller is gone -- as on a Ray without
+# its dashboard, the way the project started Ray before (ad8b9ea): only the sweep's release helps. Those
+# cleaners then poll forever (detached actors outlive the job), so the driver ends its own before it leaves.
 SCARCE_DRIVER = """
-import logging, sys, ray
+import logging, os, signal, sys, ray
 from pipeline.run import main
-ray.init(num_cpus=7, include_dashboard=False, logging_level=logging.WARNING)
+address, api, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+ray.init(address=address, logging_level=logging.WARNING,
+         runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": api}})
 try:
-    code = main(sys.argv[1:])
+    code = main(args)
 finally:
+    from ray.util.state import list_actors
+    # This process's own state client, told the session's GCS address (it finds the real state API from there;
+    # left to guess, it refuses when other Ray instances run on the machine).
+    job = ray.get_runtime_context().get_job_id()
+    polling = [a for a in list_actors(address, filters=[("class_name", "=", "PlacementGroupCleaner"),
+                                                        ("state", "=", "ALIVE")], raise_on_missing_output=False)
+               if a.job_id == job]
+    for actor in polling:
+        os.kill(actor.pid, signal.SIGKILL)  # detached, never restarted
+    print(f"ended {len(polling)} PlacementGroupCleaner(s) still polling", flush=True)
     ray.shutdown()
 sys.exit(code)
 """
 SCARCE_TIMEOUT_S = 600  # a bound for a hang only: a trial whose worker cannot start fails after 30 s
 
 
-def test_sequential_trials_on_a_ray_that_fits_one_trial_all_finish(mlflow_server, test_runs_root, tmp_path):
+def _wait_for_idle_cpus(ray, timeout_s: float = 60) -> None:
+    """The session Ray's CPUs all free (an earlier test's workers may still be going away)."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < SESSION_CPUS:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the session Ray's CPUs are not all free: {ray.available_resources()}")
+        time.sleep(0.5)
+
+
+def test_sequential_trials_on_a_ray_that_fits_one_trial_all_finish(ray_session, ray_address, mlflow_server,
+                                                                    test_runs_root, tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri, _ = mlflow_server
+    assert ray_session.cluster_resources()["CPU"] == SESSION_CPUS
+    _wait_for_idle_cpus(ray_session)
+    (nobody,) = _free_ports(1)
     args = ["tune", "--space", str(_space(tmp_path, SCARCE_SPACE)), "--preset", "test",
             f"--run.root={test_runs_root}", "--run.name=scarce", f"--tracking.tracking_uri={uri}",
             "--tracking.experiment=sweep-scarce"]
     # A trial that cannot get its worker fails after 30 s (one attempt: max_failures 0) instead of hanging.
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT),
            START_TIMEOUT_ENV: "30"}
-    proc = subprocess.Popen([sys.executable, "-c", SCARCE_DRIVER, *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", SCARCE_DRIVER, ray_address, f"http://127.0.0.1:{nobody}", *args],
+                            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=SCARCE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray it started
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver; the job's placement groups go with it
         out, _ = proc.communicate()
         pytest.fail(f"the sweep did not finish in {SCARCE_TIMEOUT_S} s:\n{out[-6000:]}")
     assert proc.returncode == 0, out[-6000:]
@@ -118,6 +150,9 @@ def test_sequential_trials_on_a_ray_that_fits_one_trial_all_finish(mlflow_server
     stopped = sum(s.startswith(STOPPED) for s in statuses)
     assert out.count("ended; released its Train placement group") == stopped, out[-6000:]
     assert "WorkerGroupStartupTimeoutError" not in out
+    # Ray's own cleaner was blind here: the stopped trials' cleaners were still polling when the sweep ended.
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("ended ") and "PlacementGroupCleaner" in ln]
+    assert int(line.split()[1]) >= stopped, line
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("sweep-scarce")
@@ -125,6 +160,7 @@ def test_sequential_trials_on_a_ray_that_fits_one_trial_all_finish(mlflow_server
                 if r.info.run_name != "scarce"]
     assert len(children) == 3
     assert all(c.info.status == "FINISHED" and c.data.tags[TAG_STATUS] in (OK, STOPPED) for c in children)
+    _wait_for_idle_cpus(ray_session)  # the job gave every CPU back to the session's Ray
 
 
 def test_a_trial_whose_workers_cannot_start_fails_with_its_reason_and_the_sweep_goes_on(
