@@ -47,12 +47,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.nn.attention.varlen import varlen_attn
 from torch.utils.checkpoint import checkpoint
 
 from model.kv_cache import KVCache, decode_step
 from model.rope import apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
-from model.layers import RMSNorm, SwiGLU, TokenModel
+from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
 from model.tiers import Tier, get_tier
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "dense")
@@ -100,7 +99,7 @@ def flex_mask(doc_ids: torch.Tensor | None, T: int, device: torch.device) -> Blo
 _compiled_flex = None  # torch.compile(flex_attention), created on first CUDA use
 
 
-@torch.compiler.disable
+@eager_only
 def _flex_attention_eager(q, k, v, *, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
     # Kept out of compiled graphs: inductor's CPU flex template (torch 2.13) returns wrong values when q and k
     # are both computed inside the same graph (RoPE in a compiled block). CPU flex is a test path only.
@@ -158,13 +157,18 @@ def doc_spans(doc_ids: torch.Tensor | None, B: int, T: int, device: torch.device
 
 
 _VARLEN_CAUSAL: dict = {}  # keyword arguments that ask torch's varlen_attn for causal attention (set lazily)
+_varlen_attn = None  # torch.nn.attention.varlen.varlen_attn, imported on first use (it loads torch._dynamo)
 
 
 def _prepare_varlen(device: torch.device) -> None:
     """Resolve varlen_attn's calling convention once, eagerly (outside compiled blocks): torch 2.10/2.11 take
     is_causal=True and no GQA; later versions a (-1, 0) window and enable_gqa."""
+    global _varlen_attn
     if torch.device(device).type != "cuda" or _VARLEN_CAUSAL:
         return
+    from torch.nn.attention.varlen import varlen_attn
+
+    _varlen_attn = varlen_attn
     params = inspect.signature(varlen_attn).parameters
     if "window_size" in params:
         _VARLEN_CAUSAL.update(window_size=(-1, 0), native_gqa="enable_gqa" in params)
@@ -185,10 +189,10 @@ def _flash_varlen(q, k, v, spans: DocSpans, enable_gqa: bool) -> torch.Tensor:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     cu = spans.cu_seqlens
-    return varlen_attn(q, k, v, cu, cu, spans.max_len, spans.max_len, **kw)
+    return _varlen_attn(q, k, v, cu, cu, spans.max_len, spans.max_len, **kw)
 
 
-@torch.compiler.disable
+@eager_only
 def _varlen_reference(q, k, v, spans: DocSpans, enable_gqa: bool) -> torch.Tensor:
     """The same contract as _flash_varlen, one SDPA(is_causal) per document: the CPU path and a test oracle.
     Kept out of compiled graphs (a host loop over data-dependent bounds)."""

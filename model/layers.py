@@ -3,11 +3,36 @@ resonance blocks): RMSNorm, the SwiGLU MLP, which blocks activation checkpointin
 token-in / hidden-out shell around the blocks (TokenModel)."""
 from __future__ import annotations
 
+import functools
 import math
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def eager_only(fn):
+    """`torch.compiler.disable(fn)` without importing torch._dynamo when this module loads.
+
+    That import costs ~2 CPU-s per process (it doubles `import torch`), and every process that imports the model
+    paid it: CLI runs, Ray Train workers, tests. Here it is paid only where torch._dynamo is loaded anyway (some
+    torch.compile ran or is running): the wrapper carries the attribute dynamo reads to never trace into a
+    function (so compiled graphs break around it, as with torch.compiler.disable), and calls `fn` through
+    torch.compiler.disable once dynamo is loaded, so nothing `fn` calls is compiled either."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:  # nothing was ever compiled in this process
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    call._torchdynamo_disable = True  # what torch.compiler.disable sets on its wrapper
+    return call
 
 
 class RMSNorm(nn.Module):

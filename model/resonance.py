@@ -51,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model.layers import RMSNorm, SwiGLU, TokenModel
+from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
 from model.tiers import ResonanceTier, get_mixer_tier
 
 MIN_DECAY = 1e-5  # |lambda| <= exp(-1e-5): memory up to ~100k tokens, yet strictly inside the unit circle
@@ -180,7 +180,7 @@ class ResonanceMixer(nn.Module):
         c_re, c_im = self.C_re.to(s.real.dtype), self.C_im.to(s.real.dtype)
         return torch.einsum("btgk,gpk->btgp", s.real, c_re) - torch.einsum("btgk,gpk->btgp", s.imag, c_im)
 
-    @torch.compiler.disable  # complex FFTs and scans stay eager; compile fuses the rest of the block
+    @eager_only  # complex FFTs and scans stay eager; compile fuses the rest of the block
     def forward(self, u: torch.Tensor, *, form: str = "fft", starts: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, state: torch.Tensor | None = None):
         """u (B, T, D) -> (y (B, T, D) in u's dtype, final state (B, G, K) complex).

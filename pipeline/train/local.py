@@ -12,8 +12,7 @@ from pipeline.train.engine import Engine
 from pipeline.train.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.data.shards import ShardReader, load_manifest
-
-AUDIT_DIR = "data_audit"
+from pipeline.train.run_dir import AUDIT_DIR
 
 
 def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, tracker=None, *,

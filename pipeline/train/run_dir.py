@@ -15,6 +15,7 @@ from pathlib import Path
 from pipeline.config import Config
 
 RUN_FILE = "run.json"
+AUDIT_DIR = "data_audit"  # <run_dir>/data_audit/rank_<r>.jsonl: the seq_ids each rank consumed, per step
 
 
 class RunDirError(ValueError):
