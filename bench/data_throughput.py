@@ -153,9 +153,12 @@ def process_kind(cmdline: list[str], name: str) -> str:
     title = " ".join(cmdline) or name
     if title.startswith("ray::"):
         return "ray::" + title[5:].split("(")[0].split(" ")[0].split("->")[0]
-    if "default_worker.py" in title:  # a Ray worker starting (interpreter + Ray import) before it takes a title;
-        return "worker-start"         # its command line names the raylet, so test this before the daemons
-    for daemon in ("raylet", "gcs_server", "dashboard", "runtime_env", "log_monitor", "monitor.py", "agent"):
+    program = Path(cmdline[0]).name if cmdline else name
+    if program in ("raylet", "gcs_server"):  # binaries; the raylet's arguments name default_worker.py
+        return f"daemon:{program}"
+    if any(Path(a).name == "default_worker.py" for a in cmdline[1:3]):  # a Ray worker starting (interpreter +
+        return "worker-start"                                          # Ray import) before it takes a title
+    for daemon in ("dashboard", "runtime_env", "log_monitor", "monitor.py", "agent"):
         if daemon in title:
             return f"daemon:{daemon}"
     return f"other:{name}"

@@ -29,3 +29,23 @@ def test_data_throughput_bench_smoke(ray_session, tmp_path):
     assert row["cpu_efficiency"] == pytest.approx(row["ray_cpu_seconds"] / result["baseline_cpu_seconds"])
     assert "driver" in row["cpu_by_process_kind"]  # (joined to the test session's Ray: its workers are not ours)
     assert len(row["load_1min"]) == 2
+
+
+def test_the_bench_names_each_ray_process_by_what_it_is():
+    sys.path.insert(0, str(REPO))
+    from bench.data_throughput import process_kind
+
+    ray_bin = "/venv/lib/python3.11/site-packages/ray/core/src/ray"
+    worker = ["/venv/bin/python", "/venv/lib/python3.11/site-packages/ray/_private/workers/default_worker.py",
+              "--node-ip-address=127.0.0.1"]
+    # The raylet's own arguments name default_worker.py (the command it starts workers with): still the raylet.
+    raylet = [f"{ray_bin}/raylet/raylet", "--raylet_socket_name=/tmp/s",
+              "--python_worker_command=/venv/bin/python /venv/lib/python3.11/site-packages/ray/_private/workers/"
+              "default_worker.py --node-ip-address=127.0.0.1"]
+    assert process_kind(raylet, "raylet") == "daemon:raylet"
+    assert process_kind([f"{ray_bin}/gcs/gcs_server", "--gcs_server_port=6379"], "gcs_server") == "daemon:gcs_server"
+    assert process_kind(worker, "python") == "worker-start"
+    assert process_kind(["ray::MapWorker(MapBatches(_TokenizeBatch))"], "python") == "ray::MapWorker"
+    assert process_kind(["ray::IDLE"], "python") == "ray::IDLE"
+    assert process_kind(["/venv/bin/python", "-m", "ray.dashboard.dashboard", "--host=127.0.0.1"], "python") == \
+        "daemon:dashboard"
