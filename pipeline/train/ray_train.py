@@ -62,7 +62,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.train.engine import Engine
     from pipeline.train.generate import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, fit, standard_hooks
-    from pipeline.data.shards import ray_batches
+    from pipeline.data.shards import ShardReader, ray_batches
     from pipeline.tracking.tracker import open_tracker
 
     cfg: Config = from_flat(lc["config"])
@@ -91,8 +91,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=2, drop_last=True)
 
     def val_batches():
-        ds = ray_batches(dataset_dir, "val", t.batch_size, 0, 0, 0, rank, world)
-        return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=1, drop_last=True)
+        # Read in this process: an eval takes train.eval_batches batches of the small val split, and a Ray Data
+        # pipeline per eval (a streaming executor, read tasks on other workers) cost more than the reads.
+        # ShardReader yields exactly ray_batches' rows in the same order (tests/pipeline/data/test_shards.py).
+        return ShardReader(dataset_dir, "val", t.batch_size, 0, 0, 0, rank, world)
 
     audit = None
     if lc.get("audit_data"):
