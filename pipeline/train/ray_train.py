@@ -26,9 +26,10 @@ from pipeline.config import Config, from_flat
 from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet_ray_train_worker
 from pipeline.ray_runtime import ensure_ray, use_gpu, worker_cpus
 
-from pipeline.train.run_dir import AUDIT_DIR  # light on purpose: Ray Train's controller and Tune's trial
-# processes import this module (to unpickle train_loop_per_worker); torch, the model and numba load only in
-# the training workers, inside train_loop_per_worker (~4.5 CPU-s less per process)
+# Light on purpose: Ray Train's controller and Tune's trial processes import this module (to unpickle
+# train_loop_per_worker). The engine, the model and numba load only in the training workers, inside
+# train_loop_per_worker (torch itself still loads there: Ray's TorchTrainer imports it).
+from pipeline.train.run_dir import AUDIT_DIR
 
 STOP_FILE = "STOP"  # <run_dir>/STOP: the driver's Ctrl+C, seen by every worker
 # Every report carries the worker group's placement group, so whoever ends the run early (a sweep's scheduler
