@@ -374,10 +374,13 @@ def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int =
     n_batches = len(reader)
     args = (str(Path(dataset_dir).resolve()), split, batch_size, seed, epoch, start, rank, world_size)
     # A Ray task reads BATCHES_PER_TASK batches, at most READ_TASKS at a time: reading a batch takes
-    # milliseconds, and every task or worker process more is CPU taken from the training step.
+    # milliseconds, and every task or worker process more is CPU taken from the training step. The range and
+    # the read are one fused operator (one task per block: the same task-pool size on both, and batch_size=None,
+    # the whole block of batch ids per call); unfused, the range's tasks ran unbounded on worker processes of
+    # their own (5 per training run instead of 2, each ~2 CPU-s to start on 2 cores).
     blocks = max(1, min(-(-n_batches // BATCHES_PER_TASK), MAX_BLOCKS))
-    ds = ray.data.range(n_batches, override_num_blocks=blocks)
+    ds = ray.data.range(n_batches, override_num_blocks=blocks, concurrency=READ_TASKS)
     ds.context.execution_options.preserve_order = True  # batch j must come j-th, as in ShardReader
-    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args}, batch_size=1, batch_format="numpy",
+    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args}, batch_size=None, batch_format="numpy",
                           compute=ray.data.TaskPoolStrategy(size=READ_TASKS))
 

@@ -122,8 +122,10 @@ class TrainSession:
         try:
             for i, phase in enumerate(self.phases):
                 end_step += phase.steps
+                # Phases after the first reuse its tokenizer. The first phase keeps its own data.tokenizer, also on
+                # --resume: the recorded tokenizer file would change its dataset's cache key and rebuild the dataset.
                 pcfg = cfg.replace({**phase.overrides, "train.max_steps": total,
-                                    **({"data.tokenizer": tokenizer} if tokenizer else {})})
+                                    **({"data.tokenizer": tokenizer} if tokenizer and i > 0 else {})})
                 if i < record.get("phases_done", 0):
                     continue
                 dataset = prepare_main(pcfg)

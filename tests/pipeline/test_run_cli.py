@@ -50,10 +50,12 @@ def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(test_runs_root, ra
     meta = json.loads((Path(record["checkpoint"]) / "meta.json").read_text())
     assert meta["counters"]["step"] == stopped_at, "the checkpoint is not at the step the run stopped"
 
+    datasets = record["datasets"]
     res = run_cli("train", "--resume", str(run_dir), "--address", ray_address)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "finished" and record["phases_done"] == 1
+    assert record["datasets"] == datasets, "the resumed run prepared its dataset again instead of reusing it"
     last = {}
     for r in audit(run_dir):
         last[r["step"]] = r

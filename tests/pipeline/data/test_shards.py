@@ -120,8 +120,11 @@ def test_ranks_split_each_global_batch(dataset):
 def test_ray_data_reader_yields_the_same_batches(dataset, split, start, rank, world):
     kw = dict(batch_size=3, seed=4, epoch=2, start=start, rank=rank, world_size=world)
     expected = list(ShardReader(dataset, split, **kw))
-    got = list(ray_batches(dataset, split, **kw).iter_torch_batches(batch_size=3))
+    ds = ray_batches(dataset, split, **kw)
+    got = list(ds.iter_torch_batches(batch_size=3))
     assert len(got) == len(expected) > 0
+    # one fused operator of at most READ_TASKS tasks at a time, not a range stage on worker processes of its own
+    assert "Operator 1 ReadRange->MapBatches(_read_batches):" in ds.stats(), ds.stats()
     for e, g in zip(expected, got):
         assert set(g) == {"tokens", "doc_ids", "seq_id"}
         for k in e:
