@@ -1,5 +1,5 @@
-"""Ray Train over the shards: same losses as the Ray-free engine, exactly-once data across worker
-kills, MLflow read back from a real server, and clear errors before any worker starts."""
+"""Ray Train over the shards: exactly-once data across worker kills, the train stage read back from a real
+MLflow server with the same losses as the Ray-free engine, and clear errors before any worker starts."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from pipeline.config import load_config
 from pipeline.train.engine import CheckpointError, Engine
 from pipeline.train.loop import Hooks, fit
 from pipeline.ray_runtime import worker_cpus
-from pipeline.data.shards import DatasetError, ShardReader
+from pipeline.data.shards import DatasetError, ShardReader, load_manifest
 from pipeline.data.synthetic import write_synthetic_dataset
 from pipeline.tracking.tracker import TrackingError
 
@@ -45,26 +44,6 @@ def audit_records(run_dir: Path) -> dict[int, list[dict]]:
     for f in sorted((run_dir / "data_audit").glob("rank_*.jsonl")):
         out[int(f.stem.split("_")[1])] = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     return out
-
-
-def test_ray_path_matches_ray_free_engine(ray_session, synthetic_dataset, tmp_path):
-    """1 worker on CPU: the per-step losses equal the Ray-free engine's for the same seed and data."""
-    from pipeline.train.ray_train import run_training
-    from pipeline.tracking.tracker import Tracker
-
-    cfg = cfg_for(tmp_path, **{"tracking.enabled": True})
-    tracker = Tracker(cfg, run_name="ray-path")
-    run_training(cfg, synthetic_dataset, tmp_path / "ray_run", mlflow_run_id=tracker.run_id)
-    ray_losses = [m.value for m in sorted(tracker.client.get_metric_history(tracker.run_id, "train/loss"),
-                                          key=lambda m: m.step)]
-    tracker.finish()
-
-    engine = Engine(cfg, VOCAB, torch.device("cpu"))
-    local = []
-    fit(engine, lambda e, s: ShardReader(synthetic_dataset, "train", 4, seed=cfg.train.seed, epoch=e, start=s), None,
-        Hooks(on_log=lambda e, m: local.append(m["train/loss"])), progress=False)
-    assert len(ray_losses) == len(local) == 6
-    assert ray_losses == pytest.approx(local, rel=1e-5, abs=1e-6)
 
 
 def test_exactly_once_across_two_worker_kills(ray_session, synthetic_dataset, tmp_path):
@@ -120,8 +99,9 @@ def test_exactly_once_across_two_worker_kills(ray_session, synthetic_dataset, tm
     assert sorted(consumed) == list(range(160)), "a sequence was skipped or seen twice"
 
 
-def test_session_tracks_to_a_real_mlflow_server(ray_session, mlflow_server, tmp_path, monkeypatch):
-    """The whole train stage (prepare from local files -> Ray Train -> artifacts) logged to a server."""
+def test_session_tracks_to_a_real_mlflow_server_and_matches_the_ray_free_engine(ray_session, mlflow_server, tmp_path):
+    """The whole train stage (prepare from local files -> Ray Train -> artifacts) logged to a server; the
+    per-step losses it logged (1 worker on CPU) equal the Ray-free engine's for the same seed and data."""
     from mlflow.tracking import MlflowClient
 
     from pipeline.train.session import TrainSession, load_phases
@@ -134,7 +114,8 @@ def test_session_tracks_to_a_real_mlflow_server(ray_session, mlflow_server, tmp_
             f.write(json.dumps({"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(40 + i % 30))}) + "\n")
     cfg = load_config("test", {"data.source": "files", "data.path": str(corpus), "data.vocab_size": 300,
                                "run.root": str(tmp_path / "runs"), "tracking.tracking_uri": uri,
-                               "tracking.experiment": "train-session-test", "model.compile": "off"})
+                               "tracking.experiment": "train-session-test", "model.compile": "off",
+                               "train.log_every": 1})
     run_dir = tmp_path / "runs" / "tracked"
     run_dir.mkdir(parents=True)
     result = TrainSession(cfg, run_dir, load_phases(None, cfg)).run()
@@ -147,13 +128,20 @@ def test_session_tracks_to_a_real_mlflow_server(ray_session, mlflow_server, tmp_
     p = run.data.params
     assert p["train.batch_size"] == "4" and p["model.tier"] == "nano" and int(p["model.params"]) > 0
     assert len(p["tokenizer_sha256"]) == 64 and p["manifest_hash"] and p["world_size"] == "1"
-    losses = client.get_metric_history(run.info.run_id, "train/loss")
-    assert [m.step for m in losses] == [2, 4, 6, 8]
+    losses = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    assert [m.step for m in losses] == list(range(1, 9))
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [4, 8]
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.json", "manifest.json", "training_curves.png", "run.json"} <= names
     samples = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
     assert samples, "no generated text samples at evaluation steps"
+
+    dataset = Path(record["datasets"][0])
+    engine = Engine(cfg, load_manifest(dataset).vocab_size, torch.device("cpu"))
+    local = []
+    fit(engine, lambda e, s: ShardReader(dataset, "train", cfg.train.batch_size, seed=cfg.train.seed, epoch=e, start=s),
+        None, Hooks(on_log=lambda e, m: local.append(m["train/loss"])), progress=False)
+    assert [m.value for m in losses] == pytest.approx(local, rel=1e-5, abs=1e-6)
 
 
 def test_bad_input_fails_before_any_worker_starts(ray_session, synthetic_dataset, tmp_path):
