@@ -50,6 +50,25 @@ def test_a_ray_without_its_dashboard_packages_starts_without_the_dashboard(monke
     monkeypatch.setitem(sys.modules, "ray.dashboard.optional_deps", None)  # import raises ImportError
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     assert ray_runtime.start_local_ray(5) == ""
-    assert calls == [{"num_cpus": 5, "include_dashboard": False, "logging_level": 30}]
+    assert calls == [{"num_cpus": 5, "include_dashboard": False, "logging_level": 30,
+                      "_system_config": {"prestart_worker_first_driver": False}}]
     out = capsys.readouterr().out
     assert "5 logical CPUs; no dashboard" in out and "pip install 'ray[default]'" in out
+
+
+def test_the_local_ray_serves_its_state_api_and_prestarts_no_idle_workers(monkeypatch, capsys):
+    """What ray.init is given for the local instance: the dashboard on 127.0.0.1, every process told where its
+    state API is, and no idle worker process prestarted per logical CPU (Ray's default for the first driver)."""
+    import ray
+
+    from pipeline import ray_runtime
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    api = ray_runtime.start_local_ray(5)
+    assert api.startswith("http://127.0.0.1:")
+    (kw,) = calls
+    assert kw["include_dashboard"] is True and kw["dashboard_host"] == "127.0.0.1" and kw["num_cpus"] == 5
+    assert kw["runtime_env"] == {"env_vars": {ray_runtime.API_SERVER_ENV: api}}
+    assert kw["_system_config"] == {"prestart_worker_first_driver": False}
+    assert f"dashboard at {api}" in capsys.readouterr().out
