@@ -20,6 +20,7 @@ API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's state API clients (Ray 
 # The local Ray does not prestart one idle worker process per logical CPU for its first driver (Ray's default):
 # the job's tasks and actors start the processes they use, and the prestarted ones cost CPU while the run starts
 # (measured on 2 cores: a local Ray and two short Ray Train runs, 101-110 -> 87-92 CPU-s, each run ~1 s faster).
+# A copy per ray.init: Ray adds its own keys (the session's spilling directory) to the dict it is given.
 LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
@@ -58,7 +59,7 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
     except ImportError as exc:
         # A minimal Ray (no `default` extra) cannot serve the dashboard: start without it rather than fail.
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 _system_config=LOCAL_SYSTEM_CONFIG)
+                 _system_config=dict(LOCAL_SYSTEM_CONFIG))
         print(f"ray: local instance with {num_cpus} logical CPUs; no dashboard ({exc.name or exc} is missing: "
               f"pip install 'ray[default]')", flush=True)
         return ""
@@ -70,7 +71,7 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=dashboard_host, dashboard_port=port,
                      logging_level=logging.WARNING, runtime_env={"env_vars": {API_SERVER_ENV: api}},
-                     _system_config=LOCAL_SYSTEM_CONFIG)
+                     _system_config=dict(LOCAL_SYSTEM_CONFIG))
             break
         except Exception as exc:  # Ray raises a bare Exception/ValueError for a taken dashboard port
             taken = any(w in str(exc).lower() for w in ("occupied", "address already in use", "dashboard"))
