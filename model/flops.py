@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from model.tiers import Tier
+from model.tiers import ResonanceTier, Tier
 
 
 def matmul_params(tier: Tier, vocab_size: int) -> int:
@@ -37,6 +37,23 @@ def matmul_params(tier: Tier, vocab_size: int) -> int:
     attn = d * tier.n_heads * hd + 2 * d * tier.n_kv_heads * hd + tier.n_heads * hd * d  # wq, wk, wv, wo
     mlp = 3 * d * tier.d_ff  # gate, up, down
     return tier.n_layers * (attn + mlp) + vocab_size * d
+
+
+def param_count(tier: Tier | ResonanceTier, vocab_size: int, tie_embeddings: bool = True) -> int:
+    """Exact parameter count of the model build_model makes for `tier` (either family), without building it:
+    the matmul weights (output projection included), the RMSNorm weights (two per block, the resonance block's
+    per-group norm, the final norm), the resonance mixer's per-channel eigenvalue parameters (alpha, omega,
+    log_dt), and a separate (V, D) embedding when untied. Building even on the meta device costs ~2 CPU-s (its
+    initialisation imports torch._dynamo), paid in every run and sweep trial that logs the count;
+    tests/model/test_flops_and_cli.py checks this equals `build_model(...).num_params()` for every tier."""
+    d = tier.d_model
+    if isinstance(tier, ResonanceTier):
+        matmul = resonance_matmul_params(tier, vocab_size)
+        per_layer = 2 * d + tier.group_dim + 3 * tier.eigen_per_layer
+    else:
+        matmul = matmul_params(tier, vocab_size)
+        per_layer = 2 * d
+    return matmul + tier.n_layers * per_layer + d + (0 if tie_embeddings else vocab_size * d)
 
 
 def flops_per_token(tier: Tier, seq_len: int, vocab_size: int, tie_embeddings: bool = True) -> float:
@@ -106,7 +123,7 @@ def training_flops(tier: Tier, vocab_size: int, tokens, attention_pairs):
 # Training is 3x forward, as for matmuls. Both terms grow like log T, not like T: this is the point of the family.
 
 
-def resonance_matmul_params(tier: "ResonanceTier", vocab_size: int) -> int:
+def resonance_matmul_params(tier: ResonanceTier, vocab_size: int) -> int:
     """Parameters that take part in matmuls in a resonance model (see above), output projection included."""
     d = tier.d_model
     per_layer = 3 * d * d + 4 * d * tier.n_eigen + 3 * d * tier.d_ff

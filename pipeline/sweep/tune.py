@@ -132,24 +132,15 @@ def with_token_budget(cfg: Config, token_budget: int) -> Config:
 
 def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[str, Any]):
     """The trial's MLflow child run, with the same params as a single run (pipeline/train/session.py)."""
-    import torch
-
-    from model.decoder import build_model
     from pipeline.data.shards import load_manifest
-    from pipeline.tracking.tracker import (PARAM_MANIFEST_HASH, PARAM_MODEL_PARAMS, PARAM_TOKENIZER_SHA256,
-                                   PARAM_WORLD_SIZE, open_tracker)
+    from pipeline.tracking.tracker import open_tracker
+    from pipeline.train.session import run_params
 
     short = " ".join(f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
                      for k, v in sorted(params.items()))
     tracker = open_tracker(cfg, run_name=f"{trial_id} {short}", parent_run_id=ctx.parent_run_id)
-    manifest = load_manifest(ctx.dataset_dir)
-    with torch.device("meta"):  # exact count without allocating the weights
-        n_params = build_model(cfg.model.tier, manifest.vocab_size, mixer=cfg.model.mixer,
-                               tie_embeddings=cfg.model.tie_embeddings).num_params()
     tracker.set_tags({TAG_SWEEP: ctx.sweep_name, TAG_TRIAL: trial_id})
-    tracker.log_config({PARAM_MODEL_PARAMS: n_params, PARAM_WORLD_SIZE: cfg.ray.num_workers,
-                        PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
-                        PARAM_MANIFEST_HASH: manifest.settings_hash})
+    tracker.log_config(run_params(cfg, load_manifest(ctx.dataset_dir)))
     return tracker
 
 

@@ -22,8 +22,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pipeline.config import Config, ConfigError
 from pipeline.console import stage
 from pipeline.train.run_dir import RUN_FILE, write_run_file
@@ -36,6 +34,21 @@ _FIXED_ACROSS_PHASES = ("model.tier", "model.mixer", "model.tie_embeddings", "da
 class Phase:
     steps: int
     overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def run_params(cfg: Config, manifest: Any) -> dict[str, Any]:
+    """The params an MLflow run logs beside its config, a single run's and each sweep trial's alike: the model's
+    exact parameter count (computed from its tier, model/flops.py param_count), world size, and the dataset's
+    tokenizer and settings hashes (`manifest`: pipeline/data/shards.py's Manifest)."""
+    from model.flops import param_count
+    from model.tiers import get_mixer_tier
+    from pipeline.tracking.tracker import (PARAM_MANIFEST_HASH, PARAM_MODEL_PARAMS, PARAM_TOKENIZER_SHA256,
+                                           PARAM_WORLD_SIZE)
+
+    tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
+    return {PARAM_MODEL_PARAMS: param_count(tier, manifest.vocab_size, cfg.model.tie_embeddings),
+            PARAM_WORLD_SIZE: cfg.ray.num_workers, PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
+            PARAM_MANIFEST_HASH: manifest.settings_hash}
 
 
 def load_phases(path: str | None, cfg: Config) -> list[Phase]:
@@ -94,11 +107,9 @@ class TrainSession:
         return record
 
     def run(self, resume: bool = False) -> SessionResult:
-        from model.decoder import build_model
         from pipeline.data.stages import prepare_main
         from pipeline.data.shards import load_manifest
-        from pipeline.tracking.tracker import (PARAM_MANIFEST_HASH, PARAM_MODEL_PARAMS, PARAM_TOKENIZER_SHA256,
-                                       PARAM_WORLD_SIZE, check_tracking_uri, open_tracker, resolve_tracking_uri)
+        from pipeline.tracking.tracker import check_tracking_uri, open_tracker, resolve_tracking_uri
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
         record = self._record(config=cfg.flat(), phases=[asdict(p) for p in self.phases], status="running",
@@ -135,12 +146,7 @@ class TrainSession:
                 record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
                 tracker.log_dataset_input(manifest, dataset)
                 if i == 0:
-                    with torch.device("meta"):  # exact count without allocating the weights
-                        n_params = build_model(pcfg.model.tier, manifest.vocab_size, mixer=pcfg.model.mixer,
-                                               tie_embeddings=pcfg.model.tie_embeddings).num_params()
-                    tracker.log_config({PARAM_MODEL_PARAMS: n_params, PARAM_WORLD_SIZE: pcfg.ray.num_workers,
-                                        PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
-                                        PARAM_MANIFEST_HASH: manifest.settings_hash})
+                    tracker.log_config(run_params(pcfg, manifest))
                     tracker.log_dict(manifest.to_dict(), "manifest.json")
                     tracker.log_dict(pcfg.to_dict(), "config.json")
                 init_from = checkpoint if i > 0 else None

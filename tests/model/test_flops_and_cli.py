@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.decoder import Decoder
-from model.flops import flops_per_token, matmul_params
-from model.tiers import TIERS
+from model.decoder import Decoder, build_model
+from model.flops import flops_per_token, matmul_params, param_count
+from model.tiers import MIXERS, TIERS, get_mixer_tier, tiers_for
 from tests.model.tiny import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +23,21 @@ def test_matmul_params_are_the_model_matrices_plus_the_output_projection(name):
         model = Decoder(TIERS[name], 32000, tie_embeddings=False)
     in_matmuls = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "tok_emb.weight")
     assert matmul_params(TIERS[name], 32000) == in_matmuls
+
+
+@pytest.mark.parametrize("mixer,name", [(m, n) for m in MIXERS for n in tiers_for(m)])
+@pytest.mark.parametrize("tie", [True, False])
+def test_param_count_is_the_built_models_count(mixer, name, tie):
+    """The analytic count that runs and sweep trials log equals the parameters of the model actually built."""
+    with torch.device("meta"):
+        model = build_model(name, 1003, mixer=mixer, tie_embeddings=tie)
+    assert param_count(get_mixer_tier(name, mixer), 1003, tie_embeddings=tie) == model.num_params()
+
+
+def test_param_count_of_a_grouped_query_tier():
+    with torch.device("meta"):
+        model = Decoder(TINY, 100, tie_embeddings=False)
+    assert param_count(TINY, 100, tie_embeddings=False) == model.num_params()
 
 
 def test_flops_per_token_formula():
