@@ -1,14 +1,13 @@
-"""Real clusters: `ray start --head` + `ray job submit` + `ray stop`, and a two-node cluster
-(ray.cluster_utils.Cluster) training with one worker per node.
+"""A real cluster: `ray start --head`, a second node joining with `ray start --address`, `ray job submit` of
+the main job training with one worker per node, and `ray stop`.
 
-Both run in their own processes. The job test runs in a private PID namespace (unshare) with its own
-HOME and Ray temp dir, so `ray stop` stops that head and nothing else on the machine (for example the
-test session's own Ray instance); it needs root for unshare, as CI has.
+It runs in a private PID namespace (unshare) with its own HOME and Ray temp dir, so `ray stop` stops those
+nodes and nothing else on the machine (for example the test session's own Ray instance); it needs root for
+unshare, as CI has.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,16 +31,23 @@ def _unshare_ok() -> str | None:
 
 
 @pytest.mark.slow
-def test_ray_job_submit_runs_the_pipeline(tmp_path):
+def test_ray_job_submit_runs_the_pipeline_on_a_two_node_cluster(tmp_path, test_runs_root):
+    """`ray start --head`, a second node joining it with `ray start --address`, `ray job submit` of the main job
+    with one Train worker per node (STRICT_SPREAD), then `ray stop`. The job reuses the session's prepared `test`
+    dataset (its run root) and trains, evaluates and samples on the cluster."""
     why = _unshare_ok()
     if why:
         pytest.fail(f"cannot isolate `ray stop` from other Ray instances: {why}")
     scratch = Path(tempfile.mkdtemp(prefix="ljob-", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    out = tmp_path / "out"
-    # Every port this head would otherwise take at a fixed default is a free one: another Ray on this
+    # Every port these nodes would otherwise take at a fixed default is a free one: another Ray on this
     # machine (the test session's own, for one) already holds the dashboard agent's 52365 and the client
-    # server's 10001, and a second agent that cannot bind has no job server ("No available agent").
-    port, dash, agent, agent_grpc, client, metrics, env_agent = _free_ports(7)
+    # server's 10001, and a second agent that cannot bind has no job server ("No available agent"). The second
+    # node needs agent ports of its own too, takes its workers' ports from the OS (as ray.cluster_utils does), and
+    # has a temp dir of its own, as a machine of its own would: sharing the head's, its runtime-env agent deleted
+    # the job's unpacked working dir (the driver's cwd) once its Train worker no longer used it.
+    (port, dash, agent, agent_grpc, client, metrics, env_agent,
+     agent2, agent_grpc2, metrics2, env_agent2) = _free_ports(11)
+    prepared = {str(p.parent) for p in (test_runs_root / "datasets").glob("*/manifest.json")}
     script = textwrap.dedent(f"""
         set -u
         export HOME={scratch}/home PATH={BIN}:$PATH
@@ -53,14 +59,19 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
             --ray-client-server-port={client} --metrics-export-port={metrics} --runtime-env-agent-port={env_agent} \\
             --temp-dir={scratch}/ray --disable-usage-stats > {scratch}/start.log 2>&1 \\
             || {{ cat {scratch}/start.log; exit 3; }}
-        cd {ROOT}
         export RAY_AUTH_MODE=token  # clients of a token-authenticated cluster say so
+        ray start --address=127.0.0.1:{port} --num-cpus=8 --min-worker-port=0 --max-worker-port=0 \\
+            --dashboard-agent-listen-port={agent2} --dashboard-agent-grpc-port={agent_grpc2} \\
+            --metrics-export-port={metrics2} --runtime-env-agent-port={env_agent2} --temp-dir={scratch}/ray2 \\
+            --disable-usage-stats             > {scratch}/start2.log 2>&1 || {{ cat {scratch}/start2.log; ray stop --force > /dev/null 2>&1; exit 5; }}
+        cd {ROOT}
         A=http://127.0.0.1:{dash}
         # The job agent comes up a little after `ray start` returns: retry only that refusal, for 90 s at most.
         deadline=$((SECONDS + 90))
         while :; do
             timeout 420 ray job submit --address $A --working-dir . -- \\
-                python pipeline/run.py --preset test --run.root={out}/runs --run.name=job --train.sample_tokens=0 \\
+                python pipeline/run.py --preset test --run.root={test_runs_root} --run.name=job \\
+                --train.sample_tokens=0 --ray.num_workers=2 --ray.placement_strategy=STRICT_SPREAD --audit-data \\
                 > {scratch}/submit.log 2>&1
             rc=$?
             grep -q "No available agent" {scratch}/submit.log && [ $SECONDS -lt $deadline ] || break
@@ -73,6 +84,7 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
                 | head -n 1)" 2>/dev/null | tail -n 40
         fi
         ray job list --address $A > {scratch}/jobs.txt 2>&1
+        ray list nodes --address $A --format json > {scratch}/nodes.json 2>/dev/null
         ray stop --force > /dev/null 2>&1
         exit $rc
     """)
@@ -80,52 +92,22 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "bash", "-c", script],
                               capture_output=True, text=True, timeout=570)
         jobs = (scratch / "jobs.txt").read_text() if (scratch / "jobs.txt").exists() else ""
+        nodes_json = (scratch / "nodes.json").read_text() if (scratch / "nodes.json").exists() else "[]"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     assert proc.returncode == 0, f"rc={proc.returncode} jobs={jobs!r}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     assert "SUCCEEDED" in jobs and "succeeded" in proc.stdout
-    record = json.loads((out / "runs" / "job" / "run.json").read_text())
+    run_dir = test_runs_root / "job"
+    record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "finished" and record["phases_done"] == 1
     assert Path(record["checkpoint"], "model.safetensors").is_file()
     assert "compare runs in the MLflow UI" in proc.stdout and "eval/loss=" in proc.stdout
-
-
-MULTI_NODE = """
-import json, sys
-from pathlib import Path
-import ray
-from ray.cluster_utils import Cluster
-from pipeline.config import load_config
-from pipeline.data.synthetic import write_synthetic_dataset
-from pipeline.train.ray_train import run_training
-
-out = Path(sys.argv[1])
-write_synthetic_dataset(out / "ds", n_train=64, n_val=8, seq_len=32, vocab_size=128)
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
-cluster.add_node(num_cpus=3)
-cluster.wait_for_nodes()
-ray.init(address=cluster.address)
-cfg = load_config("cpu", {"model.tier": "nano", "data.seq_len": 32, "train.batch_size": 2, "train.max_steps": 6,
-                          "train.eval_every": 3, "train.checkpoint_every": 3, "train.sample_tokens": 0,
-                          "model.compile": "off", "ray.num_workers": 2, "ray.placement_strategy": "STRICT_SPREAD",
-                          "tracking.enabled": False, "run.root": str(out)})
-res = run_training(cfg, out / "ds", out / "run", audit_data=True)
-nodes = {int(f.stem.split("_")[1]): {json.loads(l)["node"] for l in f.read_text().splitlines()}
-         for f in (out / "run" / "data_audit").glob("rank_*.jsonl")}
-print(json.dumps({"step": res.metrics["step"], "nodes": {k: sorted(v) for k, v in nodes.items()},
-                  "cluster_nodes": len(ray.nodes())}))
-ray.shutdown()
-cluster.shutdown()
-"""
-
-
-@pytest.mark.slow
-def test_two_node_cluster_one_worker_per_node(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", MULTI_NODE, str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["step"] == 6 and result["cluster_nodes"] == 2
-    (n0,), (n1,) = result["nodes"]["0"], result["nodes"]["1"]
+    assert len(record["datasets"]) == 1 and record["datasets"][0] in prepared, (record["datasets"], prepared)
+    # One Train worker per node: each rank's audit names the node it ran on, both of the cluster's nodes.
+    alive = {n["node_id"] for n in json.loads(nodes_json) if n.get("state") == "ALIVE"}
+    per_rank = {int(f.stem.split("_")[1]): {json.loads(ln)["node"] for ln in f.read_text().splitlines() if ln.strip()}
+                for f in (run_dir / "data_audit").glob("rank_*.jsonl")}
+    assert sorted(per_rank) == [0, 1], per_rank
+    (n0,), (n1,) = per_rank[0], per_rank[1]
     assert n0 != n1, "both workers ran on the same node"
+    assert len(alive) == 2 and {n0, n1} == alive, (alive, per_rank)
