@@ -8,10 +8,11 @@ count) to that number: on CPU the machine's cores are split among the workers, n
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -50,8 +51,8 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
     The dashboard also serves Ray's state API, which Ray Train's placement-group cleaner polls to see
     whether a run's controller is gone. Without it, or when the cleaner auto-detects another Ray instance
     on the same machine, the cleaner fails and a finished run's placement group can outlive the run (on a
-    one-GPU machine the next sweep trial then waits forever). So every process of this job is told where
-    its state API is."""
+    one-GPU machine the next sweep trial then waits forever). So every worker process this Ray starts, for
+    any job that joins it, is told where its state API is (RAY_API_SERVER_ADDRESS, inherited from the raylet)."""
     import ray
 
     try:
@@ -69,9 +70,9 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
         port = _free_port(dashboard_host, preferred=8265 if attempt == 0 else 0)
         api = f"http://{'127.0.0.1' if dashboard_host in ('0.0.0.0', '::') else dashboard_host}:{port}"
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=dashboard_host, dashboard_port=port,
-                     logging_level=logging.WARNING, runtime_env={"env_vars": {API_SERVER_ENV: api}},
-                     _system_config=dict(LOCAL_SYSTEM_CONFIG))
+            with _environ(API_SERVER_ENV, api):
+                ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=dashboard_host,
+                         dashboard_port=port, logging_level=logging.WARNING, _system_config=dict(LOCAL_SYSTEM_CONFIG))
             break
         except Exception as exc:  # Ray raises a bare Exception/ValueError for a taken dashboard port
             taken = any(w in str(exc).lower() for w in ("occupied", "address already in use", "dashboard"))
@@ -80,6 +81,24 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
             ray.shutdown()
     print(f"ray: local instance with {num_cpus} logical CPUs; dashboard at {api}", flush=True)
     return api
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """`name`=`value` in this process's environment while Ray starts: the raylet inherits it and passes it on to
+    every worker process it starts, of any job. Not a job runtime_env (env_vars): a job with a runtime_env has
+    each of its worker processes started through Ray's setup_worker.py, one more Python start that imports
+    part of Ray before it execs the worker (bench/worker_start.py, 2 cores: 8 worker processes in 8.0 s with it,
+    5.0 s without). This process's own environment is left as it was."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def _free_port(host: str, preferred: int = 8265) -> int:

@@ -1,6 +1,8 @@
 """How many CPUs (and so torch threads) a Ray Train worker reserves: `ray.cpus_per_worker`, auto by default."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pipeline.config import ConfigError, load_config
@@ -64,11 +66,40 @@ def test_the_local_ray_serves_its_state_api_and_prestarts_no_idle_workers(monkey
     from pipeline import ray_runtime
 
     calls = []
-    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setenv(ray_runtime.API_SERVER_ENV, "http://elsewhere:1")  # this process's own, kept
+    # The raylet that ray.init starts inherits the environment it sees (and hands it to every worker it starts).
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append((kw, os.environ[ray_runtime.API_SERVER_ENV])))
     api = ray_runtime.start_local_ray(5)
     assert api.startswith("http://127.0.0.1:")
-    (kw,) = calls
+    ((kw, api_seen),) = calls
     assert kw["include_dashboard"] is True and kw["dashboard_host"] == "127.0.0.1" and kw["num_cpus"] == 5
-    assert kw["runtime_env"] == {"env_vars": {ray_runtime.API_SERVER_ENV: api}}
+    assert api_seen == api and os.environ[ray_runtime.API_SERVER_ENV] == "http://elsewhere:1"
+    assert "runtime_env" not in kw  # a job runtime_env would start each worker through Ray's setup_worker.py
     assert kw["_system_config"] == {"prestart_worker_first_driver": False}
     assert f"dashboard at {api}" in capsys.readouterr().out
+
+
+def test_workers_of_every_job_find_the_local_rays_state_api(ray_session, ray_address):
+    """The session's Ray is started as the CLI starts it (tests/conftest.py): a worker process of this job, and
+    one of a job that joins it from another process, know where the dashboard's state API is, with no job
+    runtime_env (which would start every worker process through Ray's setup_worker.py)."""
+    import subprocess
+    import sys
+
+    from pipeline.ray_runtime import API_SERVER_ENV
+
+    @ray_session.remote
+    def probe() -> tuple[str | None, str]:
+        return os.environ.get(API_SERVER_ENV), ray_session.get_runtime_context().get_runtime_env_string()
+
+    api, runtime_env = ray_session.get(probe.remote())
+    assert api and api.startswith("http://127.0.0.1:") and runtime_env in ("", "{}")
+    from ray.util.state import list_nodes
+
+    assert len(list_nodes(address=api)) == 1  # the state API answers there, as Ray Train's cleaner asks it
+    joined = subprocess.run(
+        [sys.executable, "-c", "import os, ray; ray.init(address=os.environ['ADDR'], logging_level='ERROR'); "
+         f"print(ray.get(ray.remote(lambda: os.environ.get({API_SERVER_ENV!r})).remote()))"],
+        env={**os.environ, "ADDR": ray_address}, capture_output=True, text=True, timeout=120)
+    assert joined.returncode == 0, joined.stderr[-2000:]
+    assert joined.stdout.strip().splitlines()[-1] == api
