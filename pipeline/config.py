@@ -307,7 +307,7 @@ def _gpu() -> dict[str, Any]:
 
 def _test() -> dict[str, Any]:
     """The smallest thing that trains end to end; used by the test suite."""
-    return {"model.tier": "nano", "data.vocab_size": 512, "data.seq_len": 64, "data.max_documents": 300,
+    return {"model.tier": "nano", "data.vocab_size": 512, "data.seq_len": 64, "data.max_documents": 100,
             "data.rows_per_shard": 16, "train.batch_size": 4, "train.max_steps": 8, "train.warmup_steps": 2,
             "train.log_every": 2, "train.eval_every": 4, "train.eval_batches": 2, "train.checkpoint_every": 4,
             "train.sample_tokens": 8}

@@ -4,7 +4,6 @@ command lines get one clear line."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -64,10 +63,11 @@ def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(test_runs_root, ra
     assert len(ids) == len(set(ids)) == 30 * 4
 
 
-def test_phases_carry_the_model_and_schedule(tmp_path, ray_address):
+def test_phases_carry_the_model_and_schedule(tmp_path, ray_address, mlflow_server):
     """Two phases on two corpora (Ray-free path): phase 2 starts from phase 1's final state with its own
     data, one LR schedule spans both, and the second dataset reuses the first tokenizer. Training is Ray-free;
-    preparing the two datasets (Ray Data) joins the session's Ray instead of starting one of its own."""
+    preparing the two datasets (Ray Data) joins the session's Ray instead of starting one of its own, and the
+    run tracks to the session's MLflow server (a new SQLite store costs ~4 s of schema migrations)."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for path, word in ((a, "alpha"), (b, "omega")):
         with open(path, "w") as f:
@@ -79,7 +79,8 @@ def test_phases_carry_the_model_and_schedule(tmp_path, ray_address):
     res = run_cli("train", "--no-ray", "--address", ray_address, "--preset", "test",
                   f"--run.root={tmp_path / 'runs'}", "--run.name=ph",
                   "--data.source=files", f"--data.path={a}", "--data.vocab_size=300", "--phases", str(phases),
-                  "--train.checkpoint_every=2", "--train.eval_every=2", "--train.sample_tokens=0")
+                  "--train.checkpoint_every=2", "--train.eval_every=2", "--train.sample_tokens=0",
+                  f"--tracking.tracking_uri={mlflow_server[0]}", "--tracking.experiment=phases")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     record = json.loads((tmp_path / "runs" / "ph" / "run.json").read_text())
     assert record["phases_done"] == 2 and len(record["datasets"]) == 2

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.config import load_config
 from pipeline.data.corpus import DataSourceError
 from pipeline.data.pack import prepare
 from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, SplitRule, TokenStream,
@@ -217,15 +218,17 @@ def test_cache_reuses_and_changed_settings_rebuild(ray_session, tok_path, tmp_pa
     assert prepare(cfg) != out
 
 
-def test_builtin_corpus_trains_its_tokenizer(ray_session, tmp_path):
-    cfg = data_cfg(tmp_path, None, data__source="builtin", data__max_documents=60, data__vocab_size=600,
-                   data__tokenizer_sample_bytes=400_000)
+def test_builtin_corpus_trains_its_tokenizer(test_runs_root):
+    """The session's `test`-preset dataset (tests/conftest.py) is the built-in corpus with no tokenizer given:
+    prepare trained one on it. Preparing the same settings again finds it in the cache."""
+    cfg = load_config("test", [f"--run.root={test_runs_root}"])
+    assert cfg.data.source == "builtin" and cfg.data.tokenizer == ""
     out = prepare(cfg)
     m = load_manifest(out)
     tok = Tokenizer(out / "tokenizer.model")
-    assert m.vocab_size == tok.vocab_size == 600 and m.tokenizer_sha256 == tok.sha256
+    assert m.vocab_size == tok.vocab_size == cfg.data.vocab_size and m.tokenizer_sha256 == tok.sha256
     assert (m.pad_id, m.unk_id, m.bos_id, m.eos_id) == (0, 1, 2, 3)
-    assert m.counts["documents"] == 60 and m.source["kind"] == "builtin"
+    assert m.counts["documents"] == cfg.data.max_documents and m.source["kind"] == "builtin"
     report = validate_dataset(out)
     assert report.ok, report.errors
     assert report.stats["round_trip"].startswith("ok on")
