@@ -86,6 +86,8 @@ def test_workers_of_every_job_find_the_local_rays_state_api(ray_session, ray_add
     import subprocess
     import sys
 
+    from ray.util.state import list_nodes
+
     from pipeline.ray_runtime import API_SERVER_ENV
 
     @ray_session.remote
@@ -94,8 +96,6 @@ def test_workers_of_every_job_find_the_local_rays_state_api(ray_session, ray_add
 
     api, runtime_env = ray_session.get(probe.remote())
     assert api and api.startswith("http://127.0.0.1:") and runtime_env in ("", "{}")
-    from ray.util.state import list_nodes
-
     assert len(list_nodes(address=api)) == 1  # the state API answers there, as Ray Train's cleaner asks it
     joined = subprocess.run(
         [sys.executable, "-c", "import os, ray; ray.init(address=os.environ['ADDR'], logging_level='ERROR'); "
