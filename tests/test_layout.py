@@ -1,4 +1,4 @@
-"""The layout's import rules (README "Layout and design notes"), checked on the source with ast.
+"""The layout's import rules (docs/design.md, "Layout"), checked on the source with ast.
 
 Every import counts, the lazy ones inside functions too: a rule broken only at call time is still broken.
 """
