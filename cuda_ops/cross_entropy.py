@@ -5,7 +5,7 @@
 
 Index names used throughout (as in llm.c's dev/cuda files):
     N    tokens (rows) in the call               D    hidden size
-    V    vocabulary size                         n    rows in the current chunk (n <= chunk_size)
+    V    vocabulary size                         n    rows in the current chunk (n <= chunk rows)
     s:e  the chunk's row range in [0, N)         j    a vocabulary index within one row
     t    a row's target class                    lse  log(sum_j exp(logits[row, j]))
     tid  thread index within a block             BLOCK threads per block; one block per row
@@ -15,11 +15,21 @@ and d loss / d logits[j] = softmax[j] * (1 + 2 z_loss lse) - [j == t].  Ignored 
 and get 0 gradient. A counted row whose target is outside [0, V) gets NaN loss (the device cannot raise without a
 host sync; NaN makes bad data visible in the loss instead of reading out of bounds).
 
-Memory plan: the gradient is computed DURING forward (the Liger-Kernel / llm.c trick). Each chunk's fp32 logits
-buffer (n, V) is turned in place into d loss_sum / d logits, which two matmuls turn into grad_hidden[s:e] (n, D)
-and an increment of grad_weight (V, D); the buffer is then dropped. Backward only scales the stored gradients by
-the incoming scalar. Peak extra memory is O(chunk_size * V + N * D + V * D) instead of O(N * V), and there is no
-second pass over the vocabulary. When no gradient is needed (eval, torch.no_grad) the gradient work is skipped.
+Memory plan: the gradient is computed DURING forward (the Liger-Kernel / llm.c trick). Each chunk's logits buffer
+(n, V) is turned in place into d loss_sum / d logits, which two matmuls turn into grad_hidden[s:e] (n, D) and an
+increment of grad_weight (V, D); the buffer is then reused by the next chunk. Backward only scales the stored
+gradients by the incoming scalar. Peak extra memory is O(chunk * V + N * D + V * D) instead of O(N * V), and there
+is no second pass over the vocabulary. When no gradient is needed (eval, torch.no_grad) the gradient work is skipped.
+
+Bytes moved per logit on the kernel backend (bf16 / fp16 inputs; bench/decoder.py prints this model):
+    the logits matmul writes the chunk in the input dtype (2 B)   -- what torch.compile's full-logits path writes
+    sweep 1 reads it once for an online (max, sum exp, argmax)     (2 B)
+    sweep 2 reads it and writes d loss / d logits in place, in the input dtype (2 + 2 B): the gradient matmuls read
+    it as it is (2 + 2 B), so there is no conversion pass, and grad_weight accumulates inside the matmul
+    (addmm into one fp32 buffer): no accumulation pass either.
+fp32 inputs keep fp32 logits (4 B each way). Chunks are as large as a byte budget allows (`chunk_size=None`, the
+default: the smaller of LOGITS_BUDGET_BYTES and a quarter of the device's free memory), so a 32,768 x 32,000 bf16
+call runs in 6 chunks of 5,504 rows (18 matmuls) where a fixed 4,096 took 8 (and 24 matmul launches).
 
 Layout of this file: (a) reference row-wise op (pure torch: the oracle and the CPU path); (b) the Numba kernel;
 (c) its launch configuration and the torch <-> Numba glue; (d) the chunk loop, autograd Function and public API.
@@ -36,7 +46,9 @@ import torch
 
 from cuda_ops.dispatch import as_numba, check_same_device, resolve_backend, torch_stream
 
-cuda = None  # numba.cuda, bound by _rowwise_kernel on first use so that importing this module never needs numba
+# Numba names the kernel uses, bound by _rowwise_kernel on first use (importing this module never needs numba). They
+# must be module globals: the CUDA simulator runs the kernel as Python and swaps the module-global `cuda`.
+cuda = _int_as_float = _float_as_int = None
 
 
 class CEResult(NamedTuple):
@@ -59,46 +71,101 @@ def _rowwise_reference(logits: torch.Tensor, targets: torch.Tensor, ignore_index
                        write_grad: bool, loss_rows: torch.Tensor, correct_rows: torch.Tensor) -> None:
     """Same contract as the Numba kernel, in torch ops.
 
-    logits (n, V) fp32, overwritten with d loss / d logits when write_grad; targets (n,) int64;
-    loss_rows (n,) fp32 and correct_rows (n,) int32 are written.
+    logits (n, V) fp32 / bf16 / fp16, overwritten with d loss / d logits (in its own dtype) when write_grad; the
+    math runs in fp32. targets (n,) int64; loss_rows (n,) fp32 and correct_rows (n,) int32 are written.
     """
     n, V = logits.shape
+    x = logits.float()                                                      # (n, V) fp32 (no copy when fp32)
     counted = targets != ignore_index                                       # (n,)
     in_range = (targets >= 0) & (targets < V)                               # (n,)
     safe_t = torch.where(in_range, targets, torch.zeros_like(targets))     # (n,) gather index that never faults
-    lse = torch.logsumexp(logits, dim=1)                                    # (n,)
-    target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)            # (n,)
+    lse = torch.logsumexp(x, dim=1)                                         # (n,)
+    target_logit = x.gather(1, safe_t[:, None]).squeeze(1)                 # (n,)
     loss = lse - target_logit + z_loss * lse * lse
     loss = torch.where(in_range, loss, torch.full_like(loss, math.nan))
     loss_rows.copy_(torch.where(counted, loss, torch.zeros_like(loss)))
     # torch.argmax returns the first maximal index; the kernel breaks ties the same way.
-    correct_rows.copy_((logits.argmax(dim=1) == targets) & counted)
+    correct_rows.copy_((x.argmax(dim=1) == targets) & counted)
     if write_grad:
         coef = 1.0 + 2.0 * z_loss * lse                                     # (n,) z-loss scales the softmax term
-        logits.sub_(lse[:, None]).exp_().mul_(coef[:, None])                 # softmax * coef, in place
-        logits.scatter_add_(1, safe_t[:, None], -(counted & in_range).to(logits.dtype)[:, None])
-        logits.masked_fill_(~counted[:, None], 0.0)
+        g = x if x is logits else x.clone()
+        g.sub_(lse[:, None]).exp_().mul_(coef[:, None])                      # softmax * coef, in place
+        g.scatter_add_(1, safe_t[:, None], -(counted & in_range).to(g.dtype)[:, None])
+        g.masked_fill_(~counted[:, None], 0.0)
+        if g is not logits:
+            logits.copy_(g)                                                 # rounded once to the buffer's dtype
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# (b) Numba kernel: one block per row
+# (b) Numba kernel: one block per row, two sweeps over the row in its storage dtype
 # ---------------------------------------------------------------------------------------------------------------
+# Storage of the logits buffer, a compile-time constant of the kernel:
+#   "f32", "f16"  a float32 / float16 array: Numba loads and stores it natively (float16 rounds to nearest even)
+#   "bf16"        torch's bfloat16 buffer viewed as int16 (torch's __cuda_array_interface__ has no bfloat16 type):
+#                 a value is the top half of a float32, widened by a bit cast, and the gradient is rounded back to
+#                 nearest even by integer arithmetic, as torch's .to(torch.bfloat16) rounds.
+STORAGES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _bf16_bits_to_f32(bits16):
+    """int16 bit pattern of a bfloat16 -> its float32 value. bits16 * 65536 is that pattern in the top half of an
+    int32 (two's complement), and always in int32 range, so no unsigned type and no overflow are involved."""
+    return _int_as_float(bits16 * 65536)
+
+
+def _f32_to_bf16_bits(x):
+    """float32 -> int16 bit pattern of the bfloat16 nearest to it (ties to even; NaN stays a quiet NaN)."""
+    if x != x:
+        return 0x7FC0
+    u = _float_as_int(x) & 0xFFFFFFFF                      # the float32 bits as a non-negative int64
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF    # round to nearest even in the dropped 16 bits
+    return r - 0x10000 if r >= 0x8000 else r               # as a signed int16
+
 
 @functools.lru_cache(maxsize=None)
-def _rowwise_kernel(block: int):
-    """Build (lazily: numba is imported here) the row-wise kernel for a power-of-two block size.
+def _rowwise_kernel(block: int, storage: str = "f32"):
+    """Build (lazily: numba is imported here) the row-wise kernel for a power-of-two block size and a storage.
 
-    kernel[n, block, stream](logits (n, V) f32, targets (n,) i64, ignore_index i64, z_loss f64, write_grad bool,
-                             loss_rows (n,) f32, correct_rows (n,) i32)
-    Pass 1: each thread keeps an online (max, sum of exp(x - max), first argmax) over j = tid, tid + block, ...;
-            a shared-memory tree merges the block's partials. Online rescaling keeps logits of +-1e4 finite.
-    Pass 2: (write_grad) logits[row, j] <- exp(x - lse) * (1 + 2 z lse) - [j == t], in place.
+    kernel[n, block, stream](logits (n, V) f32 | f16 | i16 (bf16 bits), targets (n,) i64, ignore_index i64,
+                             z_loss f64, write_grad bool, loss_rows (n,) f32, correct_rows (n,) i32)
+    Sweep 1: each thread keeps an online (max, sum of exp(x - max), first argmax) over j = tid, tid + block, ...;
+             a shared-memory tree merges the block's partials. Online rescaling keeps logits of +-1e4 finite.
+    Sweep 2: (write_grad) logits[row, j] <- exp(x - lse) * (1 + 2 z lse) - [j == t], in place, in the storage dtype.
     """
-    global cuda  # a module global, not a closure: the CUDA simulator swaps only globals that are numba.cuda
+    global cuda, _int_as_float, _float_as_int
     from numba import cuda, float32, int32
+    from numba.cuda.core import config
 
     if block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of two, got {block}")
+    if storage not in ("f32", "f16", "bf16"):
+        raise ValueError(f"storage must be f32, f16 or bf16, got {storage!r}")
+    if config.ENABLE_CUDASIM:  # the simulator has no libdevice: numpy bit casts, same values
+        import numpy as np
+
+        _int_as_float = lambda i: np.array(i, dtype=np.int64).astype(np.int32).view(np.float32)[()]  # noqa: E731
+        _float_as_int = lambda f: int(np.array(f, dtype=np.float32).view(np.int32)[()])  # noqa: E731
+    else:
+        from numba.cuda import libdevice
+        from numba.cuda.extending import register_jitable
+
+        _int_as_float, _float_as_int = libdevice.int_as_float, libdevice.float_as_int
+        for fn in (_bf16_bits_to_f32, _f32_to_bf16_bits):
+            register_jitable(fn)
+    bf16 = storage == "bf16"
+
+    @cuda.jit(device=True)
+    def load(logits, row, j):
+        if bf16:
+            return _bf16_bits_to_f32(int32(logits[row, j]))
+        return float32(logits[row, j])
+
+    @cuda.jit(device=True)
+    def store(logits, row, j, g):
+        if bf16:
+            logits[row, j] = _f32_to_bf16_bits(g)
+        else:
+            logits[row, j] = g             # f16: Numba rounds the float32 to nearest even
 
     @cuda.jit
     def kernel(logits, targets, ignore_index, z_loss, write_grad, loss_rows, correct_rows):
@@ -111,18 +178,18 @@ def _rowwise_kernel(block: int):
             # t is per row, so the whole block takes this branch: returning before the barriers is safe.
             if write_grad:
                 for j in range(tid, V, block):
-                    logits[row, j] = float32(0.0)
+                    store(logits, row, j, float32(0.0))
             if tid == 0:
                 loss_rows[row] = float32(0.0)
                 correct_rows[row] = 0
             return
 
-        # pass 1: thread-local online softmax statistics; arg = V means "saw nothing" (V < block leaves idle threads)
+        # sweep 1: thread-local online softmax statistics; arg = V means "saw nothing" (V < block leaves idle threads)
         m = neg_inf
         s = float32(0.0)
         arg = V
         for j in range(tid, V, block):
-            x = logits[row, j]
+            x = load(logits, row, j)
             if x > m:                      # strict: keeps the first index of a tie (j grows within a thread)
                 s = s * math.exp(m - x) + float32(1.0)
                 m = x
@@ -156,7 +223,7 @@ def _rowwise_kernel(block: int):
         z = float32(z_loss)
         if tid == 0:
             if t >= 0 and t < V:
-                loss_rows[row] = lse - logits[row, t] + z * lse * lse
+                loss_rows[row] = lse - load(logits, row, t) + z * lse * lse
                 correct_rows[row] = 1 if sh_arg[0] == t else 0
             else:
                 loss_rows[row] = float32(math.nan)
@@ -166,10 +233,10 @@ def _rowwise_kernel(block: int):
             cuda.syncthreads()             # thread 0 has read logits[row, t] before anyone overwrites the row
             coef = float32(1.0) + float32(2.0) * z * lse
             for j in range(tid, V, block):
-                g = math.exp(logits[row, j] - lse) * coef
+                g = math.exp(load(logits, row, j) - lse) * coef
                 if j == t:
                     g -= float32(1.0)
-                logits[row, j] = g
+                store(logits, row, j, g)
 
     return kernel
 
@@ -178,14 +245,14 @@ def _rowwise_kernel(block: int):
 # (c) launch configuration and torch <-> Numba glue
 # ---------------------------------------------------------------------------------------------------------------
 
-# One block per row: a 32k-vocab row is 128 KiB of fp32, so each of the 512 threads streams ~63 values per pass with
-# coalesced loads, and 4 resident blocks per SM (2048 threads) keep an H100 busy on a 4096-row chunk (~8 waves).
-# The tree reduction is log2(512) = 9 barrier steps per row, small next to the 3 sweeps (read, read, write) of V.
+# One block per row: a 32k-vocab row is 64 KiB of bf16, so each of the 512 threads streams ~63 values per sweep with
+# coalesced loads, and 4 resident blocks per SM (2048 threads) keep an H100 busy on a 5,504-row chunk (~10 waves).
+# The tree reduction is log2(512) = 9 barrier steps per row, small next to the 2 sweeps of V.
 ROWWISE_BLOCK = 512
 
 
 def launch_rowwise(logits, targets, ignore_index: int, z_loss: float, write_grad: bool, loss_rows, correct_rows,
-                   *, block: int | None = None, stream=0) -> None:
+                   *, block: int | None = None, storage: str = "f32", stream=0) -> None:
     """Launch the kernel on Numba device arrays (or numpy arrays under NUMBA_ENABLE_CUDASIM=1). Shapes as in
     `_rowwise_kernel`; a grid of n blocks, one per row. block=None reads ROWWISE_BLOCK at call time (the
     simulator tests lower it to 32: the simulator runs every thread as a Python thread)."""
@@ -193,8 +260,16 @@ def launch_rowwise(logits, targets, ignore_index: int, z_loss: float, write_grad
     if n == 0:
         return
     block = block or ROWWISE_BLOCK
-    _rowwise_kernel(block)[n, block, stream](logits, targets, int(ignore_index), float(z_loss), bool(write_grad),
-                                            loss_rows, correct_rows)
+    _rowwise_kernel(block, storage)[n, block, stream](logits, targets, int(ignore_index), float(z_loss),
+                                                     bool(write_grad), loss_rows, correct_rows)
+
+
+def _storage_view(logits: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The logits buffer as Numba can take it, and the kernel's storage name (bf16 goes in as its int16 bits)."""
+    storage = STORAGES.get(logits.dtype)
+    if storage is None:
+        raise ValueError(f"logits dtype {logits.dtype} unsupported; use float32, bfloat16 or float16")
+    return (logits.view(torch.int16) if storage == "bf16" else logits), storage
 
 
 def _rowwise_numba(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, z_loss: float,
@@ -202,24 +277,27 @@ def _rowwise_numba(logits: torch.Tensor, targets: torch.Tensor, ignore_index: in
                    *, block: int | None = None) -> None:
     """`_rowwise_reference`'s contract on the Numba kernel. CUDA tensors launch on torch's current stream with no
     host sync. Host tensors are only accepted under the CUDA simulator, where the kernel writes the numpy views."""
+    buf, storage = _storage_view(logits)
     if logits.is_cuda:
-        launch_rowwise(as_numba(logits), as_numba(targets), ignore_index, z_loss, write_grad,
-                       as_numba(loss_rows), as_numba(correct_rows), block=block, stream=torch_stream())
+        launch_rowwise(as_numba(buf), as_numba(targets), ignore_index, z_loss, write_grad,
+                       as_numba(loss_rows), as_numba(correct_rows), block=block, storage=storage,
+                       stream=torch_stream())
     elif os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        launch_rowwise(logits.numpy(), targets.numpy(), ignore_index, z_loss, write_grad,
-                       loss_rows.numpy(), correct_rows.numpy(), block=block)
+        launch_rowwise(buf.numpy(), targets.numpy(), ignore_index, z_loss, write_grad,
+                       loss_rows.numpy(), correct_rows.numpy(), block=block, storage=storage)
     else:
         raise ValueError("the Numba row-wise kernel needs CUDA tensors (or NUMBA_ENABLE_CUDASIM=1 for tests)")
 
 
-def warmup(block: int | None = None) -> float:
-    """Compile the kernel for the argument types used in training (first launch) and return the seconds it took.
+def warmup(block: int | None = None, dtypes=(torch.bfloat16, torch.float32)) -> float:
+    """Compile the kernel for the storages used in training (first launch) and return the seconds it took.
     Needs CUDA; benchmarks call it to report compile time apart from steady-state timings."""
     start = time.perf_counter()
-    logits = torch.zeros(2, 3 * (block or ROWWISE_BLOCK) + 1, device="cuda")
-    targets = torch.tensor([0, -100], device="cuda")
-    _rowwise_numba(logits, targets, -100, 0.0, True, torch.empty(2, device="cuda"),
-                   torch.empty(2, dtype=torch.int32, device="cuda"), block=block)
+    for dtype in dtypes:
+        logits = torch.zeros(2, 3 * (block or ROWWISE_BLOCK) + 1, device="cuda", dtype=dtype)
+        targets = torch.tensor([0, -100], device="cuda")
+        _rowwise_numba(logits, targets, -100, 0.0, True, torch.empty(2, device="cuda"),
+                       torch.empty(2, dtype=torch.int32, device="cuda"), block=block)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -228,24 +306,72 @@ def warmup(block: int | None = None) -> float:
 # (d) chunk loop, autograd Function, public API
 # ---------------------------------------------------------------------------------------------------------------
 
+# The default chunk: as many rows as fit this many bytes of logits (also capped by a quarter of the free memory).
+# 384 MiB keeps the whole call's extra memory (chunk + grad_hidden + fp32 grad_weight + its cast) near 0.6 GB at
+# 32,768 x 768 x 32,000 bf16, about 1/20 of full-logits eager's, while the matmuls stay large (5,504 rows).
+LOGITS_BUDGET_BYTES = 384 * 2**20
+CHUNK_MULTIPLE = 128  # rows per chunk rounded up to this: whole tensor-core tiles for the matmuls
+
+
+def _free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can get on a CUDA device: the driver's free memory plus what torch's caching
+    allocator holds unused. None off CUDA (the budget alone decides there)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def auto_chunk_rows(N: int, V: int, logits_dtype: torch.dtype, device: torch.device,
+                    budget_bytes: int | None = None) -> int:
+    """Rows per chunk for `chunk_size=None`: the fewest chunks whose (rows, V) logits fit the budget (the smaller
+    of `budget_bytes` or LOGITS_BUDGET_BYTES and a quarter of the free device memory), with N split evenly among
+    them and rows rounded up to CHUNK_MULTIPLE (never above N)."""
+    budget = budget_bytes or LOGITS_BUDGET_BYTES
+    free = _free_device_bytes(torch.device(device))
+    if free is not None:
+        budget = min(budget, free // 4)
+    row_bytes = V * torch.finfo(logits_dtype).bits // 8
+    max_rows = max(1, budget // row_bytes)
+    if max_rows < CHUNK_MULTIPLE:  # a tiny budget (or a huge vocabulary): whatever fits
+        return min(max_rows, N)
+    n_chunks = -(-N // max_rows)
+    rows = -(-N // n_chunks)                                   # N split evenly over the fewest chunks
+    return min(-(-rows // CHUNK_MULTIPLE) * CHUNK_MULTIPLE, N)
+
+
 @functools.lru_cache(maxsize=None)
-def _cuda_mm_out_dtype_supported() -> bool:
-    """torch.mm(a, b, out_dtype=float32) (bf16/fp16 in, fp32 out from cuBLAS) exists on CUDA in recent torch."""
-    a = torch.zeros(2, 2, dtype=torch.bfloat16, device="cuda")
+def _cuda_addmm_fp32_out_supported() -> bool:
+    """torch.addmm(acc_fp32, a_bf16, b_bf16, out_dtype=float32, out=acc) (cuBLAS: low-precision inputs, fp32
+    accumulator read and written in place) exists on CUDA in recent torch; checked once against the plain math."""
+    a = torch.ones(4, 4, dtype=torch.bfloat16, device="cuda")
+    acc = torch.ones(4, 4, dtype=torch.float32, device="cuda")
     try:
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool((acc == 5.0).all())
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
 
-def _logits_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(n, D) @ (V, D)^T -> (n, V) fp32 in the input dtype's matmul (the kernel backend's choice).
-    Without the out_dtype matmul, bf16 logits are upcast: the precision of full-logits F.cross_entropy."""
-    if h.dtype == torch.float32:
-        return h @ w.t()
-    if h.is_cuda and _cuda_mm_out_dtype_supported():
-        return torch.mm(h, w.t(), out_dtype=torch.float32)
-    return (h @ w.t()).float()
+def _accumulate_grad_w(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+    """acc (V, D) (+)= g.T (V, n) @ h (n, D) in one matmul, no temporary and no separate add.
+
+    acc in fp32 with bf16/fp16 g, h: cuBLAS reads and writes the fp32 accumulator in its epilogue (out_dtype), so
+    the sum over chunks is as precise as full-logits autograd's single rounding. Same-dtype operands: addmm_."""
+    if acc.dtype == g.dtype:
+        if first:
+            torch.mm(g.t(), h, out=acc)
+        else:
+            acc.addmm_(g.t(), h)
+    elif g.is_cuda and _cuda_addmm_fp32_out_supported():
+        if first:
+            torch.mm(g.t(), h, out_dtype=torch.float32, out=acc)
+        else:
+            torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)
+    elif first:  # CPU, or older torch: a temporary product, rounded once, summed in fp32
+        acc.copy_(g.t() @ h)
+    else:
+        acc.add_(g.t() @ h)
 
 
 def _forward_chunks(hidden, weight, targets, ignore_index, chunk_size, z_loss, backend, need_gh, need_gw):
@@ -257,43 +383,46 @@ def _forward_chunks(hidden, weight, targets, ignore_index, chunk_size, z_loss, b
     dtype, device = hidden.dtype, hidden.device
     write_grad = need_gh or need_gw
     rowwise = _rowwise_reference if backend == "reference" else _rowwise_numba
-    # The reference does every matmul in fp32 (it is the oracle); the kernel backend keeps cuBLAS in the input dtype.
+    # The reference does every matmul in fp32 (it is the oracle); the kernel backend keeps cuBLAS in the input dtype
+    # and the logits in it too (what the full-logits eager and compiled recipes hold).
     fp32_matmuls = backend == "reference" or dtype == torch.float32
+    logits_dtype = torch.float32 if fp32_matmuls else dtype
     w_mm = weight.float() if fp32_matmuls else weight          # (V, D); no copy when already fp32
+    rows = auto_chunk_rows(N, V, logits_dtype, device) if chunk_size is None else min(int(chunk_size), N)
 
     loss_rows = torch.empty(N, dtype=torch.float32, device=device)
     correct_rows = torch.empty(N, dtype=torch.int32, device=device)
-    grad_h = torch.empty_like(hidden) if need_gh else None                                  # (N, D) input dtype
-    grad_w_acc = torch.zeros(V, D, dtype=torch.float32, device=device) if need_gw else None  # fp32 accumulator
+    grad_h = torch.empty_like(hidden) if need_gh else None                               # (N, D) input dtype
+    n_chunks = -(-N // max(rows, 1))
+    # one chunk: grad_weight straight from one matmul in the weight's dtype; more: one fp32 accumulator
+    acc_dtype = logits_dtype if n_chunks == 1 else torch.float32
+    grad_w_acc = torch.empty(V, D, dtype=acc_dtype, device=device) if need_gw else None
+    buf = torch.empty(min(rows, N), V, dtype=logits_dtype, device=device) if N else None  # reused by every chunk
 
-    for s in range(0, N, chunk_size):
-        e = min(s + chunk_size, N)
-        h = hidden[s:e].float() if fp32_matmuls else hidden[s:e]                             # (n, D)
-        logits = h @ w_mm.t() if fp32_matmuls else _logits_fp32(h, weight)                  # (n, V) fp32
+    for i, s in enumerate(range(0, N, max(rows, 1))):
+        e = min(s + rows, N)
+        h = hidden[s:e].float() if fp32_matmuls else hidden[s:e]                         # (n, D)
+        logits = buf[: e - s]
+        torch.mm(h, w_mm.t(), out=logits)                                                # (n, V) logits_dtype
         rowwise(logits, targets[s:e], ignore_index, z_loss, write_grad, loss_rows[s:e], correct_rows[s:e])
         if not write_grad:
             continue
-        g = logits if fp32_matmuls else logits.to(dtype)                                     # (n, V) dL/dlogits
+        g = logits                                                                        # (n, V) dL/dlogits
         if need_gh:
             if grad_h.dtype == g.dtype:
-                torch.mm(g, w_mm, out=grad_h[s:e])                                           # (n, V) @ (V, D)
+                torch.mm(g, w_mm, out=grad_h[s:e])                                       # (n, V) @ (V, D)
             else:
                 grad_h[s:e] = g @ w_mm
         if need_gw:
-            if fp32_matmuls:
-                grad_w_acc.addmm_(g.t(), h)                                                  # (V, n) @ (n, D)
-            else:
-                # bf16 product rounded once per chunk, summed in fp32: as precise as full-logits autograd,
-                # which rounds the whole (V, D) product once.
-                grad_w_acc.add_(g.t() @ h)
-        del logits, g
+            _accumulate_grad_w(grad_w_acc, g, h, first=i == 0)                           # (V, n) @ (n, D)
+    del buf
 
     loss_sum = loss_rows.sum()
     n_tokens = (targets != ignore_index).sum()
     n_correct = correct_rows.sum(dtype=torch.int64)
     grad_w = None
     if need_gw:
-        grad_w = grad_w_acc if weight.dtype == torch.float32 else grad_w_acc.to(weight.dtype)
+        grad_w = grad_w_acc if grad_w_acc.dtype == weight.dtype else grad_w_acc.to(weight.dtype)
     return loss_sum, n_tokens, n_correct, grad_h, grad_w
 
 
@@ -343,8 +472,8 @@ def _check_inputs(hidden, weight, targets, chunk_size):
     if hidden.device != weight.device or hidden.device != targets.device:
         raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and targets ({targets.device}) "
                          f"must be on one device")
-    if int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and int(chunk_size) < 0:
+        raise ValueError(f"chunk_size must be >= 1 rows (or None / 0: sized from the free memory), got {chunk_size}")
 
 
 def _linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, z_loss, backend) -> CEResult:
@@ -360,7 +489,7 @@ def _linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, z_l
     if backend == "numba" and hidden.is_cuda:
         check_same_device(hidden)
     args = (hidden.reshape(-1, D).contiguous(), weight.contiguous(), targets.reshape(-1).long().contiguous(),
-            int(ignore_index), int(chunk_size), float(z_loss), backend)
+            int(ignore_index), int(chunk_size or 0) or None, float(z_loss), backend)
     # Autocast off inside: the reference's fp32 matmuls and the fp32 logits buffer must stay fp32.
     with torch.autocast(device_type, enabled=False):
         if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
@@ -371,13 +500,15 @@ def _linear_cross_entropy(hidden, weight, targets, ignore_index, chunk_size, z_l
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         ignore_index: int = -100, chunk_size: int = 4096, z_loss: float = 0.0,
+                         ignore_index: int = -100, chunk_size: int | None = None, z_loss: float = 0.0,
                          backend: str | None = None, reduction: str = "sum"):
-    """Cross-entropy of `hidden @ weight.T` against `targets`, never holding more than chunk_size x V logits.
+    """Cross-entropy of `hidden @ weight.T` against `targets`, never holding more than one chunk of logits.
 
     hidden (N, D) or (B, T, D); weight (V, D); targets (N,) or (B, T) integer classes, ignore_index rows skipped.
     dtype float32 / bfloat16 / float16 (softmax math in fp32; gradients come back in the input dtype); under
     torch.autocast both are cast to the autocast dtype first, so fp32 master weights get fp32 gradients.
+    chunk_size: rows of logits per chunk; None or 0 (default): the fewest chunks whose logits fit
+    LOGITS_BUDGET_BYTES and a quarter of the device's free memory (see auto_chunk_rows).
     backend: None / "auto" / "numba" / "reference" (see cuda_ops.dispatch.resolve_backend).
     reduction="sum" -> CEResult(loss_sum, n_tokens, n_correct) (caller divides: loss_sum / n_tokens);
     reduction="mean" -> the 0-dim mean loss over counted tokens (0 when none), like F.cross_entropy.
@@ -390,7 +521,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                                   ignore_index: int = -100, chunk_size: int = 4096, z_loss: float = 0.0,
+                                   ignore_index: int = -100, chunk_size: int | None = None, z_loss: float = 0.0,
                                    backend: str | None = None, reduction: str = "sum"):
     """`linear_cross_entropy` on the pure-torch path whatever `backend` or LONGTRAIN_KERNELS say (the oracle)."""
     return linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, chunk_size=chunk_size,

@@ -75,7 +75,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
-    ce_chunk_size: int = 4096  # tokens per logits chunk in the fused cross-entropy
+    ce_chunk_size: int = 0  # tokens per logits chunk in the fused cross-entropy; 0 = sized from the free memory
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     log_every: int = 10
     eval_every: int = 50
@@ -263,7 +263,8 @@ def validate(cfg: Config) -> None:
     _one_of("data.on_bad_record", d.on_bad_record, ("error", "skip"))
     if not 0.0 <= d.max_bad_fraction <= 1.0:
         raise ConfigError(f"data.max_bad_fraction={d.max_bad_fraction} is invalid; it must be in [0, 1]")
-    for key in ("train.batch_size", "train.grad_accum", "train.max_steps", "train.lr", "train.ce_chunk_size",
+    _positive("train.ce_chunk_size", cfg.train.ce_chunk_size, zero_ok=True)
+    for key in ("train.batch_size", "train.grad_accum", "train.max_steps", "train.lr",
                 "train.max_bad_steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
                 "train.keep_checkpoints", "train.eval_batches"):
         _positive(key, cfg.flat()[key])

@@ -7,7 +7,8 @@ numba is imported). By hand:
 
 Prints one JSON object {case name: "ok" | traceback}. The simulator runs each GPU thread as a Python thread, so
 shapes stay tiny (8 x 300 logits) and the block is lowered to 32 threads; 300 is not a multiple of 32, and a
-5-class vocabulary leaves most threads of a block without a single element.
+5-class vocabulary leaves most threads of a block without a single element. The bf16 and fp16 cases run the
+kernel on the storage the kernel backend holds for bf16 / fp16 training.
 """
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ def awkward_logits(n=8, v=300, seed=0):
     return logits, targets
 
 
-def rowwise_both(logits, targets, z_loss=0.0, write_grad=True, ignore_index=-100):
-    """(loss_rows, correct_rows, logits after) from the reference and from the kernel."""
+def rowwise_both(logits, targets, z_loss=0.0, write_grad=True, ignore_index=-100, dtype=torch.float32):
+    """(loss_rows, correct_rows, logits after) from the reference and from the kernel, on a `dtype` buffer."""
     out = []
     for fn in (ce._rowwise_reference, ce._rowwise_numba):
-        buf = logits.clone()
+        buf = logits.to(dtype, copy=True)
         loss_rows = torch.full((len(targets),), -7.0)
         correct_rows = torch.full((len(targets),), -7, dtype=torch.int32)
         fn(buf, targets, ignore_index, z_loss, write_grad, loss_rows, correct_rows)
@@ -104,6 +105,43 @@ def case_rowwise_without_grad_leaves_logits():
     assert torch.equal(ker[2], logits)
 
 
+def case_rowwise_bf16_storage():
+    """bf16 logits (the kernel backend's buffer for bf16 training): the kernel widens the int16 bits, and rounds the
+    gradient back to bf16 bit for bit as torch's .to(torch.bfloat16) rounds the reference's fp32 gradient."""
+    logits, targets = awkward_logits(seed=3)
+    ref, ker = rowwise_both(logits, targets, z_loss=1e-3, dtype=torch.bfloat16)
+    torch.testing.assert_close(ker[0], ref[0], rtol=1e-4, atol=1e-4, equal_nan=True)
+    assert torch.equal(ker[1], ref[1]) and ker[2].dtype == torch.bfloat16
+    # same fp32 value before rounding up to fp32 exp/log differences: at most one bf16 ulp apart, mostly equal
+    ulp = (ker[2].view(torch.int16).int() - ref[2].view(torch.int16).int()).abs()
+    assert int(ulp.max()) <= 1 and float((ulp == 0).float().mean()) > 0.9, int(ulp.max())
+
+
+def case_rowwise_fp16_storage():
+    logits, targets = awkward_logits(seed=4)
+    logits = logits.clamp(-6e4, 6e4)                    # fp16's range
+    ref, ker = rowwise_both(logits, targets, dtype=torch.float16)
+    torch.testing.assert_close(ker[0], ref[0], rtol=1e-4, atol=1e-4, equal_nan=True)
+    assert torch.equal(ker[1], ref[1]) and ker[2].dtype == torch.float16
+    torch.testing.assert_close(ker[2], ref[2], rtol=2e-3, atol=1e-7)
+
+
+def case_bf16_rounding_matches_torch():
+    """The kernel's fp32 -> bf16 rounding (nearest even, NaN kept) on ties, carries into the exponent, +-inf,
+    subnormals and the largest finite values, against torch's conversion; and the widening back is exact."""
+    ce._rowwise_kernel(32, "bf16")                      # binds the simulator's bit casts
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F7FFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00008000,
+                         0x80018000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x00000001, 0xBF808001, 0x4049_0FDB],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    vals = torch.cat([bits, torch.randn(2000, generator=torch.Generator().manual_seed(6)) * 1e3])
+    want = vals.bfloat16().view(torch.int16)
+    got = torch.tensor([ce._f32_to_bf16_bits(float(v)) for v in vals.tolist()], dtype=torch.int16)
+    nan = torch.isnan(vals)
+    assert torch.equal(got[~nan], want[~nan]) and bool(torch.isnan(got[nan].view(torch.bfloat16).float()).all())
+    back = torch.tensor([float(ce._bf16_bits_to_f32(int(b))) for b in want[~nan].tolist()])
+    assert torch.equal(back, want[~nan].view(torch.bfloat16).float())
+
+
 def end_to_end(dtype, tol_loss, tol_grad):
     """linear_cross_entropy through the kernel (backend forced past dispatch: host tensors under the simulator)
     against the reference path, 3 chunks of <= 3 rows, the first chunk fully ignored."""
@@ -135,8 +173,8 @@ def case_end_to_end_fp32():
 
 
 def case_end_to_end_bf16():
-    # bf16 inputs: the kernel backend keeps matmuls in bf16 and rounds dL/dlogits to bf16 before the gradient
-    # matmuls (8-bit mantissa), while the reference does all in fp32. Logits on CPU come back in bf16 too.
+    # bf16 inputs: the kernel backend keeps matmuls and the logits chunk in bf16 and writes dL/dlogits in bf16
+    # (8-bit mantissa), while the reference does all in fp32.
     end_to_end(torch.bfloat16, 2e-2, 2e-2)
 
 

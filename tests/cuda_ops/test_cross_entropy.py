@@ -199,7 +199,7 @@ def test_out_of_range_target_gives_nan_loss_not_a_crash():
     (dict(targets=torch.zeros(N + 1, dtype=torch.long)), "targets shape"),
     (dict(targets=torch.zeros(N)), "integer"),
     (dict(weight=torch.zeros(V, D, dtype=torch.float64)), "float64"),
-    (dict(chunk_size=0), "chunk_size"),
+    (dict(chunk_size=-1), "chunk_size"),
     (dict(reduction="avg"), "reduction"),
 ])
 def test_input_errors_name_the_problem(bad, match):
@@ -209,3 +209,44 @@ def test_input_errors_name_the_problem(bad, match):
     opts = {k: v for k, v in bad.items() if k not in kw}
     with pytest.raises(ValueError, match=match):
         linear_cross_entropy(kw["hidden"], kw["weight"], kw["targets"], **opts)
+
+
+def test_auto_chunks_split_rows_evenly_within_the_budget():
+    from cuda_ops.cross_entropy import CHUNK_MULTIPLE, LOGITS_BUDGET_BYTES, auto_chunk_rows
+
+    cpu = torch.device("cpu")
+    # 32,768 x 32,000 bf16 = 2,000 MiB of logits: the fewest chunks under the budget, rows split evenly
+    rows = auto_chunk_rows(32768, 32000, torch.bfloat16, cpu)
+    assert rows == 5504 and rows % CHUNK_MULTIPLE == 0 and -(-32768 // rows) == 6
+    assert rows * 32000 * 2 <= LOGITS_BUDGET_BYTES + CHUNK_MULTIPLE * 32000 * 2
+    assert auto_chunk_rows(32768, 32000, torch.float32, cpu) == 3072       # fp32 rows: twice the bytes, 11 chunks
+    assert auto_chunk_rows(100, 32000, torch.bfloat16, cpu) == 100         # everything fits: one chunk of N
+    assert auto_chunk_rows(4096, 32000, torch.bfloat16, cpu, budget_bytes=64_000 * 5) == 5   # tiny budget
+
+
+def test_auto_chunk_gives_the_same_result_as_any_fixed_chunk():
+    hidden, weight, targets = make_inputs()
+    auto, gh_a, gw_a = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=None)
+    fixed, gh_f, gw_f = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=3)
+    torch.testing.assert_close(auto.loss_sum, fixed.loss_sum, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh_a, gh_f, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gw_a, gw_f, rtol=1e-5, atol=1e-6)
+    zero, _, _ = run(linear_cross_entropy_reference, hidden, weight, targets, chunk_size=0)  # 0 = auto (config)
+    assert torch.equal(zero.loss_sum, auto.loss_sum)
+
+
+def test_reference_rowwise_writes_low_precision_gradients_rounded_once():
+    """A bf16 logits buffer (what the kernel backend holds) gets the fp32 gradient rounded once to bf16."""
+    from cuda_ops.cross_entropy import _rowwise_reference
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 37, generator=g) * 4).bfloat16()
+    t = torch.tensor([0, 36, -100, 5, 9])
+    outs = []
+    for buf in (x.float(), x.clone()):
+        loss, corr = torch.empty(5), torch.empty(5, dtype=torch.int32)
+        _rowwise_reference(buf, t, -100, 1e-3, True, loss, corr)
+        outs.append((loss, corr, buf))
+    (l32, c32, g32), (l16, c16, g16) = outs
+    assert torch.equal(l16, l32) and torch.equal(c16, c32) and g16.dtype == torch.bfloat16
+    assert torch.equal(g16, g32.bfloat16())

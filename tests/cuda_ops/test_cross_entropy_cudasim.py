@@ -16,8 +16,10 @@ import pytest
 pytest.importorskip("numba")
 
 SCRIPT = Path(__file__).with_name("cudasim_cross_entropy.py")
-CASES = ["case_end_to_end_bf16", "case_end_to_end_fp32", "case_rowwise_all_rows_ignored", "case_rowwise_awkward",
-         "case_rowwise_vocab_smaller_than_block", "case_rowwise_without_grad_leaves_logits", "case_rowwise_z_loss"]
+CASES = ["case_bf16_rounding_matches_torch", "case_end_to_end_bf16", "case_end_to_end_fp32",
+         "case_rowwise_all_rows_ignored", "case_rowwise_awkward", "case_rowwise_bf16_storage",
+         "case_rowwise_fp16_storage", "case_rowwise_vocab_smaller_than_block",
+         "case_rowwise_without_grad_leaves_logits", "case_rowwise_z_loss"]
 
 
 @pytest.fixture(scope="module")
