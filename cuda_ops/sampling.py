@@ -3,12 +3,9 @@
     next_tok = sample(logits, temperature=0.8, top_k=50, top_p=0.95, seed=1234, step=t)   # (B,) int64
 
 Index names (fixed for this file, as in llm.c's dev/cuda files):
-    B    rows (sequences) in the batch; one CUDA block per row, `row` = blockIdx.x
-    V    vocabulary size; `i` indexes the vocabulary
-    tid  thread index in the block, `block` threads per block (a power of two)
+    B    rows (sequences) in the batch          V    vocabulary size; `i` indexes the vocabulary
     l_i  logit (fp32), m = max_i l_i, T = temperature of the row
     w_i  = exp((l_i - m) / T) in fp32: unnormalised probability, w = 1 at the argmax
-    key  order-preserving int64 key of a float32 logit (-0.0 and +0.0 share key 0), see _order_key
 
 Semantics (the reference and the kernel implement exactly these; the tests check both against them):
     temperature <= 0          greedy: argmax, lowest index on ties (torch.argmax's rule).
@@ -26,67 +23,36 @@ within floating-point rounding of a CDF boundary or a filter threshold (the sums
 sorted cumsum in fp64 in the reference, tree reductions in fp64 over fp32 w in the kernel).
 Inputs: finite logits (-inf allowed) with at least one finite logit per row; fp16/bf16 logits are upcast to fp32.
 
-Parts: 1. counter-based uniform (shared by both paths)  2. reference (pure torch: the oracle and the CPU path)
-       3. kernel (Numba CUDA)  4. launch configuration  5. public entry `sample`.
+Two entry points:
+    sampler = Sampler(B, V, device=dev, temperature=0.8, top_p=0.95, seed=1234)   # once per generation
+    tok = sampler(logits)     # per step: (B,) int64, a static buffer; the step counter advances on the device
+    tok = sample(logits, temperature=0.8, top_p=0.95, seed=1234, step=t)          # one-off, a fresh tensor
+A Sampler prepares the per-row parameters, the step counter and every kernel buffer once; a call on CUDA is a fixed
+sequence of launches of the sorting-free kernel in cuda_ops/sampling_kernel.py (no sort, no host sync, no
+allocation), so it can be captured in a CUDA graph: inside a capture it records into the caller's graph
+(pipeline/train/generate.py captures model + sampler as one graph), and called on its own it captures its own
+graph on the second call and replays it after (one launch per call).
+
+Parts: 1. reference (pure torch: the oracle and the CPU path)  2. the simulator driver of the kernel
+       3. Sampler  4. public entry `sample`.
 """
 from __future__ import annotations
 
-import functools
 import math
 import time
 
 import torch
 
 from cuda_ops.dispatch import resolve_backend
-
-# ---------------------------------------------------------------------------------------------------------------
-# 1. Counter-based uniform: u = bits53(seed, step) / 2**53, identical in torch int64 ops and in Numba
-# ---------------------------------------------------------------------------------------------------------------
-# Written with operators only (& >> ^ * +) so the same function runs on torch int64 tensors, on numpy scalars under
-# the CUDA simulator and, registered with register_jitable, inside the kernel. Every product stays below 2**63, so
-# signed int64 arithmetic never overflows and there is no unsigned type to disagree about.
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(a, c):
-    """(a * c) mod 2**32 for 0 <= a < 2**32 and a constant 0 <= c < 2**32, split in 16-bit halves of c."""
-    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(h):
-    """MurmurHash3's 32-bit finaliser: a bijection on [0, 2**32) with full avalanche."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _counter_bits53(seed, step):
-    """53 random bits (an int in [0, 2**53)) from the 64-bit seed and 64-bit step; two independent hash chains.
-    For a fixed seed, distinct 32-bit steps give distinct chain-1 states (each stage is a bijection)."""
-    words = (seed & _M32, (seed >> 32) & _M32, step & _M32, (step >> 32) & _M32)
-    h1 = _fmix32(words[0] ^ 0x243F6A88)
-    h1 = _fmix32(h1 ^ words[1])
-    h1 = _fmix32(h1 ^ words[2])
-    h1 = _fmix32(h1 ^ words[3])
-    h2 = _fmix32(words[0] ^ 0x13198A2E)
-    h2 = _fmix32(h2 ^ words[1] ^ 0x03707344)
-    h2 = _fmix32(h2 ^ words[2])
-    h2 = _fmix32(h2 ^ words[3] ^ 0x299F31D0)
-    return h1 * 2097152 + (h2 >> 11)  # h1 << 21 | top 21 bits of h2
-
-
-_INV_2_53 = 1.0 / 9007199254740992.0
-
+from cuda_ops.sampling_kernel import INV_2_53, SamplingPlan, counter_bits53
 
 def counter_uniform(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """(B,) int64 seeds and steps -> (B,) float64 uniforms in [0, 1); the kernel computes the same values."""
-    return _counter_bits53(seed.long(), step.long()).double() * _INV_2_53
+    return counter_bits53(seed.long(), step.long()).double() * INV_2_53
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. Reference (pure torch): the test oracle and the CPU path
+# 1. Reference (pure torch): the test oracle and the CPU path
 # ---------------------------------------------------------------------------------------------------------------
 
 def _kept_weights(logits, temps, ks, ps, minps):
@@ -141,305 +107,146 @@ def sample_reference(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. Kernel: one block per row; every loop over V is strided by `block` (coalesced) except the final scan
-# ---------------------------------------------------------------------------------------------------------------
-_KEY_LO = -(2**31)  # below every key of a non-NaN float32: count(key >= _KEY_LO) == V
-# Numba names the kernel uses, bound by _build_kernel on first use (numba is imported lazily). They must be module
-# globals: the CUDA simulator runs the kernel as Python and swaps the module-global `cuda` for its fake module.
-cuda = float64 = int64 = None
-
-
-def _order_key(bits):
-    """int32 bit pattern of a float32 -> int64 key with key(a) < key(b) iff a < b; -0.0 and +0.0 both map to 0."""
-    b = bits * 1  # widen: bits arrive as int32 (int64 in Numba's arithmetic)
-    if b < 0:
-        return (b ^ 0x7FFFFFFF) + 1
-    return b
-
-
-@functools.lru_cache(maxsize=1)
-def _register_helpers() -> None:
-    """Make the plain-Python helpers callable from device code (once per process; the simulator calls them as
-    ordinary Python, and the same functions run on torch tensors in the reference)."""
-    try:
-        from numba.cuda.extending import register_jitable
-    except ImportError:  # simulator builds without the extending module
-        return
-    for fn in (_mul32, _fmix32, _counter_bits53, _order_key):
-        register_jitable(fn)
-
-
-@functools.lru_cache(maxsize=None)
-def _build_kernel(block: int):
-    """Compile-once factory: `block` is a compile-time constant (shared-memory sizes, reduction trees)."""
-    global cuda, float64, int64
-    from numba import cuda, float64, int64
-    from numba.cuda.core import config
-
-    # launch_bounds caps registers so `block` threads fit one SM (64 per thread at 1024; the simulator lacks it)
-    kernel_options = {} if config.ENABLE_CUDASIM else {"launch_bounds": block}
-
-    _register_helpers()
-
-    @cuda.jit(device=True)
-    def block_sum(sh, v, tid):
-        sh[tid] = v
-        cuda.syncthreads()
-        s = block // 2
-        while s > 0:
-            if tid < s:
-                sh[tid] += sh[tid + s]
-            cuda.syncthreads()
-            s //= 2
-        total = sh[0]
-        cuda.syncthreads()  # everyone has read sh[0] before sh is reused
-        return total
-
-    @cuda.jit(device=True)
-    def block_max(sh, v, tid):
-        sh[tid] = v
-        cuda.syncthreads()
-        s = block // 2
-        while s > 0:
-            if tid < s and sh[tid + s] > sh[tid]:
-                sh[tid] = sh[tid + s]
-            cuda.syncthreads()
-            s //= 2
-        best = sh[0]
-        cuda.syncthreads()
-        return best
-
-    @cuda.jit(device=True)
-    def block_argmax(sh_k, sh_j, key, idx, tid):
-        """(max key, lowest index holding it) over the block."""
-        sh_k[tid] = key
-        sh_j[tid] = idx
-        cuda.syncthreads()
-        s = block // 2
-        while s > 0:
-            if tid < s:
-                k2 = sh_k[tid + s]
-                j2 = sh_j[tid + s]
-                if k2 > sh_k[tid] or (k2 == sh_k[tid] and j2 < sh_j[tid]):
-                    sh_k[tid] = k2
-                    sh_j[tid] = j2
-            cuda.syncthreads()
-            s //= 2
-        best_k = sh_k[0]
-        best_j = sh_j[0]
-        cuda.syncthreads()
-        return best_k, best_j
-
-    @cuda.jit(device=True)
-    def block_reduce3(sh_f, sh_k, sh_j, total, kmin, kmax, tid):
-        """(sum of total, min of kmin, max of kmax) over the block in one reduction tree."""
-        sh_f[tid] = total
-        sh_k[tid] = kmin
-        sh_j[tid] = kmax
-        cuda.syncthreads()
-        s = block // 2
-        while s > 0:
-            if tid < s:
-                sh_f[tid] += sh_f[tid + s]
-                if sh_k[tid + s] < sh_k[tid]:
-                    sh_k[tid] = sh_k[tid + s]
-                if sh_j[tid + s] > sh_j[tid]:
-                    sh_j[tid] = sh_j[tid + s]
-            cuda.syncthreads()
-            s //= 2
-        total = sh_f[0]
-        kmin = sh_k[0]
-        kmax = sh_j[0]
-        cuda.syncthreads()
-        return total, kmin, kmax
-
-    @cuda.jit(device=True)
-    def bisect_threshold(logits, bits, row, lo, hi, m, T, by_mass, need, sh_f, sh_k, sh_j, tid):
-        """Largest key t in [lo, hi] with measure(key >= t) >= need; measure = count (by_mass False) or sum of w.
-        Needs measure(key >= lo) >= need and hi a data key. Bisection over the int keys, and every round also
-        reduces the nearest data keys on both sides of mid, to which lo / hi snap: the loop ends as soon as the
-        bracket holds one data key, after about log2(key range / gap at the threshold) rounds (at most 32)."""
-        V = logits.shape[1]
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            meas = 0.0
-            above = hi  # smallest data key >= mid (hi is one)
-            below = lo  # largest data key in [lo, mid); one exists whenever the round fails (see the docstring)
-            for i in range(tid, V, block):
-                key = _order_key(bits[row, i])
-                if key >= mid:
-                    if by_mass:
-                        meas += math.exp((logits[row, i] - m) / T)
-                    else:
-                        meas += 1.0
-                    if key < above:
-                        above = key
-                elif key > below:
-                    below = key
-            meas, above, below = block_reduce3(sh_f, sh_k, sh_j, meas, above, below, tid)
-            if meas >= need:
-                lo = above  # same kept set as mid
-            else:
-                hi = below
-        return lo
-
-    @cuda.jit(**kernel_options)
-    def sample_kernel(logits, bits, temps, ks, ps, minps, seeds, steps, out):
-        # logits (B, V) f32; bits (B, V) i32 = the same memory viewed as int32; params (B,); out (B,) int64
-        row = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        V = logits.shape[1]
-        sh_f = cuda.shared.array(block, float64)
-        sh_k = cuda.shared.array(block, int64)
-        sh_j = cuda.shared.array(block, int64)
-
-        # argmax: the greedy answer, m and the upper end of both bisections
-        best_k = _KEY_LO - 1
-        best_j = V
-        for i in range(tid, V, block):
-            key = _order_key(bits[row, i])
-            if key > best_k:  # strict: the first (lowest) i of this thread wins ties
-                best_k = key
-                best_j = i
-        key_max, i_max = block_argmax(sh_k, sh_j, best_k, best_j, tid)
-        T = temps[row]
-        if not (T > 0):  # greedy row (block-uniform branch, so the early return is safe)
-            if tid == 0:
-                out[row] = i_max
-            return
-        m = logits[row, i_max]
-
-        # top-k: the k-th largest key is the largest t with count(key >= t) >= k, so logits tied with it are kept
-        k = ks[row]
-        t_k = _KEY_LO
-        if k > 0 and k < V:
-            t_k = bisect_threshold(logits, bits, row, _KEY_LO, key_max, m, T, False, float64(k),
-                                   sh_f, sh_k, sh_j, tid)
-
-        # top-p: largest t >= t_k with mass(key >= t) >= p * mass(key >= t_k). Probabilities are monotone in the
-        # logit, so bisecting on the logit key is bisecting on the probability threshold, ties included
-        p = ps[row]
-        t_p = t_k
-        if p < 1.0:
-            z = 0.0
-            for i in range(tid, V, block):
-                if _order_key(bits[row, i]) >= t_k:
-                    z += math.exp((logits[row, i] - m) / T)
-            need = float64(p) * block_sum(sh_f, z, tid)
-            t_p = bisect_threshold(logits, bits, row, t_k, key_max, m, T, True, need, sh_f, sh_k, sh_j, tid)
-
-        # draw: thread tid owns the contiguous vocab segment [start, end) so the block scan follows vocab order
-        q = minps[row]
-        seg = (V + block - 1) // block
-        start = tid * seg
-        end = min(start + seg, V)
-        s = 0.0
-        for i in range(start, end):
-            if _order_key(bits[row, i]) >= t_p:
-                w = math.exp((logits[row, i] - m) / T)
-                if w >= q:
-                    s += w
-        sh_f[tid] = s  # inclusive Hillis-Steele scan of the segment sums
-        cuda.syncthreads()
-        off = 1
-        while off < block:
-            v = 0.0
-            if tid >= off:
-                v = sh_f[tid - off]
-            cuda.syncthreads()
-            sh_f[tid] += v
-            cuda.syncthreads()
-            off *= 2
-        incl = sh_f[tid]
-        excl = 0.0
-        if tid > 0:
-            excl = sh_f[tid - 1]
-        target = float64(_counter_bits53(seeds[row], steps[row])) * _INV_2_53 * sh_f[block - 1]
-        # the segment holding the target; rounding can leave none (target at the very top) or, the scan not being
-        # bitwise monotone, two: take the lowest claimant, else the last segment with mass
-        claim = block
-        if s > 0.0 and excl <= target and target < incl:
-            claim = tid
-        winner = -block_max(sh_j, -claim, tid)
-        if winner == block:
-            has = -1
-            if s > 0.0:
-                has = tid
-            winner = block_max(sh_j, has, tid)
-        if tid == winner:
-            acc = excl
-            ans = -1
-            last = -1
-            for i in range(start, end):
-                if _order_key(bits[row, i]) >= t_p:
-                    w = math.exp((logits[row, i] - m) / T)
-                    if w >= q and w > 0.0:
-                        last = i
-                        acc += w
-                        if acc > target:
-                            ans = i
-                            break
-            if ans < 0:
-                ans = last
-            out[row] = ans
-
-    return sample_kernel
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 4. Launch configuration
+# 2. The kernel's launch sequence on numpy arrays (the CUDA simulator's driver; tests only)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _pick_block(V: int) -> int:
-    """Threads per block: a power of two in [32, 1024], about 16 vocab entries per thread (V=32000 -> 1024)."""
-    block = 32
-    while block < 1024 and block * 16 < V:
-        block *= 2
-    return block
+def _needs(temps, ks, ps, V) -> tuple[bool, bool, bool]:
+    """(greedy only, some row has top-k, some row has top-p) from host-side per-row values."""
+    hot = [float(t) > 0 for t in temps]
+    needs_k = any(h and 0 < int(k) < V for h, k in zip(hot, ks))
+    needs_p = any(h and float(p) < 1.0 for h, p in zip(hot, ps))
+    return not any(hot), needs_k, needs_p
 
 
-def _launch(logits, bits, temps, ks, ps, minps, seeds, steps, out, block: int, stream=0):
-    """One launch for the whole batch: grid B blocks, `block` threads. Arrays are numpy or Numba device arrays."""
-    if block & (block - 1) or not 1 <= block <= 1024:
-        raise ValueError(f"block must be a power of two in [1, 1024], got {block}")
-    _build_kernel(block)[logits.shape[0], block, stream](logits, bits, temps, ks, ps, minps, seeds, steps, out)
-
-
-def _sample_numba_arrays(logits, temps, ks, ps, minps, seeds, steps, *, block=None):
-    """numpy driver (tests, CUDA simulator): (B, V) logits and (B,) params -> (B,) int64 tokens."""
+def _sample_numba_arrays(logits, temps, ks, ps, minps, seeds, steps, *, block=None, nb=None, splits=None):
+    """numpy driver (tests, CUDA simulator): (B, V) logits and (B,) params -> (B,) int64 tokens. `steps` is not
+    modified (the launches advance a copy, as the device counter advances on the GPU)."""
     import numpy as np
+
+    from cuda_ops.sampling_kernel import BLOCK, NB
 
     x = np.ascontiguousarray(logits, dtype=np.float32)
     B, V = x.shape
     row = lambda a, dt: np.array(np.broadcast_to(np.asarray(a, dtype=dt), (B,)))  # noqa: E731 (writable copy)
+    params = [row(temps, np.float32), row(ks, np.int64), row(ps, np.float32), row(minps, np.float32),
+              row(seeds, np.int64), row(steps, np.int64)]
+    plan = SamplingPlan(B, V, splits=splits, block=block or BLOCK, nb=nb or NB)
     out = np.full(B, -1, dtype=np.int64)
-    _launch(x, x.view(np.int32), row(temps, np.float32), row(ks, np.int64), row(ps, np.float32),
-            row(minps, np.float32), row(seeds, np.int64), row(steps, np.int64), out, block or _pick_block(V))
+    ws = [np.zeros(shape, dt) for shape, dt in plan.workspace_shapes()]
+    kernel = plan.configured()
+    n = plan.n_launches(*_needs(params[0], params[1], params[2], V))
+    for i in range(n):
+        kernel(x, x.view(np.int32), *params, out, *ws, i, i == n - 1)
     return out
 
 
-def _sample_numba_torch(logits, temps, ks, ps, minps, seeds, steps, block=None) -> torch.Tensor:
-    from cuda_ops.dispatch import as_numba, check_same_device, torch_stream
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Sampler: everything a generation's sampling calls need, prepared once
+# ---------------------------------------------------------------------------------------------------------------
 
-    x = logits.float().contiguous()  # (B, V) fp32; a copy only for fp16/bf16 or strided logits
-    check_same_device(x)
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    args = [as_numba(a) for a in (x, x.view(torch.int32), temps, ks, ps, minps, seeds, steps, out)]
-    _launch(*args, block=block or _pick_block(x.shape[1]), stream=torch_stream())
-    return out
+class Sampler:
+    """Per-generation sampling: per-row parameters, the step counter and the kernel's buffers allocated once.
+
+    Sampler(B, V, device=..., temperature, top_k, top_p, min_p, seed, step): each parameter a Python number or a
+    (B,) tensor (as for `sample`). sampler(logits (B, V) any float dtype) -> (B,) int64 tokens, then every row's
+    step advances by 1 on the device; the same (logits, parameters, seed, step) give the same tokens as `sample`.
+    On the Numba backend the result is `sampler.out`, a buffer the next call overwrites; logits are first copied
+    into `sampler.logits` (fp32), so writing them there directly saves the copy. graph: None (default) captures
+    the launch sequence in a CUDA graph on the second call outside any capture; False never does.
+    Python-number parameters let the launch sequence skip the top-k / top-p searches nobody uses; tensor
+    parameters are not read on the host (that would sync), so the sequence then covers every filter.
+    """
+
+    def __init__(self, batch_size: int, vocab_size: int, *, device: torch.device | str = "cpu", temperature=1.0,
+                 top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0, backend: str | None = None,
+                 splits: int | None = None, graph: bool | None = None):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.B, self.V, self.device = batch_size, vocab_size, device
+        probe = torch.empty(batch_size, vocab_size, device="meta")
+        temps, ks, ps, minps, seeds, steps = _row_params(probe, temperature, top_k, top_p, min_p, seed, step,
+                                                         device=device)
+        self.temps, self.ks, self.ps, self.minps, self.seeds = temps, ks, ps, minps, seeds
+        self.steps = steps.clone()  # (B,) int64, advanced in place by every call
+        self.backend = resolve_backend(device, backend)
+        if any(isinstance(v, torch.Tensor) for v in (temperature, top_k, top_p)):
+            self.needs = (False, True, True)  # not read on the host: every filter may be on
+        else:
+            self.needs = _needs([temperature] * batch_size, [top_k] * batch_size, [top_p] * batch_size, vocab_size)
+        self.graph_wanted = graph is not False
+        self._graph = None
+        self._calls = 0
+        if self.backend == "numba":
+            self._setup_numba(splits)
+
+    def _setup_numba(self, splits):
+        from cuda_ops.dispatch import as_numba, check_same_device
+
+        B, V, dev = self.B, self.V, self.device
+        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.plan = SamplingPlan(B, V, splits=splits, n_sm=n_sm)
+        self.n_launches = self.plan.n_launches(*self.needs)
+        self.logits = torch.empty(B, V, dtype=torch.float32, device=dev)  # (B, V) the kernel's input buffer
+        check_same_device(self.logits)
+        self.out = torch.empty(B, dtype=torch.int64, device=dev)
+        self._ws = [torch.zeros(shape, dtype=getattr(torch, dt), device=dev) for shape, dt in self.plan.workspace_shapes()]
+        # Numba views made once, here: nothing of Numba's array machinery runs per call (or during a capture)
+        tensors = [self.logits, self.logits.view(torch.int32), self.temps, self.ks, self.ps, self.minps, self.seeds,
+                   self.steps, self.out, *self._ws]
+        self._args = [as_numba(t) for t in tensors]
+        self._kernels = {}  # torch stream pointer -> configured kernel
+
+    def reset(self, *, seed=None, step=0) -> None:
+        """Start a new sequence of draws: steps back to `step` (device fill), seeds replaced when given."""
+        self.steps.fill_(step) if not isinstance(step, torch.Tensor) else self.steps.copy_(step)
+        if seed is not None:
+            self.seeds.copy_(_per_row(seed, "seed", self.B, torch.int64, self.device))
+
+    def _launch(self) -> None:
+        from cuda_ops.dispatch import torch_stream
+
+        stream = torch.cuda.current_stream(self.device)
+        kernel = self._kernels.get(stream.cuda_stream)
+        if kernel is None:
+            kernel = self._kernels[stream.cuda_stream] = self.plan.configured(torch_stream())
+        n = self.n_launches
+        for i in range(n):
+            kernel(*self._args, i, i == n - 1)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if tuple(logits.shape) != (self.B, self.V):
+            raise ValueError(f"Sampler was made for ({self.B}, {self.V}) logits, got {tuple(logits.shape)}")
+        if self.backend != "numba":
+            tokens = _sample_reference_rows(logits, self.temps, self.ks, self.ps, self.minps, self.seeds, self.steps)
+            self.steps += 1
+            return tokens
+        if logits is not self.logits:
+            self.logits.copy_(logits)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self._graph is not None and not capturing:
+            self._graph.replay()
+            return self.out
+        self._launch()
+        self._calls += 1
+        if self.graph_wanted and not capturing and self._calls >= 2:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records the launches; nothing runs, the step counter stays put
+                self._launch()
+            self._graph = graph
+        return self.out
 
 
-def warmup(block: int = 1024) -> float:
-    """Compile the kernel for `block` ahead of the first generation step; returns the seconds it took."""
-    import numpy as np
-
+def warmup(vocab_size: int = 32000) -> float:
+    """Compile the kernel ahead of the first generation step (CUDA); returns the seconds it took."""
     t0 = time.perf_counter()
-    _sample_numba_arrays(np.zeros((1, 2 * block), np.float32), 1.0, 0, 1.0, 0.0, 0, 0, block=block)
+    Sampler(1, vocab_size, device="cuda", top_k=5, top_p=0.9, graph=False)(torch.zeros(1, vocab_size, device="cuda"))
+    torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. Public entry
+# 4. Public entry
 # ---------------------------------------------------------------------------------------------------------------
 
 def _per_row(value, name, B, dtype, device):
@@ -455,8 +262,9 @@ def _per_row(value, name, B, dtype, device):
     return torch.full((B,), value, dtype=dtype, device=device)
 
 
-def _row_params(logits, temperature, top_k, top_p, min_p, seed, step):
-    """Validate scalars (tensor values are not checked: that would sync) and expand everything to (B,) tensors."""
+def _row_params(logits, temperature, top_k, top_p, min_p, seed, step, device=None):
+    """Validate scalars (tensor values are not checked: that would sync) and expand everything to (B,) tensors
+    on `device` (default: the logits' device)."""
     if logits.dim() != 2:
         raise ValueError(f"sample(): logits must be (B, V), got shape {tuple(logits.shape)}")
     checks = (("temperature", temperature, lambda v: v >= 0, ">= 0 (0 = greedy)"),
@@ -466,7 +274,7 @@ def _row_params(logits, temperature, top_k, top_p, min_p, seed, step):
     for name, value, ok, rule in checks:
         if not isinstance(value, torch.Tensor) and not ok(value):
             raise ValueError(f"sample(): {name}={value!r} is out of range; it must be {rule}")
-    B, dev = logits.shape[0], logits.device
+    B, dev = logits.shape[0], device or logits.device
     return (_per_row(temperature, "temperature", B, torch.float32, dev),
             _per_row(top_k, "top_k", B, torch.int64, dev),
             _per_row(top_p, "top_p", B, torch.float32, dev),
@@ -478,14 +286,18 @@ def _row_params(logits, temperature, top_k, top_p, min_p, seed, step):
 def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0, backend=None) -> torch.Tensor:
     """Draw one token per row. logits (B, V) any float dtype; each parameter a Python number or a (B,) tensor.
 
-    Returns (B,) int64 on logits.device. Same (logits, params, seed, step) -> same tokens; advance `step` every
-    generation step (a (B,) `step` tensor is accepted too). On CUDA with numba-cuda this is one kernel launch on
-    torch's current stream with no host sync (given per-row tensors already on the device); elsewhere, or with
-    backend="reference", the pure-torch reference runs. See the module docstring for the exact filter rules.
+    Returns a new (B,) int64 tensor on logits.device. Same (logits, params, seed, step) -> same tokens; advance
+    `step` every generation step (a (B,) `step` tensor is accepted too). On CUDA with numba-cuda this runs a
+    one-off Sampler (its buffers are allocated per call: a generation loop should hold a Sampler instead); with
+    per-row tensors already on the device nothing syncs. Elsewhere, or with backend="reference", the pure-torch
+    reference runs. See the module docstring for the exact filter rules.
     """
     params = _row_params(logits, temperature, top_k, top_p, min_p, seed, step)
-    if logits.shape[0] == 0:
+    B, V = logits.shape
+    if B == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     if resolve_backend(logits.device, backend) == "numba":
-        return _sample_numba_torch(logits, *params)
+        sampler = Sampler(B, V, device=logits.device, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          seed=seed, step=step, backend="numba", graph=False)
+        return sampler(logits)
     return _sample_reference_rows(logits, *params)

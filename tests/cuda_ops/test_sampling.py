@@ -10,6 +10,7 @@ import torch
 from scipy import stats
 
 from cuda_ops import sampling as S
+from cuda_ops import sampling_kernel as K
 from cuda_ops.dispatch import KernelBackendError
 from cuda_ops.sampling import filtered_probs_reference, sample, sample_reference
 from tests.cuda_ops.sampling_checks import filtered_probs, kept_set
@@ -157,16 +158,16 @@ def njit_helpers():
     import numba
     from numba.extending import register_jitable
 
-    for fn in (S._mul32, S._fmix32, S._counter_bits53, S._order_key):
+    for fn in (K._mul32, K._fmix32, K.counter_bits53, K.order_key):
         register_jitable(fn)
-    return numba.njit(S._counter_bits53), numba.njit(S._order_key)
+    return numba.njit(K.counter_bits53), numba.njit(K.order_key)
 
 
 def test_hash_compiled_by_numba_equals_torch(njit_helpers):
     bits53, _ = njit_helpers
     seeds = [0, 1, -1, 7, 2**31 + 5, -(2**63), 2**63 - 1, 123456789012345]
     steps = [0, 1, 2**32 - 1, 2**32, 99, 2**62, 5, 17]
-    want = S._counter_bits53(torch.tensor(seeds), torch.tensor(steps)).tolist()
+    want = K.counter_bits53(torch.tensor(seeds), torch.tensor(steps)).tolist()
     assert [bits53(np.int64(s), np.int64(t)) for s, t in zip(seeds, steps)] == want
     assert all(0 <= w < 2**53 for w in want)
 
@@ -177,7 +178,7 @@ def test_order_key_is_monotone_and_merges_signed_zeros(njit_helpers):
                     dtype=np.float32)
     vals = np.concatenate([vals, np.random.default_rng(0).normal(size=200).astype(np.float32) * 50])
     keys = np.array([order_key(b) for b in vals.view(np.int32)])
-    py_keys = np.array([S._order_key(int(b)) for b in vals.view(np.int32)])
+    py_keys = np.array([K.order_key(int(b)) for b in vals.view(np.int32)])
     assert np.array_equal(keys, py_keys)
     for i in range(len(vals)):  # key order == float order, equality included (-0.0 == 0.0)
         assert np.array_equal(keys[i] < keys, vals[i] < vals) and np.array_equal(keys[i] == keys, vals[i] == vals)
