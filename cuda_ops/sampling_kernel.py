@@ -472,7 +472,7 @@ class SamplingPlan:
         """The configured kernel `kernel[grid, block, stream]`, made once: Numba's low-occupancy check runs when a
         launch is configured, so it runs once per plan. A grid under MIN_GRID blocks here is as large as the problem
         allows (pick_splits), so that warning says nothing actionable and is silenced for this configuration only."""
-        from numba.core.errors import NumbaPerformanceWarning
+        from numba.cuda.core.errors import NumbaPerformanceWarning  # numba-cuda's own class, not numba.core's
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU under-utilization",

@@ -34,8 +34,9 @@ Prompts of different lengths are LEFT-padded to a common length P (any token id 
 positions start at 0 at the first real token, so each row matches running its prompt alone. Equal-length
 prompts need no left_pad. The cache (model/kv_cache.py) is static: allocated at max_len, in the dtype the keys
 are computed in (the autocast dtype under autocast), with its RoPE tables; a one-token call is a fixed-shape
-masked step over all max_len slots (`decode_step`), so it never rebuilds an attention plan, can be captured in
-a CUDA graph, and runs the blocks' submodules eagerly even after `compile_blocks`.
+masked step over a bucket of filled slots with split-K attention (`decode_step`; `decode_compute` is its
+graph-safe part, what pipeline/train/generate.py compiles and captures in a CUDA graph), so it never rebuilds an
+attention plan, and runs the blocks' submodules eagerly even after `compile_blocks`.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from model.kv_cache import KVCache, decode_step
+from model.kv_cache import KVCache, decode_compute, decode_step
 from model.rope import apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
 from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
 from model.tiers import Tier, get_tier
@@ -319,6 +320,11 @@ class Decoder(TokenModel):
         """tok (B,) int64, one new token per row -> hidden (B, D): the fixed-shape step of model/kv_cache.py
         (what `self(tok[:, None], kv_cache=cache)` runs, without the sequence axis)."""
         return decode_step(self, tok, kv_cache)
+
+    def decode_compute(self, tok: torch.Tensor, kv_cache: KVCache, span: int | None = None) -> torch.Tensor:
+        """The graph-safe part of `decode_step` (model/kv_cache.py): advances only device state, attends over
+        `span` slots (default kv_cache.decode_span()); the caller keeps kv_cache.length."""
+        return decode_compute(self, tok, kv_cache, span)
 
     def _mask(self, doc_ids: torch.Tensor | None, T: int, device: torch.device, B: int = 1):
         """The attention mask for a training/eval forward: None (SDPA is_causal), dense tensor, BlockMask,

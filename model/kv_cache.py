@@ -6,14 +6,20 @@
 
 Why static. Decoding one token at a time with a cache that grows by one slot per step gives every step new
 shapes: a new cuDNN attention plan per key length (78% of the time in the first H100 run), a new allocation per
-step, and a recompile per step under torch.compile. Here the cache is (n_layers, B, n_kv_heads, max_len, hd),
-allocated zeroed at its final length; a decode step writes its key/value at slot `pos` (a device tensor) and
-attends over all max_len slots with a mask (slot <= pos and slot >= the row's left pad). Every tensor of a
-step has the same shape and address at every step, and the step reads no Python state that changes, so it
-can be captured once in a CUDA graph and replayed (pipeline/train/generate.py does that on CUDA) and a
-torch.compile'd step never recompiles (tests/model/test_kv_cache.py checks that on CPU). The price: attention
-reads max_len slots instead of the pos filled ones (at most 2x the attention work over a generation; the
-projections and MLP, which dominate at short context, are unchanged).
+step, and a recompile per step under torch.compile. Here the cache is (n_layers, B, n_kv_heads, slots, hd),
+allocated zeroed once (slots = max_len rounded up to SPAN_QUANTUM); a decode step writes its key/value at slot
+`pos` (a device tensor) and attends over the first `span` slots with a mask (slot <= pos and slot >= the row's
+left pad). The step reads no Python state that changes, so it can be captured in a CUDA graph and replayed
+(pipeline/train/generate.py does that on CUDA) and a torch.compile'd step does not recompile while its span stays
+(tests/model/test_kv_cache.py checks that on CPU).
+
+Span buckets (flash-decoding over the filled slots). `cache.decode_span()` is the number of slots the next step
+reads: the filled length + 1 rounded up to a bucket (a multiple of max(SPAN_QUANTUM, 2**(floor(log2 n) - 3))), so a
+step reads at most ~12.5% more than the filled slots, and a generation crosses a few buckets: one graph per bucket.
+Within the span, attention splits the key range into chunks of SPAN_QUANTUM slots: the scores are one batched
+matmul tiled along the keys, and the probabilities times values are one matmul per chunk (batched), summed in fp32
+(split-K), so every SM works on a share of a long cache even at batch 1 (the point of flash-decoding). With a
+32,768-token prompt and 128 new tokens a step reads at most 32,896 slots; after a 32-token prompt, 256.
 
 State. `length` (host int) and `pos` (a (1,) int64 device tensor) both count the filled slots, pad slots
 included. Eager calls (prefill, chunks, `decode_step`) advance both; `decode_compute`, the graph-safe part,
@@ -27,13 +33,23 @@ import torch
 
 from model.rope import apply_rope, rope_table
 
+SPAN_QUANTUM = 256  # slots per split-K chunk; spans and the allocated slots are multiples of it
+
+
+def span_bucket(n: int, limit: int) -> int:
+    """Slots a step reads when n slots are filled (n >= 1): n rounded up to a multiple of
+    max(SPAN_QUANTUM, 2**(floor(log2 n) - 3)), at most `limit` (a multiple of SPAN_QUANTUM)."""
+    grain = max(SPAN_QUANTUM, 1 << max(n.bit_length() - 4, 0))
+    return min(-(-n // grain) * grain, limit)
+
 
 class KVCache:
     """Keys/values of every layer for incremental decoding, preallocated to max_len.
 
-    k, v: (n_layers, B, n_kv_heads, max_len, head_dim) in `dtype` (the dtype the keys are computed in: the
-    model's, or the autocast dtype). left_pad: optional (B,) int64, the number of left-pad tokens at the start
-    of each row's prompt. cos/sin: (max_len, head_dim/2) RoPE tables in `dtype`.
+    k, v: (n_layers, B, n_kv_heads, slots, head_dim) in `dtype` (the dtype the keys are computed in: the
+    model's, or the autocast dtype), slots = max_len rounded up to SPAN_QUANTUM (the extra slots are never
+    visible). left_pad: optional (B,) int64, the number of left-pad tokens at the start of each row's prompt.
+    cos/sin: (slots, head_dim/2) RoPE tables in `dtype`.
     """
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
@@ -47,14 +63,15 @@ class KVCache:
         self.device = torch.device(device)
         self.length = 0
         # zeroed, not empty: masked slots get probability 0, and 0 * NaN garbage would still be NaN
-        self.k = torch.zeros(n_layers, batch_size, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.n_slots = -(-max_len // SPAN_QUANTUM) * SPAN_QUANTUM
+        self.k = torch.zeros(n_layers, batch_size, n_kv_heads, self.n_slots, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.left_pad = None if left_pad is None else left_pad.to(device=device, dtype=torch.int64)
         self.pad = self.left_pad if self.left_pad is not None else torch.zeros(batch_size, dtype=torch.int64,
                                                                                 device=device)  # (B,)
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # the next slot to write
-        self.slots = torch.arange(max_len, device=device)  # (S,)
-        self.cos, self.sin = rope_table(max_len, head_dim, rope_base, dtype=dtype, device=device)  # (S, hd/2)
+        self.slots = torch.arange(self.n_slots, device=device)  # (S,)
+        self.cos, self.sin = rope_table(self.n_slots, head_dim, rope_base, dtype=dtype, device=device)  # (S, hd/2)
 
     def reset(self) -> None:
         self.length = 0
@@ -67,6 +84,10 @@ class KVCache:
         if self.length + T > self.max_len:
             raise ValueError(f"KV cache is full: {self.length} + {T} tokens > max_len={self.max_len}; "
                              "create the cache with a larger max_len")
+
+    def decode_span(self) -> int:
+        """Slots the next one-token step attends over (a host int from `length`: see span_bucket)."""
+        return span_bucket(self.length + 1, self.n_slots)
 
     def advance(self, T: int) -> None:
         self.length += T
@@ -114,38 +135,48 @@ def _attend_one(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
                 key_bias: torch.Tensor) -> torch.Tensor:
     """One new token per row through model/decoder.py's Attention `attn`: x (B, 1, D) -> (B, 1, D).
 
-    Writes this token's key/value at slot cache.pos, then attends over all max_len slots; key_bias (B, 1, 1, S)
-    fp32 is 0 on visible slots and -inf elsewhere. Plain matmuls rather than SDPA: no backend choice and no plan
-    per shape, and grouped-query attention without copying keys (query head h reads key head h // G, as SDPA's
-    enable_gqa does)."""
+    Writes this token's key/value at slot cache.pos, then attends over the first L slots, L = key_bias.shape[-1]
+    (a multiple of SPAN_QUANTUM); key_bias (B, 1, 1, L) fp32 is 0 on visible slots and -inf elsewhere. Plain
+    matmuls rather than SDPA: no backend choice and no plan per shape, grouped-query attention without copying
+    keys (query head h reads key head h // G, as SDPA's enable_gqa does), and the split of the key range is
+    explicit (split-K over chunks of SPAN_QUANTUM slots)."""
     B = x.shape[0]
     H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    G, L = H // Hkv, key_bias.shape[-1]
+    n_chunks = L // SPAN_QUANTUM
     qk, v = attn.wqkv(x).split([(H + Hkv) * hd, Hkv * hd], dim=-1)  # (B, 1, *)
     qk = apply_rope(qk.view(B, 1, H + Hkv, hd), cos, sin)  # queries and keys rotated together: half the ops
     q, k = qk.split([H, Hkv], dim=2)  # (B, 1, H, hd), (B, 1, Hkv, hd)
     keys, values = cache.k[layer], cache.v[layer]  # (B, Hkv, S, hd) views
     keys.index_copy_(2, cache.pos, k.transpose(1, 2).to(keys.dtype))
     values.index_copy_(2, cache.pos, v.view(B, 1, Hkv, hd).transpose(1, 2).to(values.dtype))
-    q = q.reshape(B, Hkv, H // Hkv, hd).to(keys.dtype) * (1.0 / math.sqrt(hd))  # (B, Hkv, G, hd)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() + key_bias  # (B, Hkv, G, S) fp32
+    keys, values = keys[:, :, :L], values[:, :, :L]  # (B, Hkv, L, hd): the span only
+    q = q.reshape(B, Hkv, G, hd).to(keys.dtype) * (1.0 / math.sqrt(hd))  # (B, Hkv, G, hd)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() + key_bias  # (B, Hkv, G, L) fp32
     probs = scores.softmax(dim=-1).to(values.dtype)
-    y = torch.matmul(probs, values)  # (B, Hkv, G, hd)
-    return attn.wo(y.reshape(B, 1, H * hd))
+    # split-K: (B, Hkv, n, G, c) @ (B, Hkv, n, c, hd) -> (B, Hkv, n, G, hd), summed over the n chunks in fp32
+    p_chunks = probs.view(B, Hkv, G, n_chunks, SPAN_QUANTUM).transpose(2, 3)
+    v_chunks = values.reshape(B, Hkv, n_chunks, SPAN_QUANTUM, hd)
+    y = torch.matmul(p_chunks, v_chunks).sum(dim=2, dtype=torch.float32).to(values.dtype)  # (B, Hkv, G, hd)
+    return attn.wo(y.reshape(B, 1, H * hd).to(x.dtype))
 
 
-def decode_compute(decoder, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def decode_compute(decoder, tok: torch.Tensor, cache: KVCache, span: int | None = None) -> torch.Tensor:
     """The graph-safe part of a decode step: tok (B,) int64 -> hidden (B, D) after the final RMSNorm.
 
+    span: slots attended (a multiple of SPAN_QUANTUM covering the filled ones; default cache.decode_span()).
     Reads and advances only device state (cache.pos += 1 in place); no host sync, no shape that depends on the
     step. Does not check capacity and does not advance cache.length: use `decode_step` unless you replay this
-    in a CUDA graph (and then keep cache.length yourself)."""
+    in a CUDA graph (and then keep cache.length yourself, and a span that covers it)."""
+    L = cache.decode_span() if span is None else span
     pos = cache.pos  # (1,)
     rope_pos = (pos - cache.pad).clamp_min(0)  # (B,) position of the new token in its own prompt
     cos = cache.cos.index_select(0, rope_pos)[:, None, None]  # (B, 1, 1, hd/2)
     sin = cache.sin.index_select(0, rope_pos)[:, None, None]
-    visible = (cache.slots[None] <= pos) & (cache.slots[None] >= cache.pad[:, None])  # (B, S)
+    slots = cache.slots[:L]
+    visible = (slots[None] <= pos) & (slots[None] >= cache.pad[:, None])  # (B, L)
     key_bias = torch.zeros(visible.shape, dtype=torch.float32, device=pos.device).masked_fill_(
-        ~visible, float("-inf"))[:, None, None]  # (B, 1, 1, S)
+        ~visible, float("-inf"))[:, None, None]  # (B, 1, 1, L)
     x = decoder.tok_emb(tok[:, None])  # (B, 1, D)
     for i, block in enumerate(decoder.blocks):
         # the block's submodules, not block(): eager even after compile_blocks

@@ -1,4 +1,4 @@
-"""KV-cached batched generation from a checkpoint, with the cuda_ops sampling op.
+"""KV-cached batched generation from a checkpoint, with the cuda_ops sampler.
 
     python pipeline/run.py generate --checkpoint runs/<run>/checkpoints/phase0/step_000200 \
         --prompt "Once upon a time" --prompt "def main" --max-new-tokens 64 --top-p 0.95
@@ -6,19 +6,25 @@
     python bench/generate.py                          # decode tokens/s at batch 1, 8, 64
 
 Prompts of different lengths are left-padded into one batch; the KV cache masks the pads and starts each row's
-RoPE positions at its first real token. The prompt is one forward (prefill); then one fixed-shape decode step
-and one sampling call per new token for the whole batch, with no host sync inside the loop. The cache of
-model/decoder.py is static (model/kv_cache.py), so on CUDA the decode step (model + logits) is captured once in a
-CUDA graph after WARMUP_STEPS eager steps and replayed for every later token: one graph launch instead of
-hundreds of kernel launches per token. On CPU, or for a model without a graph-safe `decode_step` (any model
-that keeps the `new_kv_cache(batch_size, max_len, left_pad)` + `model(ids, kv_cache=cache)` protocol), the loop
-runs the same steps eagerly. On CUDA a checkpoint is loaded in bf16; an fp32 model (the eval-time samples)
-generates under bf16 autocast.
+RoPE positions at its first real token. The prompt is one forward (prefill); then one fixed-shape decode step per
+new token for the whole batch: model -> logits -> cuda_ops Sampler -> EOS bookkeeping -> the token written into
+the output, all on the device, with no host sync inside the loop.
+
+The whole step in one CUDA graph. For a model with a graph-safe `decode_compute(tok, cache, span)` (model/decoder.py;
+any model that adds one to the `new_kv_cache` + `model(ids, kv_cache=cache)` protocol gets the same path), the
+step -- model, sampler (a fixed sequence of Numba launches on buffers prepared once per generation), EOS mask and
+output write -- is captured once per attention span bucket (model/kv_cache.py: a handful per generation) after
+WARMUP_STEPS eager steps, and each later token is one graph replay: one host call per token. The step can be
+compiled first (`compile_step`: torch.compile of model + logits, default mode, which fuses the norms, RoPE, the
+softmax and the SwiGLU into a few Triton kernels and keeps the step graph-capturable), so a replay runs about a
+dozen kernels per layer instead of ~40. A model without `decode_compute` (only the generic protocol) runs the
+same step eagerly. On CUDA a checkpoint is loaded in bf16; an fp32 model (the eval-time samples) generates under
+bf16 autocast.
 
 Timing (GenerationTimings): prefill = the prompt forward and its logits; warm-up = the first sampling call (where
-Numba compiles the sampling kernel on first use), the eager warm-up steps and the graph capture; decode = the
-remaining steps. Each phase ends with a device sync, so the three are measured apart and the decode figure is
-the steady state.
+Numba compiles the sampling kernel on first use), the eager warm-up steps (where torch.compile compiles) and the
+graph capture; decode = the remaining steps (a capture for a new span bucket included). Each phase ends with a
+device sync, so the three are measured apart and the decode figure is the steady state.
 """
 from __future__ import annotations
 
@@ -30,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from cuda_ops.sampling import sample
+from cuda_ops.sampling import Sampler
 
 WARMUP_STEPS = 2  # eager decode steps before capture: cuBLAS and the allocator settle on the side stream first
+COMPILE_MIN_TOKENS = 8192  # compile_step=None compiles on CUDA when batch x new tokens reach this (amortised)
 
 
 @dataclass
@@ -46,7 +53,9 @@ class GenerationTimings:
     decode_tokens: int
     decode_s: float
     decode_cpu_s: float  # process CPU time during decode (all threads): on a shared CPU, less noisy than decode_s
-    cuda_graph: bool  # whether the decode steps replayed a CUDA graph
+    cuda_graph: bool  # whether the decode steps replayed a CUDA graph (model + sampler: the whole step)
+    compiled: bool = False  # whether the step was compiled (torch.compile) before capture
+    graphs: int = 0  # CUDA graphs captured (one per attention span bucket the generation crossed)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -72,50 +81,124 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _eager_step(decoder, cache):
-    """tok (B,) -> logits (B, V) fp32, eagerly: the static decode step when the model has one, else the generic
-    cache protocol (one token through `model(ids, kv_cache=cache)`)."""
-    if hasattr(decoder, "decode_step"):
-        return lambda tok: decoder.logits(decoder.decode_step(tok, cache))
-    return lambda tok: decoder.logits(decoder(tok[:, None], kv_cache=cache)[:, -1])
+def _decode_logits(decoder, tok: torch.Tensor, cache, span: int | None) -> torch.Tensor:
+    """tok (B,) -> logits (B, V) fp32 through the model's graph-safe step (what is compiled and captured)."""
+    return decoder.logits(decoder.decode_compute(tok, cache, span))
 
 
-def _captured_step(decoder, cache, example_tok: torch.Tensor):
-    """The decode step (model + logits) captured in a CUDA graph: tok (B,) -> logits (B, V), a static buffer
-    overwritten by the next call. model/kv_cache.py's decode_compute reads and advances only device state, so
-    replaying it is a real step; the host-side capacity check and cache.length are kept here."""
-    from model.kv_cache import decode_compute
+_compiled_decode_logits = {}  # torch.compile backend -> the compiled _decode_logits (compiled once per process)
 
-    static_tok = example_tok.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # records only: nothing runs, cache.pos is not advanced
-        static_logits = decoder.logits(decode_compute(decoder, static_tok, cache))
 
-    def step(tok: torch.Tensor) -> torch.Tensor:
-        cache.check(tok.shape[0], 1)
-        static_tok.copy_(tok)
-        graph.replay()
-        cache.length += 1
-        return static_logits
-
-    return step
+def _step_fn(decoder, cache, compile_backend: str | None):
+    """(tok (B,), span) -> logits (B, V) fp32; whether the step advances cache.length itself (generic protocol)."""
+    if not hasattr(decoder, "decode_compute"):
+        return (lambda tok, span: decoder.logits(decoder(tok[:, None], kv_cache=cache)[:, -1])), True
+    fn = _decode_logits
+    if compile_backend is not None:
+        # automatic dynamic shapes: the span (a Python int) is specialised on first use and turned symbolic at the
+        # first new bucket, so a generation compiles at most twice; default mode: no CUDA graphs of its own
+        fn = _compiled_decode_logits.get(compile_backend)
+        if fn is None:
+            fn = _compiled_decode_logits[compile_backend] = torch.compile(_decode_logits, backend=compile_backend)
+    return (lambda tok, span: fn(decoder, tok, cache, span)), False
 
 
 def _graph_wanted(decoder, device: torch.device, cuda_graph: bool | None) -> bool:
     """None (auto): on CUDA, for a model with a graph-safe decode step. True where it cannot run is an error."""
-    possible = device.type == "cuda" and hasattr(decoder, "decode_step")
+    possible = device.type == "cuda" and hasattr(decoder, "decode_compute")
     if cuda_graph and not possible:
-        raise ValueError("cuda_graph=True needs a CUDA device and a model with decode_step (model/decoder.py)")
+        raise ValueError("cuda_graph=True needs a CUDA device and a model with decode_compute (model/decoder.py)")
     return possible if cuda_graph is None else bool(cuda_graph)
+
+
+def _compile_backend(decoder, device: torch.device, compile_step: bool | str | None, tokens: int) -> str | None:
+    """The torch.compile backend for the step, or None. None (auto): inductor on CUDA for a model with
+    decode_compute once batch x new tokens reach COMPILE_MIN_TOKENS; True: inductor; a string: that backend."""
+    if compile_step is None:
+        compile_step = device.type == "cuda" and hasattr(decoder, "decode_compute") and tokens >= COMPILE_MIN_TOKENS
+    if not compile_step:
+        return None
+    if not hasattr(decoder, "decode_compute"):
+        raise ValueError("compile_step needs a model with decode_compute (model/decoder.py)")
+    return compile_step if isinstance(compile_step, str) else "inductor"
+
+
+class _DecodeLoop:
+    """The device state of one generation and its step: tok (B,) the last token, done (B,) bool, out (B, N),
+    col (1,) the next output column; `step(span)` runs model + sampler + bookkeeping with no host sync."""
+
+    def __init__(self, decoder, cache, sampler: Sampler, out: torch.Tensor, eos_id: int | None,
+                 compile_backend: str | None):
+        self.cache, self.sampler, self.out, self.eos_id = cache, sampler, out, eos_id
+        device = out.device
+        self.tok = torch.zeros(out.shape[0], dtype=torch.int64, device=device)
+        self.done = torch.zeros(out.shape[0], dtype=torch.bool, device=device)
+        self.col = torch.zeros(1, dtype=torch.int64, device=device)
+        self.model_step, self.advances_itself = _step_fn(decoder, cache, compile_backend)
+        self.span_of = getattr(cache, "decode_span", None) if not self.advances_itself else None
+        self.graphs: dict = {}
+
+    def emit(self, nxt: torch.Tensor) -> None:
+        if self.eos_id is not None:
+            nxt = torch.where(self.done, torch.full_like(nxt, self.eos_id), nxt)
+            self.done.logical_or_(nxt == self.eos_id)
+        self.out.index_copy_(1, self.col, nxt[:, None])
+        self.col += 1
+        self.tok.copy_(nxt)
+
+    def step(self, span: int | None) -> None:
+        self.emit(self.sampler(self.model_step(self.tok, span)))
+
+    def span(self) -> int | None:
+        return self.span_of() if self.span_of is not None else None
+
+    def check_room(self) -> None:
+        """A clear error before a step the cache has no room for (host-side; any cache with length and max_len)."""
+        if self.cache.length + 1 > self.cache.max_len:
+            raise ValueError(f"generation cache is full: {self.cache.length} + 1 tokens > "
+                             f"max_len={self.cache.max_len}; create it with a larger max_len")
+
+    def run_eager(self) -> None:
+        """One real step, host bookkeeping included."""
+        if not self.advances_itself:
+            self.check_room()
+        self.step(self.span())
+        if not self.advances_itself:
+            self.cache.length += 1
+
+    def capture(self, span, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        """Record the step for `span` (nothing runs: the device state and cache.length stay where they are)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self.step(span)
+        self.graphs[span] = graph
+        return graph
+
+    def run_graphed(self, stream: torch.cuda.Stream) -> None:
+        """One real step by replay; a new span bucket is first run eagerly on the side stream (compiling there
+        if needed: never inside a capture) and then captured for the following steps."""
+        span = self.span()
+        graph = self.graphs.get(span)
+        if graph is None:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.run_eager()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.capture(self.span(), stream)
+            return
+        self.check_room()
+        graph.replay()
+        self.cache.length += 1
 
 
 @torch.no_grad()
 def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
                        eos_id: int | None = None, pad_id: int = 0, cuda_graph: bool | None = None,
-                       sampling_backend: str | None = None) -> tuple[torch.Tensor, GenerationTimings]:
+                       sampling_backend: str | None = None,
+                       compile_step: bool | str | None = None) -> tuple[torch.Tensor, GenerationTimings]:
     """`generate_ids` plus the per-phase timings. sampling_backend: None (cuda_ops dispatch), "reference"
-    or "numba", passed to cuda_ops.sampling.sample."""
+    or "numba", passed to cuda_ops.sampling.Sampler. compile_step: see _compile_backend."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -123,21 +206,17 @@ def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int
     device = decoder.output_weight.device
     use_graph = _graph_wanted(decoder, device, cuda_graph)
     B, longest = len(prompts), max(len(p) for p in prompts)
+    backend = _compile_backend(decoder, device, compile_step, B * max_new_tokens)
     left_pad = torch.tensor([longest - len(p) for p in prompts], dtype=torch.int64)
     idx = torch.full((B, longest), pad_id, dtype=torch.int64)
     for i, p in enumerate(prompts):
         idx[i, longest - len(p):] = torch.tensor(p, dtype=torch.int64)
     idx, left_pad = idx.to(device), left_pad.to(device)  # one copy each, not one per prompt
     out = torch.empty(B, max_new_tokens, dtype=torch.int64, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
     seeds = torch.arange(B, dtype=torch.int64, device=device) + seed  # an independent stream per row
-
-    def emit(nxt: torch.Tensor, t: int) -> torch.Tensor:
-        if eos_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            done.logical_or_(nxt == eos_id)
-        out[:, t] = nxt
-        return nxt
+    V = decoder.output_weight.shape[0]
+    sampler = Sampler(B, V, device=device, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                      seed=seeds, backend=sampling_backend, graph=False)  # captured into the step's graph instead
 
     _sync(device)
     t0 = time.perf_counter()
@@ -146,61 +225,52 @@ def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int
     logits = decoder.logits(decoder(idx, kv_cache=cache)[:, -1])  # (B, V) fp32: prefill, last position only
     _sync(device)
     t1 = time.perf_counter()
-    # step 0 with the scalar arguments, which sample() validates; later steps pass the same values as (B,)
-    # tensors built once, and the step counter as a tensor updated in place (no per-step host-to-device copy)
-    nxt = emit(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds,
-                      step=0, backend=sampling_backend), 0)
-    row = lambda value, dtype: torch.full((B,), value, dtype=dtype, device=device)  # noqa: E731
-    params = dict(temperature=row(temperature, torch.float32), top_k=row(top_k, torch.int64),
-                  top_p=row(top_p, torch.float32), min_p=row(min_p, torch.float32), seed=seeds)
-    step_t = row(0, torch.int64)
-    step = _eager_step(decoder, cache)
+    loop = _DecodeLoop(decoder, cache, sampler, out, eos_id, backend)
+    loop.emit(sampler(logits))  # token 0 (step 0 of every row's stream)
     warm = min(WARMUP_STEPS, max_new_tokens - 1) if use_graph else min(1, max_new_tokens - 1)
     side = torch.cuda.Stream(device) if use_graph else None
     if side is not None:  # warm up on a side stream, as torch.cuda.graph asks; these are real steps
         side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for t in range(1, 1 + warm):
-            logits = step(nxt)
-            step_t.fill_(t)
-            nxt = emit(sample(logits, **params, step=step_t, backend=sampling_backend), t)
+        for _ in range(warm):
+            loop.run_eager()
     if side is not None:
         torch.cuda.current_stream(device).wait_stream(side)
     graphed = False
     if use_graph and 1 + warm < max_new_tokens:
         try:
-            step = _captured_step(decoder, cache, nxt)
+            loop.capture(loop.span(), side)
             graphed = True
         except RuntimeError as exc:  # a capture that fails leaves the eager step, which is always correct
             _sync(device)
             warnings.warn(f"CUDA-graph capture of the decode step failed, decoding eagerly: {exc}", stacklevel=2)
     _sync(device)
     t2, cpu2 = time.perf_counter(), time.process_time()
-    for t in range(1 + warm, max_new_tokens):
-        logits = step(nxt)
-        step_t.fill_(t)
-        nxt = emit(sample(logits, **params, step=step_t, backend=sampling_backend), t)
+    for _ in range(1 + warm, max_new_tokens):
+        loop.run_graphed(side) if graphed else loop.run_eager()
     _sync(device)
     t3, cpu3 = time.perf_counter(), time.process_time()
     timings = GenerationTimings(prefill_tokens=sum(map(len, prompts)), prefill_s=t1 - t0,
                                 warmup_tokens=B * (1 + warm), warmup_s=t2 - t1,
                                 decode_tokens=B * (max_new_tokens - 1 - warm), decode_s=t3 - t2,
-                                decode_cpu_s=cpu3 - cpu2, cuda_graph=graphed)
+                                decode_cpu_s=cpu3 - cpu2, cuda_graph=graphed, compiled=backend is not None,
+                                graphs=len(loop.graphs))
     return out, timings
 
 
 def generate_ids(decoder, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
                  eos_id: int | None = None, pad_id: int = 0, cuda_graph: bool | None = None,
-                 sampling_backend: str | None = None) -> torch.Tensor:
+                 sampling_backend: str | None = None, compile_step: bool | str | None = None) -> torch.Tensor:
     """(B, max_new_tokens) int64 new tokens for token-id prompts (rows finished at EOS are padded with eos_id).
 
     temperature 0 is greedy. Prompts are left-padded to the longest; the cache hides the pads. cuda_graph: None
-    (auto: on CUDA for a model with decode_step), True or False.
+    (auto: on CUDA for a model with decode_compute), True or False. compile_step: None (auto: on CUDA for long
+    generations, see COMPILE_MIN_TOKENS), True / False, or a torch.compile backend name.
     """
     ids, _ = generate_ids_timed(decoder, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, eos_id=eos_id, pad_id=pad_id,
-                                cuda_graph=cuda_graph, sampling_backend=sampling_backend)
+                                cuda_graph=cuda_graph, sampling_backend=sampling_backend, compile_step=compile_step)
     return ids
 
 
@@ -229,7 +299,8 @@ def prepare_for_generation(decoder, device: torch.device):
 
 
 def generate_texts(decoder, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, temperature: float = 0.8,
-                   top_k: int = 0, top_p: float = 0.95, seed: int = 0) -> GenerationOutput:
+                   top_k: int = 0, top_p: float = 0.95, seed: int = 0,
+                   compile_step: bool | None = None) -> GenerationOutput:
     """Text in, text out, with the tokenizer's BOS before each prompt and generation stopping at EOS."""
     ids = [[tokenizer.bos_id] + row for row in tokenizer.encode_batch(prompts)]
     was_training = decoder.training
@@ -238,7 +309,7 @@ def generate_texts(decoder, tokenizer, prompts: list[str], *, max_new_tokens: in
     with generation_autocast(decoder):
         new, timings = generate_ids_timed(decoder, ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_k=top_k, top_p=top_p, seed=seed, eos_id=tokenizer.eos_id,
-                                          pad_id=tokenizer.pad_id)
+                                          pad_id=tokenizer.pad_id, compile_step=compile_step)
     rows = [_trim(r, tokenizer.eos_id) for r in new.tolist()]  # the one host sync, at the end
     seconds = time.perf_counter() - t0
     decoder.train(was_training)
@@ -290,7 +361,7 @@ def eval_samples_hook(dataset_dir: str | Path, tracker, max_new_tokens: int):
 
     def hook(engine, metrics) -> None:
         out = generate_texts(engine.module.decoder, tokenizer, list(SAMPLE_PROMPTS), max_new_tokens=max_new_tokens,
-                             seed=engine.step)
+                             seed=engine.step, compile_step=False)  # a few tokens per eval: never worth a compile
         body = "\n\n".join(f"### prompt {p!r} (step {engine.step}, val/loss {metrics.get('val/loss', float('nan')):.4f})"
                            f"\n{p}{t}" for p, t in zip(SAMPLE_PROMPTS, out.texts))
         tracker.log_text(body + "\n", f"samples/step_{engine.step:06d}.txt")

@@ -129,7 +129,7 @@ def test_cache_is_allocated_once_at_max_len_and_decode_writes_in_place():
     tokens, _ = packed_row([10], batch=2, seed=2)
     cache = model.new_kv_cache(batch_size=2, max_len=16)
     tier = model.tier
-    assert cache.k.shape == (tier.n_layers, 2, tier.n_kv_heads, 16, tier.head_dim) == cache.v.shape
+    assert cache.k.shape == (tier.n_layers, 2, tier.n_kv_heads, 256, tier.head_dim) == cache.v.shape  # 16 -> 256
     buffers = (cache.k.data_ptr(), cache.v.data_ptr(), cache.pos.data_ptr())
     with torch.no_grad():
         model(tokens[:, :4], kv_cache=cache)
@@ -147,14 +147,15 @@ def test_cache_dtype_follows_autocast_and_rope_tables_match_per_position_angles(
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cache = model.new_kv_cache(batch_size=1, max_len=8)
     assert cache.dtype == torch.bfloat16 and cache.k.dtype == cache.cos.dtype == torch.bfloat16
-    fp32 = model.new_kv_cache(batch_size=1, max_len=300)
-    cos, sin = rope_cos_sin(torch.arange(300)[None], model.tier.head_dim, model.tier.rope_base)
+    fp32 = model.new_kv_cache(batch_size=1, max_len=300)  # 512 slots: max_len rounded up to the span quantum
+    cos, sin = rope_cos_sin(torch.arange(512)[None], model.tier.head_dim, model.tier.rope_base)
     assert torch.equal(fp32.cos, cos[0, :, 0]) and torch.equal(fp32.sin, sin[0, :, 0])  # bit for bit
 
 
 def test_compiled_decode_step_never_recompiles_and_matches_eager():
     """The fixed-shape step reads no host state that changes: compiled once (fullgraph, no graph break), it runs
-    every later step without a recompile — what lets a CUDA graph replay it — and gives the eager results."""
+    every later step of a span bucket without a recompile — what lets a CUDA graph replay it — and gives the
+    eager results."""
     import torch._dynamo
 
     from model.kv_cache import decode_compute
@@ -168,11 +169,43 @@ def test_compiled_decode_step_never_recompiles_and_matches_eager():
         for cache in caches:
             model(batch, kv_cache=cache)
         tok = torch.tensor([5, 6])
+        span = caches[1].decode_span()  # host int, chosen outside the compiled step (a graph per span bucket)
         for _ in range(5):
+            assert caches[1].decode_span() == span == 256
             eager = model.decode_step(tok, caches[0])
-            got = compiled(model, tok, caches[1])
+            got = compiled(model, tok, caches[1], span)
             caches[1].length += 1  # as the CUDA-graph replay keeps it: host state moves, the step must not read it
             torch.testing.assert_close(got, eager, rtol=0, atol=ATOL)
             tok = model.logits(eager).argmax(-1)
     assert int(caches[1].pos) == 6 + 5
     torch._dynamo.reset()
+
+
+def test_span_buckets_cover_the_filled_slots_with_bounded_waste():
+    from model.kv_cache import SPAN_QUANTUM, span_bucket
+
+    limit = 40 * 1024
+    prev = 0
+    for n in list(range(1, 3000, 7)) + [32768, 32769, 40000]:
+        L = span_bucket(n, limit)
+        assert n <= L <= limit and L % SPAN_QUANTUM == 0 and L >= prev
+        assert L <= max(n * 1.125, SPAN_QUANTUM) + 1 or L == -(-n // SPAN_QUANTUM) * SPAN_QUANTUM
+        prev = L
+    assert span_bucket(33, limit) == 256 and span_bucket(32769, 32896) == 32896
+    assert len({span_bucket(n, limit) for n in range(8193, 16385)}) == 8  # a graph per eighth of a doubling
+
+
+def test_split_k_attention_over_a_span_equals_the_full_cache():
+    """The same step attending over a 256-slot span and over all 768 slots (extra slots masked) agree: the span
+    reads only what is visible, and split-K sums the chunks exactly as one matmul would (fp32 here)."""
+    from model.kv_cache import decode_compute
+
+    model = make_model()
+    tokens, _ = packed_row([8], batch=2, seed=6)
+    caches = [model.new_kv_cache(batch_size=2, max_len=700) for _ in range(2)]
+    with torch.no_grad():
+        outs = []
+        for cache, span in zip(caches, (256, 768)):
+            model(tokens[:, :5], kv_cache=cache)
+            outs.append(torch.stack([decode_compute(model, tokens[:, t], cache, span) for t in range(5, 8)]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=ATOL)

@@ -115,3 +115,24 @@ def test_cuda_graph_decoding_equals_eager_decoding_in_bf16():
         graphed, timings = generate_ids_timed(decoder, prompts, max_new_tokens=12, cuda_graph=True, **kw)
         assert timings.cuda_graph
         assert torch.equal(graphed, eager), kw
+
+
+@torch.no_grad()
+def test_compiled_step_gives_the_same_tokens_and_compiles_once():
+    """compile_step (torch.compile of model + logits; the "eager" backend here: inductor's C++ build takes minutes
+    on 2 cores) keeps the tokens, and a second generation of the same shape reuses the compiled step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    decoder = make_decoder(5)
+    prompts = [[3, 4, 5], [6, 7, 8, 9]]
+    kw = dict(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=7)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = generate_ids(decoder, prompts, compile_step="eager", **kw)
+    frames = counters["stats"]["unique_graphs"]
+    assert torch.equal(compiled, generate_ids(decoder, prompts, compile_step=False, **kw))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again, timings = generate_ids_timed(decoder, prompts, compile_step="eager", **kw)
+    assert torch.equal(again, compiled) and timings.compiled and frames == counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
