@@ -38,6 +38,31 @@ PEAK_BF16_FLOPS: list[tuple[str, float]] = [
 ]
 
 
+# Peak memory bandwidth in bytes/s by the same kind of name substring (vendors' HBM/GDDR figures); bench/decoder.py
+# reports each kernel's achieved GB/s as a share of it.
+PEAK_MEMORY_BYTES_PER_S: list[tuple[str, float]] = [
+    ("H200", 4.8e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100 NVL", 3.9e12),
+    ("H100", 3.35e12),  # SXM, HBM3
+    ("GH200", 4.0e12),
+    ("B200", 8.0e12),
+    ("A100-SXM4-80GB", 2.04e12),
+    ("A100", 1.56e12),
+    ("L40S", 0.864e12),
+    ("L4", 0.3e12),
+    ("A10", 0.6e12),
+]
+
+
+def peak_memory_bandwidth(device: torch.device) -> float | None:
+    """Peak memory bandwidth of `device` in bytes/s, or None when unknown (CPU, unlisted GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in PEAK_MEMORY_BYTES_PER_S if key in name), None)
+
+
 def peak_flops(device: torch.device) -> float | None:
     """Dense bf16 peak FLOP/s of `device`, or None when unknown (CPU, unlisted GPU): MFU is then not reported.
     LONGTRAIN_PEAK_TFLOPS, when set, wins on any device."""

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -27,6 +29,7 @@ def run_bench(script: str, out_dir: Path) -> dict:
     assert record["benchmark"] == script[:-3] and record["smoke"] is True
     assert {"date", "commit", "device"} <= record.keys()
     assert "ratio" in proc.stdout
+    record["_stdout"] = proc.stdout  # the printed tables, for the tests that check them
     return record
 
 
@@ -53,6 +56,20 @@ def test_decoder_smoke(tmp_path):
         for m in row["methods"].values():
             assert m["median_ms"] > 0 and m["first_call_ms"] > 0 and m["peak_bytes"] > 0
         assert {"eager_time_over_fused", "compiled_time_over_fused", "eager_peak_over_fused"} <= row["ratios"].keys()
-    samp = rec["sampling"]
-    assert samp["shape"]["batch"] == 4 and set(samp["methods"]) == {"cuda_ops", "torch_sort"}
-    assert samp["ratios"]["torch_sort_time_over_cuda_ops"] > 0
+    assert [(s["shape"]["batch"], s["shape"]["vocab"]) for s in rec["sampling"]] == [(1, 500), (4, 500)]
+    for samp in rec["sampling"]:
+        assert set(samp["methods"]) == {"sampler", "sampler_kernels", "torch_sort"}
+        assert samp["ratios"]["torch_sort_time_over_sampler"] > 0
+        assert samp["bytes_one_read"] == samp["shape"]["batch"] * 500 * 4
+    # the bytes-moved model: one row per kernel, figures derived from the model and the measured time
+    names = [k["kernel"] for k in rec["kernels"]]
+    assert names == ["fused CE fwd+bwd", "CE row kernel (float32)"] * 2 + ["sampler kernels (top-p)"] * 2
+    for k in rec["kernels"]:
+        assert k["bytes"] > 0 and k["median_ms"] > 0
+        assert k["gb_per_s"] == pytest.approx(k["bytes"] / (k["median_ms"] * 1e-3) / 1e9)
+        assert k["ms_at_3tbps"] == pytest.approx(k["bytes"] / 3e12 * 1e3)
+    t = rec["cross_entropy"][0]["traffic"]  # 64 tokens x 32 hidden x 500 vocab, fp32 on CPU, 32-row chunks
+    assert (t["chunks"], t["rows_per_chunk"]) == (2, 32)
+    assert t["rowwise_kernel"]["bytes"] == 3 * 64 * 500 * 4 + 64 * 16
+    assert t["logits_matmul"]["flops"] == 2 * 64 * 500 * 32
+    assert "bytes moved per kernel" in rec["_stdout"]
