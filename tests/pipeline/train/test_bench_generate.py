@@ -13,11 +13,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 
 
-def test_generate_bench_smoke(tmp_path):
+def run_smoke(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "LONGTRAIN_KERNELS"}
     # run as documented (`python bench/generate.py`) from outside the repo: the script finds its own imports
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "generate.py"), "--smoke", "--out", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(REPO / "bench" / "generate.py"), "--smoke", "--out", str(tmp_path),
+                           *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_bench_smoke(tmp_path):
+    proc = run_smoke(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = list(tmp_path.glob("generate_nano_t*-*.json"))
     assert len(files) == 1, files
@@ -31,3 +35,15 @@ def test_generate_bench_smoke(tmp_path):
         assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
         assert row["sampler_backend"] == "reference" and row["cuda_graph"] is False  # CPU
     assert "ratio kernels / reference" in proc.stdout
+
+
+def test_generate_bench_takes_prompt_lengths_and_the_resonance_family(tmp_path):
+    proc = run_smoke(tmp_path, "--mixer", "resonance", "--prompt-len", "4", "40", "--batch-sizes", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = json.loads(next(tmp_path.glob("generate_resonance_nano_t*-*.json")).read_text())
+    assert rec["shapes"]["mixer"] == "resonance" and rec["shapes"]["prompt_lens"] == [4, 40]
+    assert [(r["prompt_len"], r["batch"], r["sampler"]) for r in rec["rows"]] == [
+        (4, 1, "kernels"), (4, 1, "reference"), (40, 1, "kernels"), (40, 1, "reference")]
+    for row in rec["rows"]:
+        assert row["decode_tokens"] == 6 - 2 and row["decode_tokens_per_s"] > 0
+        assert row["prefill_tokens_per_s"] > 0 and row["compiled"] is False
