@@ -1,4 +1,5 @@
-"""The sampling Numba kernel on a real GPU at generation shapes (B=64 rows x V=32000), against the reference.
+"""The sampling Numba kernels on a real GPU at generation shapes (64 x 32,000, 1 x 32,000, 256 x 128,256), against
+the reference; the Sampler's own CUDA graph and its capture inside a caller's graph.
 
     .venv/bin/python -m pytest tests/cuda_ops/test_sampling_gpu.py -q -m gpu
 
@@ -33,7 +34,7 @@ def batch():
                   top_p=torch.tensor([1.0, 0.9, 0.5], device="cuda")[r % 3],
                   min_p=torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.2], device="cuda")[r % 7],
                   seed=r * 1000 + 17, step=torch.full((B,), 5, device="cuda"))
-    S.warmup(S._pick_block(V))
+    S.warmup(V)
     return logits, params
 
 
@@ -111,3 +112,50 @@ def test_no_host_sync_and_torch_stream_ordering(batch):
             torch.cuda.set_sync_debug_mode("default")
     stream.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(1, 32000), (256, 128256), (3, 8000)])
+def test_sampler_at_the_benchmark_shapes_draws_the_reference_token(shape):
+    """1 x 32,000 runs 64 blocks per row, 256 x 128,256 two, 3 x 8,000 (an eval batch) 31: every split merges."""
+    Bs, Vs = shape
+    g = torch.Generator(device="cuda").manual_seed(Bs)
+    x = torch.randn(Bs, Vs, device="cuda", generator=g) * 3
+    kw = dict(temperature=1.0, top_k=100, top_p=0.9, min_p=0.001)
+    sampler = S.Sampler(Bs, Vs, device="cuda", seed=torch.arange(Bs, device="cuda") + 5, **kw)
+    assert sampler.plan.S * Bs >= min(128, Bs * (Vs // 256))
+    for step in range(3):
+        got = sampler(x).clone()
+        want = sample(x, backend="reference", seed=torch.arange(Bs, device="cuda") + 5, step=step, **kw)
+        fragile = fragile_rows(x.cpu().numpy(), 1.0, 100, 0.9, 0.001, np.arange(Bs) + 5, step)
+        assert not ((got != want).cpu().numpy() & ~fragile).any(), step
+
+
+def test_sampler_graph_replays_equal_eager_calls_and_advance_the_step():
+    x = torch.randn(8, 32000, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)) * 2
+    eager = S.Sampler(8, 32000, device="cuda", top_p=0.9, seed=3, graph=False)
+    graphed = S.Sampler(8, 32000, device="cuda", top_p=0.9, seed=3)
+    for step in range(5):
+        want = eager(x).clone()
+        got = graphed(x).clone()
+        assert torch.equal(got, want), step
+    assert graphed._graph is not None  # captured on the second call, replayed after
+    assert graphed.steps.tolist() == eager.steps.tolist() == [5] * 8
+
+
+def test_sampler_records_into_a_callers_graph():
+    """What pipeline/train/generate.py does: the sampler's launches inside the caller's capture, on its stream."""
+    x = torch.randn(4, 32000, device="cuda")
+    sampler = S.Sampler(4, 32000, device="cuda", temperature=0.7, top_k=50, seed=1, graph=False)
+    ref = S.Sampler(4, 32000, device="cuda", temperature=0.7, top_k=50, seed=1, graph=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        first = sampler(x * 1.0).clone()  # warm-up on the capture stream: configures the launch for it
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out = sampler(x * 1.0)
+    assert torch.equal(first, ref(x))
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(out, ref(x))

@@ -136,3 +136,24 @@ def test_compiled_step_gives_the_same_tokens_and_compiles_once():
         again, timings = generate_ids_timed(decoder, prompts, compile_step="eager", **kw)
     assert torch.equal(again, compiled) and timings.compiled and frames == counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_compiled_whole_step_graph_equals_eager_across_span_buckets():
+    """A 250-token prompt and 40 new tokens cross the 256-slot span bucket: two graphs of the inductor-compiled
+    step, and the same greedy and sampled tokens as the same compiled step run eagerly (inductor's fused kernels
+    round differently from the uncompiled ops, so the comparison is compiled against compiled)."""
+    from pipeline.train.generate import prepare_for_generation
+    from tests.model.tiny import TINY_GPU, make_model
+
+    decoder = prepare_for_generation(make_model(TINY_GPU), torch.device("cuda"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 90, (250,), generator=g).tolist(), torch.randint(0, 90, (240,), generator=g).tolist()]
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, top_k=20, seed=4)):
+        eager = generate_ids(decoder, prompts, max_new_tokens=40, cuda_graph=False, compile_step=True, **kw)
+        graphed, timings = generate_ids_timed(decoder, prompts, max_new_tokens=40, cuda_graph=True,
+                                              compile_step=True, **kw)
+        assert timings.cuda_graph and timings.compiled and timings.graphs == 2
+        assert torch.equal(graphed, eager), kw
