@@ -118,12 +118,14 @@ def _needs(temps, ks, ps, V) -> tuple[bool, bool, bool]:
     return not any(hot), needs_k, needs_p
 
 
-def _sample_numba_arrays(logits, temps, ks, ps, minps, seeds, steps, *, block=None, nb=None, splits=None):
-    """numpy driver (tests, CUDA simulator): (B, V) logits and (B,) params -> (B,) int64 tokens. `steps` is not
-    modified (the launches advance a copy, as the device counter advances on the GPU)."""
+def _sample_numba_arrays(logits, temps, ks, ps, minps, seeds, steps, *, block=None, nb=None, splits=None,
+                         until_done=False, return_steps=False):
+    """numpy driver (tests, CUDA simulator): (B, V) logits and (B,) params -> (B,) int64 tokens (and the advanced
+    copy of `steps` with return_steps). until_done stops the fixed launch sequence once every row is done (a host
+    check between launches, which only the simulator can afford: it runs each GPU thread as a Python thread)."""
     import numpy as np
 
-    from cuda_ops.sampling_kernel import BLOCK, NB
+    from cuda_ops.sampling_kernel import BLOCK, DONE, NB, PHASE
 
     x = np.ascontiguousarray(logits, dtype=np.float32)
     B, V = x.shape
@@ -136,8 +138,11 @@ def _sample_numba_arrays(logits, temps, ks, ps, minps, seeds, steps, *, block=No
     kernel = plan.configured()
     n = plan.n_launches(*_needs(params[0], params[1], params[2], V))
     for i in range(n):
-        kernel(x, x.view(np.int32), *params, out, *ws, i, i == n - 1)
-    return out
+        last = i == n - 1 or (until_done and i > 0 and bool((ws[0][i % 2, :, PHASE] == DONE).all()))
+        kernel(x, x.view(np.int32), *params, out, *ws, i, last)
+        if last:
+            break
+    return (out, params[5]) if return_steps else out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,7 +204,10 @@ class Sampler:
 
     def reset(self, *, seed=None, step=0) -> None:
         """Start a new sequence of draws: steps back to `step` (device fill), seeds replaced when given."""
-        self.steps.fill_(step) if not isinstance(step, torch.Tensor) else self.steps.copy_(step)
+        if isinstance(step, torch.Tensor):
+            self.steps.copy_(step)
+        else:
+            self.steps.fill_(step)
         if seed is not None:
             self.seeds.copy_(_per_row(seed, "seed", self.B, torch.int64, self.device))
 

@@ -6,8 +6,10 @@ imported); the assertions live there, against the torch reference. By hand:
     NUMBA_ENABLE_CUDASIM=1 .venv/bin/python tests/cuda_ops/cudasim_sampling.py
 
 Prints one JSON object {case name: [token per row] | "error: traceback"}. The simulator runs every GPU thread as a
-Python thread, so shapes are tiny, blocks small (8-32 threads) and the buckets per round few (4 or 8, so searches
-take several rounds); rows are split over 2-4 blocks in most cases, so merges across blocks are exercised.
+Python thread, so shapes are tiny, blocks small (8-16 threads) and the buckets per round few (4 or 8, so searches
+take several rounds); rows are split over 2-4 blocks in most cases, so merges across blocks are exercised. Two
+cases run the whole fixed launch sequence (finished rows idling through the rest, as on the GPU); the others stop
+once every row is done, which only saves the simulator's time.
 Importing this file only needs numpy.
 """
 from __future__ import annotations
@@ -17,10 +19,11 @@ import numpy as np
 PARAMS = ("temps", "ks", "ps", "minps", "seeds", "steps")
 
 
-def _case(logits, block, temps=1.0, ks=0, ps=1.0, minps=0.0, seeds=0, steps=0, splits=1, nb=8):
+def _case(logits, block, temps=1.0, ks=0, ps=1.0, minps=0.0, seeds=0, steps=0, splits=1, nb=8, until_done=True):
     B = logits.shape[0]
     row = lambda v, dt: np.array(np.broadcast_to(np.asarray(v, dtype=dt), (B,)))  # noqa: E731
     return dict(logits=np.ascontiguousarray(logits, dtype=np.float32), block=block, splits=splits, nb=nb,
+                until_done=until_done,
                 temps=row(temps, np.float32), ks=row(ks, np.int64), ps=row(ps, np.float32),
                 minps=row(minps, np.float32), seeds=row(seeds, np.int64), steps=row(steps, np.int64))
 
@@ -31,7 +34,7 @@ def cases() -> dict[str, dict]:
     # one row per setting; V=200 is not a multiple of the block
     x = rng.normal(size=(4, 200)) * 3
     out["mixed"] = _case(x, 16, temps=[0.0, 1.0, 0.7, 1.3], ks=[0, 10, 0, 50], ps=[1.0, 1.0, 0.9, 0.8],
-                         minps=[0.0, 0.0, 0.05, 0.02], seeds=[1, 2, 3, -4], steps=[0, 3, 5, 2**33], splits=3, nb=4)
+                         minps=[0.0, 0.0, 0.05, 0.02], seeds=[1, 2, 3, -4], steps=[0, 3, 5, 2**33], splits=3, nb=4, until_done=False)
     # repeated values: the k-th value and the top-p threshold fall inside tied groups
     t = np.tile(rng.integers(-3, 3, size=100).astype(np.float64), (8, 1))
     out["ties"] = _case(t, 16, temps=[1.0, 1.0, 0.5, 2.0, 1.0, 1.0, 0.8, 1.0], ks=[3, 10, 0, 0, 20, 1, 5, 0],
@@ -45,8 +48,8 @@ def cases() -> dict[str, dict]:
     # +-1e4 logits: exp underflows to 0 except near the max; the hot rows keep a spread distribution
     e = rng.choice([-1e4, 1e4], size=(4, 130)) * rng.uniform(0.5, 1.0, size=(4, 130))
     out["extreme"] = _case(e, 16, temps=[1.0, 1e4, 5e3, 3e3], ks=[0, 0, 40, 0], ps=[1.0, 1.0, 0.9, 0.5],
-                           minps=[0, 0.01, 0, 0], seeds=[9, 8, 7, 6], splits=2)
-    out["extreme_again"] = out["extreme"]
+                           minps=[0, 0.01, 0, 0], seeds=[9, 8, 7, 6], splits=2, until_done=False)
+    out["extreme_again"] = dict(out["extreme"], until_done=True)  # the same tokens when the launches stop early
     # vocabulary smaller than the block: most threads own nothing
     out["small_vocab"] = _case(rng.normal(size=(4, 5)), 16, temps=[1.0, 0.5, 2.0, 1.0], ks=[0, 2, 0, 4],
                                ps=[1.0, 1.0, 0.5, 0.9], seeds=[1, 2, 3, 4])
@@ -77,8 +80,9 @@ if __name__ == "__main__":
     for name, c in cases().items():
         try:
             t0 = time.perf_counter()
-            toks = _sample_numba_arrays(c["logits"], *(c[p] for p in PARAMS), block=c["block"], nb=c["nb"],
-                                        splits=c["splits"])
+            toks, steps = _sample_numba_arrays(c["logits"], *(c[p] for p in PARAMS), block=c["block"], nb=c["nb"],
+                                               splits=c["splits"], until_done=c["until_done"], return_steps=True)
+            assert (steps == c["steps"] + 1).all(), "the last launch advances every row's step by one"
             print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             report[name] = toks.tolist()
         except Exception:  # report per case; the test shows the traceback
