@@ -23,7 +23,7 @@ is no second pass over the vocabulary. When no gradient is needed (eval, torch.n
 
 Bytes moved per logit on the kernel backend (bf16 / fp16 inputs; bench/decoder.py prints this model):
     the logits matmul writes the chunk in the input dtype (2 B)   -- what torch.compile's full-logits path writes
-    sweep 1 reads it once for an online (max, sum exp, argmax)     (2 B)
+    sweep 1 reads it once for an online (max, sum exp, argmax)     (2 B; bf16 as 4-byte words of two logits)
     sweep 2 reads it and writes d loss / d logits in place, in the input dtype (2 + 2 B): the gradient matmuls read
     it as it is (2 + 2 B), so there is no conversion pass, and grad_weight accumulates inside the matmul
     (addmm into one fp32 buffer): no accumulation pass either.
@@ -101,10 +101,12 @@ def _rowwise_reference(logits: torch.Tensor, targets: torch.Tensor, ignore_index
 # ---------------------------------------------------------------------------------------------------------------
 # Storage of the logits buffer, a compile-time constant of the kernel:
 #   "f32", "f16"  a float32 / float16 array: Numba loads and stores it natively (float16 rounds to nearest even)
-#   "bf16"        torch's bfloat16 buffer viewed as int16 (torch's __cuda_array_interface__ has no bfloat16 type):
-#                 a value is the top half of a float32, widened by a bit cast, and the gradient is rounded back to
-#                 nearest even by integer arithmetic, as torch's .to(torch.bfloat16) rounds.
-STORAGES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+#   "bf16x2"      torch's bfloat16 buffer viewed as int32 words of two logits (torch's __cuda_array_interface__ has
+#                 no bfloat16 type; V even): one 4-byte load brings two logits, each the top half of a float32
+#                 widened by a bit cast, and the two gradients are rounded back to nearest even by integer
+#                 arithmetic (as torch's .to(torch.bfloat16) rounds) and stored as one word
+#   "bf16"        the same for an odd V, one int16 per logit
+STORAGES = ("f32", "f16", "bf16", "bf16x2")
 
 
 def _bf16_bits_to_f32(bits16):
@@ -122,14 +124,26 @@ def _f32_to_bf16_bits(x):
     return r - 0x10000 if r >= 0x8000 else r               # as a signed int16
 
 
+def _bf16_pair_to_f32(word):
+    """int32 word holding two bfloat16 (logit 2p in the low half, 2p + 1 in the high half: little-endian)."""
+    lo = word & 0xFFFF
+    return _bf16_bits_to_f32(lo - 0x10000 if lo >= 0x8000 else lo), _int_as_float(word & -65536)
+
+
+def _f32_pair_to_bf16_word(g0, g1):
+    """Two float32 -> the int32 word of their bfloat16 (g0 in the low half), in int32 range by construction."""
+    return _f32_to_bf16_bits(g1) * 65536 + (_f32_to_bf16_bits(g0) & 0xFFFF)
+
+
 @functools.lru_cache(maxsize=None)
 def _rowwise_kernel(block: int, storage: str = "f32"):
     """Build (lazily: numba is imported here) the row-wise kernel for a power-of-two block size and a storage.
 
-    kernel[n, block, stream](logits (n, V) f32 | f16 | i16 (bf16 bits), targets (n,) i64, ignore_index i64,
-                             z_loss f64, write_grad bool, loss_rows (n,) f32, correct_rows (n,) i32)
-    Sweep 1: each thread keeps an online (max, sum of exp(x - max), first argmax) over j = tid, tid + block, ...;
-             a shared-memory tree merges the block's partials. Online rescaling keeps logits of +-1e4 finite.
+    kernel[n, block, stream](logits (n, W) f32 | f16 | i16 | i32 (W = V, or V / 2 words for bf16x2), targets (n,)
+                             i64, ignore_index i64, z_loss f64, write_grad bool, loss_rows (n,) f32,
+                             correct_rows (n,) i32)
+    Sweep 1: each thread keeps an online (max, sum of exp(x - max), first argmax) over words p = tid, tid + block,
+             ...; a shared-memory tree merges the block's partials. Online rescaling keeps logits of +-1e4 finite.
     Sweep 2: (write_grad) logits[row, j] <- exp(x - lse) * (1 + 2 z lse) - [j == t], in place, in the storage dtype.
     """
     global cuda, _int_as_float, _float_as_int
@@ -138,8 +152,8 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
 
     if block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of two, got {block}")
-    if storage not in ("f32", "f16", "bf16"):
-        raise ValueError(f"storage must be f32, f16 or bf16, got {storage!r}")
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
     if config.ENABLE_CUDASIM:  # the simulator has no libdevice: numpy bit casts, same values
         import numpy as np
 
@@ -150,35 +164,48 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         from numba.cuda.extending import register_jitable
 
         _int_as_float, _float_as_int = libdevice.int_as_float, libdevice.float_as_int
-        for fn in (_bf16_bits_to_f32, _f32_to_bf16_bits):
+        for fn in (_bf16_bits_to_f32, _f32_to_bf16_bits, _bf16_pair_to_f32, _f32_pair_to_bf16_word):
             register_jitable(fn)
-    bf16 = storage == "bf16"
+    E = 2 if storage == "bf16x2" else 1  # logits per stored word
 
     @cuda.jit(device=True)
-    def load(logits, row, j):
-        if bf16:
-            return _bf16_bits_to_f32(int32(logits[row, j]))
-        return float32(logits[row, j])
+    def load(logits, row, p):
+        """Word p -> (logit E*p, logit E*p + 1 or 0)."""
+        if storage == "bf16x2":
+            return _bf16_pair_to_f32(int32(logits[row, p]))
+        if storage == "bf16":
+            return _bf16_bits_to_f32(int32(logits[row, p])), float32(0.0)
+        return float32(logits[row, p]), float32(0.0)
 
     @cuda.jit(device=True)
-    def store(logits, row, j, g):
-        if bf16:
-            logits[row, j] = _f32_to_bf16_bits(g)
+    def store(logits, row, p, g0, g1):
+        if storage == "bf16x2":
+            logits[row, p] = _f32_pair_to_bf16_word(g0, g1)
+        elif storage == "bf16":
+            logits[row, p] = _f32_to_bf16_bits(g0)
         else:
-            logits[row, j] = g             # f16: Numba rounds the float32 to nearest even
+            logits[row, p] = g0            # f16: Numba rounds the float32 to nearest even
+
+    @cuda.jit(device=True)
+    def online(m, s, arg, x, j):
+        """Fold logit x at index j into (max, sum exp(. - max), first argmax); j grows within a thread."""
+        if x > m:                          # strict: keeps the first index of a tie
+            return x, s * math.exp(m - x) + float32(1.0), j
+        return m, s + math.exp(x - m), arg
 
     @cuda.jit
     def kernel(logits, targets, ignore_index, z_loss, write_grad, loss_rows, correct_rows):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        V = logits.shape[1]
+        W = logits.shape[1]
+        V = W * E
         t = targets[row]
         neg_inf = float32(-math.inf)
         if t == ignore_index:
             # t is per row, so the whole block takes this branch: returning before the barriers is safe.
             if write_grad:
-                for j in range(tid, V, block):
-                    store(logits, row, j, float32(0.0))
+                for p in range(tid, W, block):
+                    store(logits, row, p, float32(0.0), float32(0.0))
             if tid == 0:
                 loss_rows[row] = float32(0.0)
                 correct_rows[row] = 0
@@ -188,14 +215,11 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         m = neg_inf
         s = float32(0.0)
         arg = V
-        for j in range(tid, V, block):
-            x = load(logits, row, j)
-            if x > m:                      # strict: keeps the first index of a tie (j grows within a thread)
-                s = s * math.exp(m - x) + float32(1.0)
-                m = x
-                arg = j
-            else:
-                s += math.exp(x - m)
+        for p in range(tid, W, block):
+            x0, x1 = load(logits, row, p)
+            m, s, arg = online(m, s, arg, x0, p * E)
+            if E == 2:
+                m, s, arg = online(m, s, arg, x1, p * E + 1)
 
         sh_m = cuda.shared.array(block, float32)
         sh_s = cuda.shared.array(block, float32)
@@ -223,7 +247,8 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         z = float32(z_loss)
         if tid == 0:
             if t >= 0 and t < V:
-                loss_rows[row] = lse - load(logits, row, t) + z * lse * lse
+                y0, y1 = load(logits, row, t // E)
+                loss_rows[row] = lse - (y1 if t % E == 1 else y0) + z * lse * lse
                 correct_rows[row] = 1 if sh_arg[0] == t else 0
             else:
                 loss_rows[row] = float32(math.nan)
@@ -232,11 +257,15 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         if write_grad:
             cuda.syncthreads()             # thread 0 has read logits[row, t] before anyone overwrites the row
             coef = float32(1.0) + float32(2.0) * z * lse
-            for j in range(tid, V, block):
-                g = math.exp(load(logits, row, j) - lse) * coef
-                if j == t:
-                    g -= float32(1.0)
-                store(logits, row, j, g)
+            for p in range(tid, W, block):
+                x0, x1 = load(logits, row, p)
+                g0 = math.exp(x0 - lse) * coef
+                g1 = math.exp(x1 - lse) * coef
+                if p * E == t:
+                    g0 -= float32(1.0)
+                if E == 2 and p * E + 1 == t:
+                    g1 -= float32(1.0)
+                store(logits, row, p, g0, g1)
 
     return kernel
 
@@ -265,11 +294,17 @@ def launch_rowwise(logits, targets, ignore_index: int, z_loss: float, write_grad
 
 
 def _storage_view(logits: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """The logits buffer as Numba can take it, and the kernel's storage name (bf16 goes in as its int16 bits)."""
-    storage = STORAGES.get(logits.dtype)
-    if storage is None:
-        raise ValueError(f"logits dtype {logits.dtype} unsupported; use float32, bfloat16 or float16")
-    return (logits.view(torch.int16) if storage == "bf16" else logits), storage
+    """The logits buffer as Numba can take it, and the kernel's storage name: bf16 goes in as int32 words of two
+    logits when V is even (one 4-byte load per two logits), else as int16 bits."""
+    if logits.dtype == torch.float32:
+        return logits, "f32"
+    if logits.dtype == torch.float16:
+        return logits, "f16"
+    if logits.dtype == torch.bfloat16:
+        if logits.shape[1] % 2 == 0 and logits.is_contiguous():
+            return logits.view(torch.int32), "bf16x2"
+        return logits.view(torch.int16), "bf16"
+    raise ValueError(f"logits dtype {logits.dtype} unsupported; use float32, bfloat16 or float16")
 
 
 def _rowwise_numba(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, z_loss: float,
@@ -294,7 +329,7 @@ def warmup(block: int | None = None, dtypes=(torch.bfloat16, torch.float32)) -> 
     Needs CUDA; benchmarks call it to report compile time apart from steady-state timings."""
     start = time.perf_counter()
     for dtype in dtypes:
-        logits = torch.zeros(2, 3 * (block or ROWWISE_BLOCK) + 1, device="cuda", dtype=dtype)
+        logits = torch.zeros(2, 3 * (block or ROWWISE_BLOCK) + 2, device="cuda", dtype=dtype)  # even V: bf16x2
         targets = torch.tensor([0, -100], device="cuda")
         _rowwise_numba(logits, targets, -100, 0.0, True, torch.empty(2, device="cuda"),
                        torch.empty(2, dtype=torch.int32, device="cuda"), block=block)

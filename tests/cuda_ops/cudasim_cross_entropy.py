@@ -30,7 +30,7 @@ BLOCK = 32
 ce.ROWWISE_BLOCK = BLOCK  # the torch-tensor path (_rowwise_numba) reads this at call time
 
 
-def awkward_logits(n=8, v=300, seed=0):
+def awkward_logits(n=8, v=300, seed=0):  # v even: bf16 runs as word pairs; odd: as int16
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, v, generator=g) * 3
     targets = torch.randint(0, v, (n,), generator=g)
@@ -106,15 +106,19 @@ def case_rowwise_without_grad_leaves_logits():
 
 
 def case_rowwise_bf16_storage():
-    """bf16 logits (the kernel backend's buffer for bf16 training): the kernel widens the int16 bits, and rounds the
-    gradient back to bf16 bit for bit as torch's .to(torch.bfloat16) rounds the reference's fp32 gradient."""
-    logits, targets = awkward_logits(seed=3)
-    ref, ker = rowwise_both(logits, targets, z_loss=1e-3, dtype=torch.bfloat16)
-    torch.testing.assert_close(ker[0], ref[0], rtol=1e-4, atol=1e-4, equal_nan=True)
-    assert torch.equal(ker[1], ref[1]) and ker[2].dtype == torch.bfloat16
-    # same fp32 value before rounding up to fp32 exp/log differences: at most one bf16 ulp apart, mostly equal
-    ulp = (ker[2].view(torch.int16).int() - ref[2].view(torch.int16).int()).abs()
-    assert int(ulp.max()) <= 1 and float((ulp == 0).float().mean()) > 0.9, int(ulp.max())
+    """bf16 logits (the kernel backend's buffer for bf16 training), V even (int32 words of two logits) and odd (int16
+    bits): the kernel widens the bits and rounds the gradient back to bf16 as torch's .to(torch.bfloat16) rounds the
+    reference's fp32 gradient, so the two agree to one bf16 ulp (fp32 exp/log rounding apart) and mostly exactly."""
+    for v in (300, 301):
+        logits, targets = awkward_logits(v=v, seed=3)
+        targets[0] = v - 1                              # the high half of the last word (even V), the odd tail
+        ref, ker = rowwise_both(logits, targets, z_loss=1e-3, dtype=torch.bfloat16)
+        torch.testing.assert_close(ker[0], ref[0], rtol=1e-4, atol=1e-4, equal_nan=True)
+        assert torch.equal(ker[1], ref[1]) and ker[2].dtype == torch.bfloat16
+        ulp = (ker[2].view(torch.int16).int() - ref[2].view(torch.int16).int()).abs()
+        assert int(ulp.max()) <= 1 and float((ulp == 0).float().mean()) > 0.9, (v, int(ulp.max()))
+    assert ce._storage_view(torch.zeros(2, 300, dtype=torch.bfloat16))[1] == "bf16x2"
+    assert ce._storage_view(torch.zeros(2, 301, dtype=torch.bfloat16))[1] == "bf16"
 
 
 def case_rowwise_fp16_storage():
@@ -140,6 +144,12 @@ def case_bf16_rounding_matches_torch():
     assert torch.equal(got[~nan], want[~nan]) and bool(torch.isnan(got[nan].view(torch.bfloat16).float()).all())
     back = torch.tensor([float(ce._bf16_bits_to_f32(int(b))) for b in want[~nan].tolist()])
     assert torch.equal(back, want[~nan].view(torch.bfloat16).float())
+    # pairs: two bf16 in one int32 word (low half first), both ways, against torch's own view of the same bytes
+    pairs = vals[~nan][: 2 * (int((~nan).sum()) // 2)].reshape(-1, 2)
+    words = [ce._f32_pair_to_bf16_word(float(a), float(b)) for a, b in pairs.tolist()]
+    assert torch.equal(torch.tensor(words, dtype=torch.int32), pairs.bfloat16().contiguous().view(torch.int32)[:, 0])
+    widened = torch.tensor([[float(x) for x in ce._bf16_pair_to_f32(w)] for w in words])
+    assert torch.equal(widened, pairs.bfloat16().float())
 
 
 def end_to_end(dtype, tol_loss, tol_grad):
