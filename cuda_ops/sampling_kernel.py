@@ -92,6 +92,7 @@ ABOVE, NEED, U, M = range(4)
 # phases: what the partials written by the previous launch hold, i.e. what the next launch merges
 ARGMAX, KSEARCH, PSEARCH, DRAW, DONE = range(5)
 KEY_EMPTY_LO, KEY_EMPTY_HI = 2**31 - 1, -(2**31)  # bucket min / max of an empty bucket (outside every key)
+UNROLL = 4  # loads in flight per thread in a streaming pass (the loop in build_kernel is written out for 4)
 cuda = float32 = float64 = int32 = int64 = None  # bound by build_kernel (module globals: the simulator swaps `cuda`)
 
 
@@ -187,6 +188,38 @@ def build_kernel(block: int, nb: int):
             meas += red_f[j, 0]
         st_i[HI] = st_i[LO]  # unreachable when the invariant holds (measure(key >= lo) >= need): stop at lo
         return True
+
+    @cuda.jit(device=True)
+    def visit(job, b, i, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi):
+        """Fold logit i (its float32 bits b) into this thread's buckets for the pass `job`. ARGMAX: bucket 0 holds
+        the min key, bucket 1 (first index of the max key, max key). KSEARCH / PSEARCH: the bucket of keys in
+        [lo, hi] gets its count / mass and key range. DRAW: bucket 0 sums the kept mass (key >= lo, w >= min-p)."""
+        key = order_key(b)
+        if job == ARGMAX:
+            if key < acc_lo[0]:
+                acc_lo[0] = key
+            if key > acc_hi[1]:  # strict: the first (lowest) i of this thread wins ties (i grows in a thread)
+                acc_hi[1] = key
+                acc_lo[1] = i
+            return
+        if key < lo:
+            return
+        if job == DRAW:
+            w = math.exp((logits[row, i] - m) / T)
+            if w >= q:
+                acc_f[0] += w
+            return
+        if key > hi:
+            return
+        j = ((key - lo) * nb) // width_keys
+        if job == KSEARCH:
+            acc_f[j] += 1.0
+        else:
+            acc_f[j] += math.exp((logits[row, i] - m) / T)
+        if key < acc_lo[j]:
+            acc_lo[j] = key
+        if key > acc_hi[j]:
+            acc_hi[j] = key
 
     @cuda.jit(**kernel_options)
     def kernel(logits, bits, temps, ks, ps, minps, seeds, steps, out, state_i, state_f, part_f, part_lo, part_hi,
@@ -365,38 +398,29 @@ def build_kernel(block: int, nb: int):
             acc_f[j] = 0.0
             acc_lo[j] = KEY_EMPTY_LO
             acc_hi[j] = KEY_EMPTY_HI
-        if job == ARGMAX:  # bucket 0: min and max key; bucket 1: (first index of the max key, max key)
-            for i in range(start + tid, end, block):
-                key = order_key(bits[row, i])
-                if key < acc_lo[0]:
-                    acc_lo[0] = key
-                if key > acc_hi[1]:  # strict: the first (lowest) i of this thread wins ties
-                    acc_hi[1] = key
-                    acc_lo[1] = i
+        lo = st_i[LO]
+        hi = st_i[HI]
+        width_keys = hi - lo + 1  # int64: up to 2**32
+        q = minps[row]
+        # UNROLL independent loads per thread before any is used: a streaming pass needs several loads in flight
+        # per thread (128-thread blocks, ~6 per SM) to get near the memory bandwidth
+        for base in range(start + tid, end, UNROLL * block):
+            i1 = base + block
+            i2 = base + 2 * block
+            i3 = base + 3 * block
+            b0 = bits[row, base]
+            b1 = bits[row, i1] if i1 < end else 0
+            b2 = bits[row, i2] if i2 < end else 0
+            b3 = bits[row, i3] if i3 < end else 0
+            visit(job, b0, base, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi)
+            if i1 < end:
+                visit(job, b1, i1, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi)
+            if i2 < end:
+                visit(job, b2, i2, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi)
+            if i3 < end:
+                visit(job, b3, i3, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi)
+        if job == ARGMAX:
             acc_hi[0] = acc_hi[1]
-        else:
-            lo = st_i[LO]
-            hi = st_i[HI]
-            width_keys = hi - lo + 1  # int64: up to 2**32
-            q = minps[row]
-            for i in range(start + tid, end, block):
-                key = order_key(bits[row, i])
-                if key < lo or (key > hi and job != DRAW):
-                    continue
-                if job == DRAW:
-                    w = math.exp((logits[row, i] - m) / T)
-                    if w >= q:
-                        acc_f[0] += w
-                    continue
-                j = ((key - lo) * nb) // width_keys
-                if job == KSEARCH:
-                    acc_f[j] += 1.0
-                else:
-                    acc_f[j] += math.exp((logits[row, i] - m) / T)
-                if key < acc_lo[j]:
-                    acc_lo[j] = key
-                if key > acc_hi[j]:
-                    acc_hi[j] = key
 
         # block reduction of the nb buckets in a fixed tree order, then one partial per (row, s, bucket)
         cuda.syncthreads()  # the merge above read red_* (block-uniform path: every thread gets here)
