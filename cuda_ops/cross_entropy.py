@@ -143,7 +143,7 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
                              i64, ignore_index i64, z_loss f64, write_grad bool, loss_rows (n,) f32,
                              correct_rows (n,) i32)
     Sweep 1: each thread keeps an online (max, sum of exp(x - max), first argmax) over words p = tid, tid + block,
-             ...; a shared-memory tree merges the block's partials. Online rescaling keeps logits of +-1e4 finite.
+             ... (two loads in flight); a shared-memory tree merges the block's partials. Online rescaling keeps logits of +-1e4 finite.
     Sweep 2: (write_grad) logits[row, j] <- exp(x - lse) * (1 + 2 z lse) - [j == t], in place, in the storage dtype.
     """
     global cuda, _int_as_float, _float_as_int
@@ -193,6 +193,17 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
             return x, s * math.exp(m - x) + float32(1.0), j
         return m, s + math.exp(x - m), arg
 
+    @cuda.jit(device=True)
+    def grad(x0, x1, j, lse, coef, t):
+        """d loss / d logits at j and j + 1 (the second is ignored unless E == 2)."""
+        g0 = math.exp(x0 - lse) * coef
+        g1 = math.exp(x1 - lse) * coef
+        if j == t:
+            g0 -= float32(1.0)
+        if E == 2 and j + 1 == t:
+            g1 -= float32(1.0)
+        return g0, g1
+
     @cuda.jit
     def kernel(logits, targets, ignore_index, z_loss, write_grad, loss_rows, correct_rows):
         row = cuda.blockIdx.x
@@ -215,11 +226,17 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         m = neg_inf
         s = float32(0.0)
         arg = V
-        for p in range(tid, W, block):
+        for p in range(tid, W, 2 * block):  # two words in flight per thread before either is used
+            q = p + block
             x0, x1 = load(logits, row, p)
+            y0, y1 = load(logits, row, q) if q < W else (neg_inf, neg_inf)
             m, s, arg = online(m, s, arg, x0, p * E)
             if E == 2:
                 m, s, arg = online(m, s, arg, x1, p * E + 1)
+            if q < W:
+                m, s, arg = online(m, s, arg, y0, q * E)
+                if E == 2:
+                    m, s, arg = online(m, s, arg, y1, q * E + 1)
 
         sh_m = cuda.shared.array(block, float32)
         sh_s = cuda.shared.array(block, float32)
@@ -257,15 +274,13 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         if write_grad:
             cuda.syncthreads()             # thread 0 has read logits[row, t] before anyone overwrites the row
             coef = float32(1.0) + float32(2.0) * z * lse
-            for p in range(tid, W, block):
+            for p in range(tid, W, 2 * block):
+                q = p + block
                 x0, x1 = load(logits, row, p)
-                g0 = math.exp(x0 - lse) * coef
-                g1 = math.exp(x1 - lse) * coef
-                if p * E == t:
-                    g0 -= float32(1.0)
-                if E == 2 and p * E + 1 == t:
-                    g1 -= float32(1.0)
-                store(logits, row, p, g0, g1)
+                y0, y1 = load(logits, row, q) if q < W else (neg_inf, neg_inf)
+                store(logits, row, p, *grad(x0, x1, p * E, lse, coef, t))
+                if q < W:
+                    store(logits, row, q, *grad(y0, y1, q * E, lse, coef, t))
 
     return kernel
 
@@ -274,9 +289,10 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
 # (c) launch configuration and torch <-> Numba glue
 # ---------------------------------------------------------------------------------------------------------------
 
-# One block per row: a 32k-vocab row is 64 KiB of bf16, so each of the 512 threads streams ~63 values per sweep with
-# coalesced loads, and 4 resident blocks per SM (2048 threads) keep an H100 busy on a 5,504-row chunk (~10 waves).
-# The tree reduction is log2(512) = 9 barrier steps per row, small next to the 2 sweeps of V.
+# One block per row: a 32k-vocab row is 64 KiB of bf16, 16,000 words of two logits, so each of the 512 threads
+# streams ~31 words per sweep with coalesced 4-byte loads, two in flight, and 4 resident blocks per SM (2048 threads)
+# keep an H100 busy on a 5,504-row chunk (~10 waves). The tree reduction is log2(512) = 9 barrier steps per row,
+# small next to the 2 sweeps of V.
 ROWWISE_BLOCK = 512
 
 
