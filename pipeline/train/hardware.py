@@ -41,11 +41,11 @@ PEAK_BF16_FLOPS: list[tuple[str, float]] = [
 # Peak memory bandwidth in bytes/s by the same kind of name substring (vendors' HBM/GDDR figures); bench/decoder.py
 # reports each kernel's achieved GB/s as a share of it.
 PEAK_MEMORY_BYTES_PER_S: list[tuple[str, float]] = [
+    ("GH200", 4.0e12),  # before H200, which it contains
     ("H200", 4.8e12),
     ("H100 PCIe", 2.0e12),
     ("H100 NVL", 3.9e12),
     ("H100", 3.35e12),  # SXM, HBM3
-    ("GH200", 4.0e12),
     ("B200", 8.0e12),
     ("A100-SXM4-80GB", 2.04e12),
     ("A100", 1.56e12),

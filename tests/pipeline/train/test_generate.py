@@ -76,6 +76,37 @@ class CacheProtocolOnly(torch.nn.Module):
         return self.inner(ids, kv_cache=kv_cache)
 
 
+class GraphSafeStep(CacheProtocolOnly):
+    """A model with a graph-safe `decode_compute(tok, state, span=None)` whose state names no span bucket (no
+    decode_span), as a recurrent-state model would: the loop takes the graph path's step (one graph, span None)."""
+
+    def new_kv_cache(self, batch_size, max_len, left_pad=None):
+        return StateWithoutSpan(self.inner.new_kv_cache(batch_size, max_len, left_pad))
+
+    def forward(self, ids, kv_cache=None):
+        return self.inner(ids, kv_cache=kv_cache.cache)
+
+    def decode_compute(self, tok, state, span=None):
+        assert span is None
+        return self.inner.decode_compute(tok, state.cache)
+
+
+class StateWithoutSpan:
+    def __init__(self, cache):
+        self.cache = cache
+
+    length = property(lambda self: self.cache.length, lambda self, v: setattr(self.cache, "length", v))
+    max_len = property(lambda self: self.cache.max_len)
+
+
+@torch.no_grad()
+def test_a_model_with_its_own_graph_safe_step_gives_the_same_tokens():
+    decoder = make_decoder(6)
+    prompts = [[4, 5, 6], [9, 10, 11, 12]]
+    kw = dict(max_new_tokens=7, temperature=1.0, top_k=30, seed=2)
+    assert torch.equal(generate_ids(GraphSafeStep(decoder), prompts, **kw), generate_ids(decoder, prompts, **kw))
+
+
 @torch.no_grad()
 def test_generic_cache_protocol_model_gives_the_same_tokens():
     decoder = make_decoder(3)

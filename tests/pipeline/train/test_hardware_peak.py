@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.train.hardware import PEAK_ENV, PeakFlopsError, peak_flops
+from pipeline.train.hardware import PEAK_ENV, PEAK_MEMORY_BYTES_PER_S, PeakFlopsError, peak_flops, peak_memory_bandwidth
 
 
 def test_a_cpu_has_no_peak_unless_one_is_given(monkeypatch):
@@ -34,3 +34,12 @@ def test_engine_reports_both_mfu_figures_with_a_manual_peak(monkeypatch):
                                               doc_lengths="5"))])
     m = engine.pull_train_metrics()
     assert 0 < m["train/mfu"] < m["train/mfu_causal_equiv"]  # short documents: fewer FLOPs computed than counted
+
+
+def test_peak_memory_bandwidth_table_orders_specific_names_first():
+    assert peak_memory_bandwidth(torch.device("cpu")) is None
+    names = [name for name, _ in PEAK_MEMORY_BYTES_PER_S]
+    # first match wins: a more specific name must come before any name it contains
+    for i, name in enumerate(names):
+        assert not any(other in name for other in names[:i]), name
+    assert dict(PEAK_MEMORY_BYTES_PER_S)["H100"] == 3.35e12
