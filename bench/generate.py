@@ -69,8 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure(decoder, batch: int, prompt_len: int, args, sampling_backend: str | None, device: torch.device) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, args.vocab, (batch, prompt_len), generator=g).tolist()
+    # a model without a graph-safe decode_compute (the resonance family until its state is static) decodes eagerly
+    compile_step = bool(args.compile) and hasattr(decoder, "decode_compute")
     kw = dict(max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, sampling_backend=sampling_backend,
-              compile_step=args.compile)
+              compile_step=compile_step)
     with generation_autocast(decoder):
         t0 = time.perf_counter()
         generate_ids_timed(decoder, prompts, **kw)  # first call: compiles (Numba sampler, the step), warms up
