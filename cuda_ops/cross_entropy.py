@@ -393,13 +393,14 @@ def auto_chunk_rows(N: int, V: int, logits_dtype: torch.dtype, device: torch.dev
 
 @functools.lru_cache(maxsize=None)
 def _cuda_addmm_fp32_out_supported() -> bool:
-    """torch.addmm(acc_fp32, a_bf16, b_bf16, out_dtype=float32, out=acc) (cuBLAS: low-precision inputs, fp32
-    accumulator read and written in place) exists on CUDA in recent torch; checked once against the plain math."""
+    """torch.mm / torch.addmm(acc_fp32, a_bf16, b_bf16, out_dtype=float32, out=acc) (cuBLAS: low-precision inputs,
+    an fp32 result written, then read and written in place) exist on CUDA in recent torch; checked once."""
     a = torch.ones(4, 4, dtype=torch.bfloat16, device="cuda")
-    acc = torch.ones(4, 4, dtype=torch.float32, device="cuda")
+    acc = torch.empty(4, 4, dtype=torch.float32, device="cuda")
     try:
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        return bool((acc == 5.0).all())
+        torch.mm(a, a, out_dtype=torch.float32, out=acc)              # the first chunk
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)      # every later one
+        return bool((acc == 8.0).all())
     except (RuntimeError, TypeError, NotImplementedError):
         return False
 
