@@ -12,13 +12,17 @@ Readers (same batches, same order, for the same arguments):
 
     reader = ShardReader(dataset_dir, "train", batch_size=8, seed=0, epoch=0, start=0, rank=0, world_size=1)
     for batch in reader: ...   # {"tokens": int64 (B, T+1), "doc_ids": int32 (B, T+1), "seq_id": int64 (B,)}
+    for batch in eval_reader(dataset_dir, batch_size=8): ...   # every val row once; + "pad": bool (B,)
     ray_batches(dataset_dir, "train", 8, 0, 0, 0, 0, 1).iter_torch_batches(batch_size=8)   # Ray Data
 
 Order: a permutation of the split's rows drawn by numpy from (seed, epoch). From position `start`, the stream
 is cut into global micro-batches of batch_size * world_size consecutive sequences; rank r takes the r-th
-slice of batch_size. The last incomplete global micro-batch of an epoch is dropped, so every rank yields the
-same number of batches. `reader.position` is the global cursor after what was yielded: pass it as `start`
-to resume exactly there. This module imports only pyarrow and numpy at load time (torch when iterating, Ray
+slice of batch_size. For training the last incomplete global micro-batch of an epoch is dropped, so every rank
+yields the same number of batches. Evaluation (`eval_reader`, drop_last=False) keeps it: every row of the split
+is read once across the ranks, and a rank whose slice of that last batch is short (or empty) fills it up to
+batch_size with copies of a real row flagged in `pad` (bool (B,)), which the loss does not count; so every rank
+runs the same number of forwards of the same shape (no recompile, no collective left waiting under FSDP).
+`reader.position` is the global cursor after what was yielded: pass it as `start` to resume exactly there. This module imports only pyarrow and numpy at load time (torch when iterating, Ray
 only inside `ray_batches`), so the Ray-free engine can use it.
 """
 from __future__ import annotations
@@ -239,7 +243,7 @@ class ShardReader:
 
     def __init__(self, dataset_dir: Path | str, split: str = "train", batch_size: int = 8, seed: int = 0,
                  epoch: int = 0, start: int = 0, rank: int = 0, world_size: int = 1, *,
-                 cache_bytes: int = 128 << 20):
+                 cache_bytes: int = 128 << 20, drop_last: bool = True):
         self.dataset_dir = Path(dataset_dir)
         self.manifest = load_manifest(self.dataset_dir)
         if split not in self.manifest.shards:
@@ -248,14 +252,14 @@ class ShardReader:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"invalid batch_size={batch_size}, rank={rank}, world_size={world_size}")
         self.split, self.batch_size, self.seed, self.epoch = split, batch_size, seed, epoch
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.width = self.manifest.window
         self._shards = self.manifest.shards[split]
         self._file_start = np.concatenate([[0], np.cumsum([s.rows for s in self._shards])]).astype(np.int64)
         self.num_rows = int(self._file_start[-1])
         self.global_batch = batch_size * world_size
         self.sequences_per_epoch = self.num_rows // self.global_batch * self.global_batch
-        if self.num_rows < self.global_batch:
+        if self.num_rows == 0 or (drop_last and self.num_rows < self.global_batch):
             raise DatasetError(f"split {split!r} of {str(dataset_dir)!r} has {self.num_rows} sequences, fewer than "
                                f"one global batch ({batch_size} x {world_size} ranks); lower train.batch_size or "
                                "prepare more data (or a larger data.val_fraction for val)")
@@ -270,7 +274,9 @@ class ShardReader:
 
     def __len__(self) -> int:
         """Batches remaining from the current position."""
-        return (self.num_rows - self.position) // self.global_batch
+        if self.drop_last:
+            return (self.num_rows - self.position) // self.global_batch
+        return -(-(self.num_rows - self.position) // self.global_batch)
 
     def rows_of_batch(self, j: int, start: int | None = None) -> np.ndarray:
         """This rank's split rows for the j-th batch counted from `start` (default: the constructor's)."""
@@ -280,12 +286,20 @@ class ShardReader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         import torch
 
-        while self.position + self.global_batch <= self.num_rows:
-            rows = self._order[self.position + self.rank * self.batch_size:][:self.batch_size]
+        while self.position + (self.global_batch if self.drop_last else 1) <= self.num_rows:
+            first = self.position + self.rank * self.batch_size
+            rows = self._order[first:min(first + self.batch_size, self.num_rows)]
+            pad = np.zeros(self.batch_size, bool)
+            if len(rows) < self.batch_size:  # only without drop_last: the split's last, short global batch
+                pad[len(rows):] = True  # filled with its first row, which every rank can read
+                rows = np.concatenate([rows, np.full(self.batch_size - len(rows), self._order[self.position])])
             batch = self.read_rows(rows)
-            self.position += self.global_batch
-            yield {"tokens": torch.from_numpy(batch["tokens"]), "doc_ids": torch.from_numpy(batch["doc_ids"]),
+            self.position = min(self.position + self.global_batch, self.num_rows)
+            out = {"tokens": torch.from_numpy(batch["tokens"]), "doc_ids": torch.from_numpy(batch["doc_ids"]),
                    "seq_id": torch.from_numpy(batch["seq_id"])}
+            if not self.drop_last:
+                out["pad"] = torch.from_numpy(pad)
+            yield out
 
     def read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Numpy batch for split rows (in the given order): tokens int64 (B, T+1), doc_ids int32, seq_id int64."""
@@ -343,6 +357,27 @@ class ShardReader:
         else:
             self._cache.move_to_end(key)
         return group, r - int(group_start[g])
+
+
+def eval_reader(dataset_dir: Path | str, batch_size: int, rank: int = 0, world_size: int = 1) -> ShardReader:
+    """Batches over the whole validation split in a fixed order, every row once across the ranks (module docstring:
+    a short last batch is padded, its `pad` rows not counted). Rank r of world_size reads its share."""
+    return ShardReader(dataset_dir, "val", batch_size, 0, 0, 0, rank, world_size, drop_last=False)
+
+
+def check_trainable(manifest: Manifest, dataset_dir: Path | str, batch_size: int, world_size: int = 1) -> None:
+    """Refuse, in one line, a dataset that cannot train: an empty validation split (nothing to evaluate, nothing
+    to rank checkpoints or sweep trials by) or a training split smaller than one global micro-batch."""
+    val, train = manifest.rows("val"), manifest.rows("train")
+    if val == 0:
+        raise DatasetError(f"no validation rows ({train:,} training rows, data.val_fraction="
+                           f"{manifest.settings.get('val_fraction', '?')}) in dataset {str(dataset_dir)!r}: training "
+                           "needs some to evaluate; prepare it with a larger data.val_fraction, a shorter data.seq_len "
+                           "or more text")
+    if train < batch_size * world_size:
+        raise DatasetError(f"{train:,} training rows, fewer than one global micro-batch (train.batch_size="
+                           f"{batch_size} x {world_size} worker(s)), in dataset {str(dataset_dir)!r}; lower "
+                           "train.batch_size or prepare more data")
 
 
 BATCHES_PER_TASK = 8  # batches one Ray Data read task yields (ray_batches)

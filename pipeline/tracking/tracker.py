@@ -82,7 +82,12 @@ TRAIN_TOKENS_PER_S = "train/tokens_per_s"
 TRAIN_MFU = "train/mfu"  # FLOPs executed (attention within documents under doc masking) over the peak
 TRAIN_MFU_CAUSAL_EQUIV = "train/mfu_causal_equiv"  # whole-row causal attention counted, as other tools do
 TRAIN_EXECUTED_FLOPS_PER_TOKEN = "train/executed_flops_per_token"
-TRAIN_PEAK_MEM_GIB = "train/peak_mem_gib"
+TRAIN_PEAK_MEM_GIB = "train/peak_mem_gib"  # the largest of any worker since the run's engine started
+# Steady state (pipeline/train/engine.py STEADY_AFTER_STEPS): after the first optimizer steps of the process (compile,
+# warm-up), time inside the steps only; train/steady_steps says how many steps that is.
+TRAIN_STEADY_TOKENS_PER_S = "train/steady_tokens_per_s"
+TRAIN_STEADY_MFU = "train/steady_mfu"
+TRAIN_STEADY_STEPS = "train/steady_steps"
 TRAIN_TOKENS_SEEN = "train/tokens_seen"
 TRAIN_ACCURACY = "train/accuracy"
 TRAIN_BAD_STEPS = "train/bad_steps"
@@ -91,7 +96,7 @@ VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
 METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_MFU_CAUSAL_EQUIV,
            TRAIN_EXECUTED_FLOPS_PER_TOKEN, TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS,
-           VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+           TRAIN_STEADY_TOKENS_PER_S, TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"

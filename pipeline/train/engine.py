@@ -38,6 +38,11 @@ from pipeline.train.hardware import autocast_dtype, configure_cuda_math, default
 from pipeline.train.memory_limit import MemoryLimit
 
 CHECKPOINT_FORMAT = 1
+# Steady state: train/steady_tokens_per_s and train/steady_mfu leave out the first optimizer steps an Engine takes
+# in its process (torch.compile of every block, the allocator's and autotuners' first shapes) and count only the
+# time inside optimizer steps (not the data waits between them, evaluation, checkpoints or logging).
+STEADY_AFTER_STEPS = 3
+IGNORE_INDEX = -100  # linear_cross_entropy's default: targets of padding rows
 
 
 class NonFiniteLossError(RuntimeError):
@@ -51,7 +56,9 @@ class CheckpointError(ValueError):
 class LossModule(nn.Module):
     """Decoder + fused projection/cross-entropy head, so DDP wraps one forward that returns the loss.
 
-    forward(tokens (B, T+1) int64, doc_ids (B, T+1) int32 | None) -> CEResult(loss_sum, n_tokens, n_correct)
+    forward(tokens (B, T+1) int64, doc_ids (B, T+1) int32 | None, pad (B,) bool | None)
+        -> CEResult(loss_sum, n_tokens, n_correct); rows flagged in `pad` (an evaluation batch filled up to its
+        shape, pipeline/data/shards.py eval_reader) run through the model but count no token.
     """
 
     def __init__(self, decoder: nn.Module, ce_chunk_size: int):
@@ -59,8 +66,10 @@ class LossModule(nn.Module):
         self.decoder = decoder
         self.ce_chunk_size = ce_chunk_size
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, pad: torch.Tensor | None = None):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+        if pad is not None:
+            targets = targets.masked_fill(pad[:, None], IGNORE_INDEX)
         doc = doc_ids[:, :-1] if doc_ids is not None else None
         hidden = self.decoder(inputs, doc)  # (B, T, D)
         return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.decoder.output_weight,
@@ -122,6 +131,7 @@ class Engine:
         self.matmul_flops_per_token = (matmul_flops_per_token(tier, vocab_size) if counts_pairs
                                        else self.flops_per_token)
         self._interval_attention_pairs = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._interval_steady_pairs = torch.zeros((), dtype=torch.int64, device=self.device)  # STEADY_AFTER_STEPS
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
         # train.memory_limit_gib > 0: steps fail with torch.OutOfMemoryError as on a device of that size.
         self.memory_limit = MemoryLimit.for_device(cfg.train.memory_limit_gib, self.device)
@@ -150,6 +160,9 @@ class Engine:
         self._last_grad_norm = torch.zeros((), device=self.device)
         self._interval_start = time.perf_counter()
         self._interval_tokens = 0
+        self._steps_run = 0  # train_step calls in this process (a resumed run compiles again)
+        self._steady_step = False  # whether the step running now counts as steady state
+        self._steady = {"steps": 0, "tokens": 0, "seconds": 0.0, "attention_pairs": 0.0}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -176,10 +189,19 @@ class Engine:
         weights, optimizer and scheduler stay as they were) and is counted.
         """
         self.model.train()
+        steady, start = self._steps_run >= STEADY_AFTER_STEPS, time.perf_counter()
+        self._steady_step = steady  # _count_attention_pairs adds to the steady-state count too
         if self.memory_limit is not None:
             with self.memory_limit.during(self.module, self.optimizer):
-                return self._train_step(micro_batches)
-        return self._train_step(micro_batches)
+                outcome = self._train_step(micro_batches)
+        else:
+            outcome = self._train_step(micro_batches)
+        self._steps_run += 1
+        if steady:  # the step's one host sync makes its time honest to within the optimizer update it queued
+            self._steady["steps"] += 1
+            self._steady["tokens"] += outcome.tokens * self.world_size
+            self._steady["seconds"] += time.perf_counter() - start
+        return outcome
 
     def _train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepOutcome:
         n_micro = len(micro_batches)
@@ -227,24 +249,33 @@ class Engine:
         if not self.attention_flops_per_pair:
             return
         if doc_ids is not None:
-            self._interval_attention_pairs += within_document_causal_pairs(doc_ids[:, :-1])
+            pairs = within_document_causal_pairs(doc_ids[:, :-1])
         else:
-            self._interval_attention_pairs += tokens.shape[0] * causal_pairs(tokens.shape[1] - 1)
+            pairs = tokens.shape[0] * causal_pairs(tokens.shape[1] - 1)
+        self._interval_attention_pairs += pairs
+        if self._steady_step:
+            self._interval_steady_pairs += pairs
 
-    def _pull_grad_norm_and_pairs(self) -> tuple[float, float]:
-        """The last gradient norm and the interval's attention pairs (all workers) in one device-to-host copy;
-        resets the pair counter. Under DDP a collective, like TokenMetrics.all_reduce."""
+    def _pull_grad_norm_pairs_and_peak(self) -> tuple[float, float, float, float]:
+        """The last gradient norm, the interval's attention pairs (all steps', steady-state steps'; all workers) and
+        the peak memory in GiB (the largest of any worker) in one device-to-host copy; resets the pair counters.
+        Under DDP a collective, like TokenMetrics.all_reduce."""
         import torch.distributed as dist
 
-        pairs = self._interval_attention_pairs
+        pairs = torch.stack([self._interval_attention_pairs, self._interval_steady_pairs])
+        peak = torch.tensor([self.memory_limit.peak_gib() if self.memory_limit is not None
+                             else peak_memory_gib(self.device)], dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(pairs, op=dist.ReduceOp.SUM)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             scale = 1
         else:
             scale = self.world_size  # as tokens are counted: every worker runs batches of the same shape
-        grad_norm, pairs_total = torch.stack([self._last_grad_norm.double(), pairs.double()]).tolist()
+        grad_norm, pairs_all, pairs_steady, peak_gib = torch.cat(
+            [self._last_grad_norm.double().reshape(1), pairs.double(), peak]).tolist()
         self._interval_attention_pairs.zero_()
-        return grad_norm, pairs_total * scale
+        self._interval_steady_pairs.zero_()
+        return grad_norm, pairs_all * scale, pairs_steady * scale, peak_gib
 
     def pull_train_metrics(self) -> dict[str, float]:
         """Metrics over the steps since the last pull: one host sync; resets the interval.
@@ -252,10 +283,13 @@ class Engine:
         train/executed_flops_per_token: FLOPs computed per token in the interval (matmuls plus the attention pairs
         the batches' documents allowed); train/mfu: those FLOP/s over the device's peak; train/mfu_causal_equiv:
         the whole-row causal convention (flops_per_token x tokens/s over the peak). MFU only where the peak is
-        known (not on a CPU)."""
+        known (not on a CPU). train/steady_tokens_per_s and train/steady_mfu: the same over every step since the
+        first STEADY_AFTER_STEPS of this process, inside the steps only (train/steady_steps of them; absent until
+        there is one). train/peak_mem_gib: the largest of any worker since the engine started."""
         self.train_metrics.all_reduce()
         m = self.train_metrics.pull()
-        grad_norm, attention_pairs = self._pull_grad_norm_and_pairs()
+        grad_norm, attention_pairs, steady_pairs, peak_gib = self._pull_grad_norm_pairs_and_peak()
+        self._steady["attention_pairs"] += steady_pairs
         now = time.perf_counter()
         elapsed = max(now - self._interval_start, 1e-9)
         tokens_per_s = self._interval_tokens / elapsed
@@ -263,8 +297,7 @@ class Engine:
             "train/loss": m["loss"], "train/ppl": m["ppl"], "train/accuracy": m["accuracy"],
             "train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens_per_s, "train/tokens_seen": float(self.tokens_seen),
-            "train/peak_mem_gib": (self.memory_limit.peak_gib() if self.memory_limit is not None
-                                   else peak_memory_gib(self.device)), "train/bad_steps": float(self.bad_steps_total),
+            "train/peak_mem_gib": peak_gib, "train/bad_steps": float(self.bad_steps_total),
         }
         executed = (self.matmul_flops_per_token * self._interval_tokens
                     + self.attention_flops_per_pair * attention_pairs)  # FLOPs computed in the interval
@@ -272,20 +305,31 @@ class Engine:
         if self.peak_flops:  # MFU only where the device's peak is known (not on a CPU)
             out["train/mfu"] = executed / elapsed / (self.peak_flops * self.world_size)
             out["train/mfu_causal_equiv"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+        st = self._steady
+        if st["steps"]:
+            seconds = max(st["seconds"], 1e-9)
+            out["train/steady_tokens_per_s"] = st["tokens"] / seconds
+            out["train/steady_steps"] = float(st["steps"])
+            if self.peak_flops:
+                steady_executed = (self.matmul_flops_per_token * st["tokens"]
+                                   + self.attention_flops_per_pair * st["attention_pairs"])
+                out["train/steady_mfu"] = steady_executed / seconds / (self.peak_flops * self.world_size)
         self._interval_start, self._interval_tokens = now, 0
         return out
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[dict[str, torch.Tensor]], max_batches: int | None = None) -> dict[str, float]:
-        """Mean validation loss, perplexity and next-token accuracy over `batches` (all workers' tokens)."""
+        """Mean validation loss, perplexity and next-token accuracy over `batches` (all workers' tokens). Rows a
+        batch flags in `pad` are not counted (the short last batch of eval_reader)."""
         self.module.eval()
         metrics = TokenMetrics(self.device)
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
             tokens, doc_ids = self._to_device(batch)
+            pad = batch.get("pad")
             with self._autocast():
-                res = self.module(tokens, doc_ids)
+                res = self.module(tokens, doc_ids, pad.to(self.device) if pad is not None else None)
             metrics.add(res.loss_sum.detach(), res.n_tokens, res.n_correct)
         metrics.all_reduce()
         m = metrics.pull()

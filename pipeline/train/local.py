@@ -11,7 +11,7 @@ from pipeline.config import Config
 from pipeline.train.engine import Engine
 from pipeline.train.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
-from pipeline.data.shards import ShardReader, load_manifest
+from pipeline.data.shards import ShardReader, check_trainable, eval_reader, load_manifest
 from pipeline.train.run_dir import AUDIT_DIR
 
 
@@ -23,6 +23,7 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     latest checkpoint directory and whether a Ctrl+C stopped the run early: (checkpoint, stopped)."""
     run_dir, dataset_dir = Path(run_dir), str(dataset_dir)
     manifest = load_manifest(dataset_dir)
+    check_trainable(manifest, dataset_dir, cfg.train.batch_size)
     engine = Engine(cfg, manifest.vocab_size)
     ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
     if ckpts.latest() is not None:
@@ -36,16 +37,15 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
         return ShardReader(dataset_dir, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start)
 
     def val_batches():
-        return ShardReader(dataset_dir, "val", t.batch_size, seed=0, epoch=0, start=0)
+        return eval_reader(dataset_dir, t.batch_size)
 
-    has_val = manifest.rows("val") >= t.batch_size
     audit = AuditLog(run_dir / AUDIT_DIR / "rank_0.jsonl") if audit_data else None
     extra = {"dataset_dir": str(Path(dataset_dir).resolve()), "phase": phase}
     hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
                            on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens))
     try:
         with StopRequest() as stop:
-            res = fit(engine, train_batches, val_batches if has_val else None, hooks, max_steps=max_steps, stop=stop)
+            res = fit(engine, train_batches, val_batches, hooks, max_steps=max_steps, stop=stop)
     finally:
         if audit is not None:
             audit.close()

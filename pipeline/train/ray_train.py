@@ -40,6 +40,10 @@ START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 DEFAULT_START_TIMEOUT_S = 60.0
 
 
+class MissingMetricError(RuntimeError):
+    """A sweep trial's report lacks the sweep's metric: raised in the workers, so the trial fails alone."""
+
+
 class TrainStartError(RuntimeError):
     """Ray Train could not place its workers: the message names what was asked, what the cluster has and the fix."""
 
@@ -63,7 +67,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.train.engine import Engine
     from pipeline.train.generate import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, fit, standard_hooks
-    from pipeline.data.shards import ShardReader, ray_batches
+    from pipeline.data.shards import eval_reader, ray_batches
     from pipeline.tracking.tracker import open_tracker
 
     cfg: Config = from_flat(lc["config"])
@@ -93,9 +97,9 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
     def val_batches():
         # Read in this process: an eval takes train.eval_batches batches of the small val split, and a Ray Data
-        # pipeline per eval (a streaming executor, read tasks on other workers) cost more than the reads.
-        # ShardReader yields exactly ray_batches' rows in the same order (tests/pipeline/data/test_shards.py).
-        return ShardReader(dataset_dir, "val", t.batch_size, 0, 0, 0, rank, world)
+        # pipeline per eval (a streaming executor, read tasks on other workers) cost more than the reads. Every
+        # row counts, a short last batch included (padded to the batch's shape on every rank).
+        return eval_reader(dataset_dir, t.batch_size, rank, world)
 
     audit = None
     if lc.get("audit_data"):
@@ -105,12 +109,16 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl",
                          extra={"node": node, "threads": torch.get_num_threads()})
     extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
-    has_val = lc.get("has_val", True)
+    required = lc.get("required_metric")
 
     def on_checkpoint(e, metrics) -> None:
         # Every worker reports (Ray Train synchronises on it); rank 0 attaches the one copy of the state.
-        if has_val and "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
+        if "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
             metrics = {**metrics, **e.evaluate(val_batches(), max_batches=t.eval_batches)}
+        if required and required not in metrics:  # a sweep's trial: Tune cannot rank a report without it
+            raise MissingMetricError(f"the report at step {e.step} has no {required} (it has: "
+                                     f"{', '.join(sorted(metrics))}); a sweep's metric must be in every checkpoint's "
+                                     f"report: pick one of those, or log at every checkpoint (train.log_every)")
         report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics,
                   PLACEMENT_GROUP_KEY: ray.get_runtime_context().get_placement_group_id() or ""}
         with tempfile.TemporaryDirectory() as tmp:
@@ -122,7 +130,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
     try:
         samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens) if rank == 0 else None
-        fit(engine, train_batches, val_batches if has_val else None,
+        fit(engine, train_batches, val_batches,
             standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
             progress=rank == 0, stop=StopRequest(run_dir / STOP_FILE))
     finally:
@@ -133,10 +141,12 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ driver
 def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, mlflow_run_id: str | None = None,
                  init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
-                 audit_data: bool = False, callbacks: list | None = None) -> TrainOutcome:
+                 audit_data: bool = False, callbacks: list | None = None,
+                 required_metric: str | None = None) -> TrainOutcome:
     """Train with Ray Train. Checks inputs before any worker starts; returns the latest checkpoint.
 
     `callbacks` go to Ray Train's RunConfig (a Tune trial passes TuneReportCallback: pipeline/sweep/tune.py).
+    `required_metric`: every report must carry it, or the workers fail with MissingMetricError (a sweep's metric).
 
     Rerunning with the same run_dir resumes from the latest checkpoint in its Ray storage (Ray Train
     restores the run by name). `init_from` starts from another checkpoint's full state (phases).
@@ -145,11 +155,12 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     from ray.train.torch import TorchTrainer
 
     from pipeline.train.engine import check_checkpoint_fits, read_checkpoint_meta
-    from pipeline.data.shards import check_compatible, load_manifest
+    from pipeline.data.shards import check_compatible, check_trainable, load_manifest
 
     run_dir = Path(run_dir).resolve()
     manifest = load_manifest(dataset_dir)
     check_compatible(manifest, seq_len=cfg.data.seq_len)
+    check_trainable(manifest, dataset_dir, cfg.train.batch_size, cfg.ray.num_workers)
     if init_from is not None:
         check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
     ensure_ray(cfg.ray.address, cfg)
@@ -158,11 +169,10 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
         storage = cfg.ray.storage_path
     run_name = f"phase{phase}"
-    has_val = manifest.rows("val") >= cfg.train.batch_size * cfg.ray.num_workers
     lc = {"config": cfg.flat(), "dataset_dir": str(Path(dataset_dir).resolve()), "vocab_size": manifest.vocab_size,
           "run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id, "init_from": str(init_from) if init_from else None,
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
-          "has_val": has_val, "interactive": interactive()}
+          "required_metric": required_metric, "interactive": interactive()}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=lc,
@@ -172,7 +182,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=str(storage),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
-                                                         checkpoint_score_attribute="val/loss" if has_val else None,
+                                                         checkpoint_score_attribute="val/loss",
                                                          checkpoint_score_order="min"),
             # Worker errors and failures to start the workers (their resources never came within the start
             # timeout) are both retried ray.max_failures times; Ray's default retries the latter forever.

@@ -14,7 +14,8 @@ import torch
 from pipeline.data.stages import validate_main
 from pipeline.data.pack import prepare
 from pipeline.data.validate import validate_dataset
-from pipeline.data.shards import (DatasetError, ShardReader, check_compatible, epoch_order, load_manifest, ray_batches)
+from pipeline.data.shards import (DatasetError, ShardReader, check_compatible, check_trainable, epoch_order,
+                                  eval_reader, load_manifest, ray_batches)
 from pipeline.data.tokenizer import train_tokenizer
 from tests.pipeline.data.helpers import SEQ_LEN, data_cfg, make_tokenizer, read_rows, sample_docs, write_jsonl
 
@@ -114,6 +115,41 @@ def test_ranks_split_each_global_batch(dataset):
     assert len(r0) == len(r1) == len(whole)  # the last incomplete global batch is dropped on every rank
     for w, a, b in zip(whole, r0, r1):
         assert torch.equal(w, torch.cat([a, b]))
+
+
+@pytest.mark.parametrize("batch,world", [(4, 1), (5, 3), (64, 2)])
+def test_eval_reader_reads_every_val_row_once_across_ranks(dataset, batch, world):
+    """A split that does not fill its last global batch, or not even one (64 x 2 here), is read whole: every rank
+    yields the same number of full-shape batches and flags the rows that only fill its share."""
+    rows = load_manifest(dataset).rows("val")
+    assert rows % (batch * world), rows  # a short last global batch in each case
+    per_rank = [list(eval_reader(dataset, batch, rank, world)) for rank in range(world)]
+    assert len({len(p) for p in per_rank}) == 1 and len(per_rank[0]) == -(-rows // (batch * world))
+    counted = []
+    for p in per_rank:
+        for b in p:
+            assert b["tokens"].shape == (batch, WIDTH) and b["pad"].shape == (batch,) and b["pad"].dtype == torch.bool
+            counted += b["seq_id"][~b["pad"]].tolist()
+    every = read_rows(dataset)
+    assert sorted(counted) == [i for i, sp in zip(every["seq_id"].tolist(), every["split"]) if sp == "val"]
+    assert len(counted) == rows
+
+
+def test_a_dataset_that_cannot_train_is_refused_in_one_line(dataset, copy_of):
+    m = load_manifest(dataset)
+    check_trainable(m, dataset, batch_size=4, world_size=2)
+    with pytest.raises(DatasetError, match=r"^\d+ training rows, fewer than one global micro-batch "
+                                           r"\(train.batch_size=4096 x 2 worker\(s\)\), in dataset '"):
+        check_trainable(m, dataset, batch_size=4096, world_size=2)
+    m.shards["val"] = []
+    with pytest.raises(DatasetError, match=r"^no validation rows \(\d+ training rows, data.val_fraction=0.1\) in "
+                                           "dataset .*: training needs some"):
+        check_trainable(m, dataset, batch_size=4)
+    manifest = json.loads((copy_of / "manifest.json").read_text())
+    manifest["shards"]["val"] = []
+    (copy_of / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match="split 'val' of .* has 0 sequences"):  # its reader refuses too
+        eval_reader(copy_of, 4)
 
 
 @pytest.mark.parametrize("split,start,rank,world", [("train", 0, 0, 1), ("train", 5, 1, 2), ("val", 0, 0, 1)])

@@ -187,3 +187,47 @@ def test_local_checkpoints_keep_the_newest(tmp_path):
         ckpts.save(engine)
     assert [p.name for p in ckpts.all()] == ["step_000002", "step_000003"]
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_padding_rows_of_an_eval_batch_count_no_tokens():
+    """eval_reader fills a short last batch with copies of a real row flagged in `pad`: the loss over [r0, r1, pad,
+    pad] is the loss over [r0, r1] alone, not over four rows."""
+    cfg = make_cfg()
+    engine = Engine(cfg, VOCAB, torch.device("cpu"))
+    batch = next(iter(batches(cfg)(0, 0)))
+    two = {k: v[:2] for k, v in batch.items()}
+    padded = {k: torch.cat([v[:2], v[:1], v[:1]]) for k, v in batch.items()}
+    padded["pad"] = torch.tensor([False, False, True, True])
+    alone, with_pad = engine.evaluate([two]), engine.evaluate([padded])
+    assert with_pad["val/loss"] == pytest.approx(alone["val/loss"], rel=1e-6)
+    assert with_pad["val/accuracy"] == pytest.approx(alone["val/accuracy"], rel=1e-6)
+    del padded["pad"]  # counted, the copies of row 0 move the mean
+    assert engine.evaluate([padded])["val/loss"] != pytest.approx(alone["val/loss"], rel=1e-4)
+
+
+def test_steady_state_figures_leave_out_the_first_steps_and_the_time_between_steps():
+    """train/steady_*: steps after the first STEADY_AFTER_STEPS, timed inside the steps: the evaluations between
+    them (here each sleeps 0.3 s) are not in the steady-state time, while the interval's tokens/s includes them."""
+    import time
+
+    from pipeline.train.engine import STEADY_AFTER_STEPS
+
+    cfg = make_cfg()
+    engine = Engine(cfg, VOCAB, torch.device("cpu"))
+    engine.peak_flops = 1e12  # as on a device whose peak is known: MFU is reported
+    logged = []
+
+    def slow_eval(e, m):
+        time.sleep(0.3)
+
+    start = time.perf_counter()
+    fit(engine, batches(cfg), lambda: batches(cfg)(0, 0), Hooks(on_log=lambda e, m: logged.append(m),
+        on_eval=slow_eval), progress=False)
+    wall = time.perf_counter() - start
+    assert STEADY_AFTER_STEPS == 3
+    assert "train/steady_tokens_per_s" not in logged[0]  # step 2: still warming up
+    last = logged[-1]
+    assert last["train/steady_steps"] == 8 - STEADY_AFTER_STEPS
+    seconds = (8 - STEADY_AFTER_STEPS) * 4 * SEQ / last["train/steady_tokens_per_s"]
+    assert seconds <= wall - 2 * 0.3  # two evaluations slept outside the timed steps
+    assert 0 < last["train/steady_mfu"] and "train/steady_mfu" not in logged[0]
