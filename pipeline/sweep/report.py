@@ -2,7 +2,7 @@
 trial's config as a preset file `python pipeline/run.py --preset` accepts. Ray-free; pipeline/sweep/tune.py
 fills the rows.
 
-    rows = [TrialRow("a1_00000", {"train.batch_size": 4}, "nano", 4, 9.1e3, 0.012, 3.91, "ok"), ...]
+    rows = [TrialRow("a1_00000", {"train.batch_size": 4}, "nano", 4, 9.1e3, 0.012, 3.91, "ok", steps=32), ...]
     write_markdown(rows, "val/loss", path); plot_sweep(rows, path_png); write_best_preset(best_cfg, ...)
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ class TrialRow:
     params: dict[str, Any]  # the searched values, by field path
     tier: str
     batch_size: int
-    tokens_per_s: float | None
-    peak_mem_gib: float | None
+    tokens_per_s: float | None  # steady state (STEADY_NOTE)
+    peak_mem_gib: float | None  # the trial's peak, the largest on any of its workers
     metric_value: float | None  # the sweep's metric (val/loss by default), last reported
     status: str  # OK | OOM | STOPPED | FAILED
     reason: str = ""  # for OOM/FAILED: what happened
@@ -40,15 +40,32 @@ class TrialRow:
     steps: int | None = None
     tokens_seen: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    mfu: float | None = None  # steady state, where the device's peak is known
+    steady_steps: int | None = None  # how many of the trial's last steps tokens/s and MFU are over
 
     @property
     def status_text(self) -> str:
         return f"{self.status} ({self.reason})" if self.reason else self.status
 
+    @property
+    def timed_steps(self) -> str:
+        """`4–32`: the steps the steady-state figures are over (the last `steady_steps` up to `steps`)."""
+        if not self.steady_steps or not self.steps:
+            return "–"
+        last = int(self.steps)
+        return f"{last - int(self.steady_steps) + 1}–{last}"
+
+
+STEADY_NOTE = ("tokens/s and MFU are steady state: each trial's optimizer steps after its first 3 (torch.compile and "
+               "warm-up) up to its last report, timed inside the steps (data waits, evaluation and checkpoints not "
+               "counted); `timed steps` names them. Peak memory is the trial's peak on any of its workers.")
+
 
 def _fmt(value: Any, spec: str = ".4g") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
+    if isinstance(value, int) and not isinstance(value, bool) and spec == ".4g":
+        return str(value)  # a searched int (a worker count, a step interval) as written, not 1e+05
     return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
@@ -61,16 +78,20 @@ def best_row(rows: list[TrialRow], mode: str) -> TrialRow | None:
 
 
 def markdown_table(rows: list[TrialRow], metric: str) -> str:
-    """tier | batch size | <other searched params> | tokens/s | peak memory | <metric> | status | trial."""
+    """tier | batch size | <other searched params> | tokens/s | MFU | timed steps | peak memory | <metric> | status |
+    trial, then STEADY_NOTE."""
     others = sorted({k for r in rows for k in r.params} - {"model.tier", "train.batch_size"})
-    head = ["tier", "batch size", *others, "tokens/s", "peak memory (GiB)", metric, "status", "trial"]
+    head = ["tier", "batch size", *others, "tokens/s", "MFU", "timed steps", "peak memory (GiB)", metric, "status",
+            "trial"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     order = sorted(rows, key=lambda r: (r.tier, r.batch_size, r.trial_id))
     for r in order:
         cells = [r.tier, str(r.batch_size), *(_fmt(r.params.get(k)) for k in others), _fmt(r.tokens_per_s, ",.0f"),
-                 _fmt(r.peak_mem_gib, ".3f"), _fmt(r.metric_value, ".4f"), r.status_text, r.trial_id]
+                 _fmt(r.mfu, ".1%"), r.timed_steps, _fmt(r.peak_mem_gib or None, ".3f"),  # 0: not counted (CPU)
+                 _fmt(r.metric_value, ".4f"),
+                 r.status_text, r.trial_id]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + STEADY_NOTE + "\n"
 
 
 def _atomic_write(path: Path, write) -> Path:

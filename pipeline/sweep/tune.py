@@ -11,11 +11,19 @@ metric names as a single run -- with Ray Train's `TuneReportCallback`, so every 
 (at each checkpoint) reaches Tune. ASHA then compares trials on the sweep's metric over tokens seen
 (`train/tokens_seen`), so different batch sizes are compared at equal tokens, not equal steps.
 
-Failures: a trial whose workers run out of memory (torch.OutOfMemoryError inside a Train worker comes
-back as a TrainingFailedError wrapping it) is recorded as failed with reason `oom` -- MLflow status FAILED,
-tag longtrain.failure_reason=oom -- and Tune carries on with the others. With `skip_unfit_batch: true`
-the max-batch finder (pipeline/train/max_batch.py) runs once per tier first, and batch sizes above what fits
-are recorded as `oom` without being run.
+Failures: no trial can end the sweep. Whatever a trial raises -- its config is invalid, its dataset cannot train
+it, its workers cannot start, they fail or run out of memory (torch.OutOfMemoryError inside a Train worker comes
+back as a TrainingFailedError wrapping it) -- is recorded on the trial alone: status `failed` (or `oom`) and the
+reason in the table, its MLflow child run FAILED with tag longtrain.failure_reason, and Tune carries on with the
+others. Every report that reaches Tune carries the sweep's metric (Tune's strict metric check would otherwise end
+the whole sweep): the trial's workers check each report before they make it and fail the trial with
+MissingMetricError naming what the report had. With `skip_unfit_batch: true` the max-batch finder
+(pipeline/train/max_batch.py) runs once per tier first, and batch sizes above what fits are recorded as `oom`
+without being run.
+
+Figures: the table's tokens/s and MFU are steady state (train/steady_tokens_per_s, train/steady_mfu): each trial's
+optimizer steps after its first three (torch.compile, warm-up) up to its last report, timed inside the steps; the
+table says which steps. Peak memory is the trial's peak, the largest on any of its workers.
 
 Ending trials. A trial that trains its token budget ends by itself (ASHA does not stop trials at max_t:
 `stop_last_trials=False`), so its Train run shuts down its workers and placement group. A trial ASHA
@@ -26,7 +34,7 @@ trial that left every later trial waiting for resources that never came back. So
 `ReleaseTrialResources` callback removes the trial's placement group (every report names it) the moment
 Tune ends the trial.
 
-At the end: the table (tier, batch size, tokens/s, peak memory, metric, status) is printed and logged to
+At the end: the table (tier, batch size, tokens/s, MFU, peak memory, metric, status) is printed and logged to
 the parent run as markdown and PNG, and the best finished trial's config is written as a preset:
 <run.root>/tune/<sweep>/best_preset.yaml, for `python pipeline/run.py train --preset <that file>`.
 """
@@ -41,7 +49,7 @@ from typing import Any
 
 from ray.tune import Callback
 
-from pipeline.config import Config, from_flat
+from pipeline.config import Config, ConfigError, from_flat
 from pipeline.console import stage
 from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, plot_sweep
 from pipeline.sweep.report import write_best_preset, write_markdown
@@ -130,8 +138,9 @@ def with_token_budget(cfg: Config, token_budget: int) -> Config:
     return cfg.replace({"train.max_steps": max(1, math.ceil(token_budget / tokens_per_step(cfg)))})
 
 
-def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[str, Any]):
-    """The trial's MLflow child run, with the same params as a single run (pipeline/train/session.py)."""
+def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[str, Any], valid: bool = True):
+    """The trial's MLflow child run, with the same params as a single run (pipeline/train/session.py). For a trial
+    whose config is invalid (`valid` False, `cfg` the sweep's base): the base config and the searched values."""
     from pipeline.data.shards import load_manifest
     from pipeline.tracking.tracker import open_tracker
     from pipeline.train.session import run_params
@@ -140,8 +149,16 @@ def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[s
                      for k, v in sorted(params.items()))
     tracker = open_tracker(cfg, run_name=f"{trial_id} {short}", parent_run_id=ctx.parent_run_id)
     tracker.set_tags({TAG_SWEEP: ctx.sweep_name, TAG_TRIAL: trial_id})
-    tracker.log_config(run_params(cfg, load_manifest(ctx.dataset_dir)))
+    if valid:
+        tracker.log_config(run_params(cfg, load_manifest(ctx.dataset_dir)))
+    else:
+        tracker.log_params({**cfg.flat(), **params})
     return tracker
+
+
+# What a finished trial's summary takes from its last report.
+SUMMARY_KEYS = ("train/tokens_per_s", "train/steady_tokens_per_s", "train/steady_mfu", "train/steady_steps",
+                "train/peak_mem_gib", "train/tokens_seen", "step")
 
 
 def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
@@ -153,10 +170,14 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
 
     trial_id = ray.tune.get_context().get_trial_id()
     os.environ.update(ctx.env)  # a trial runs in a Ray worker, which has the cluster's environment, not ours
-    cfg = trial_config(ctx, params, trial_id)
+    try:  # a combination of searched values that is invalid together: the trial fails, with a child run to show it
+        cfg, invalid = trial_config(ctx, params, trial_id), None
+    except ConfigError as exc:
+        cfg, invalid = from_flat(ctx.base), exc
     run_dir = Path(ctx.sweep_dir) / "trials" / trial_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    tracker = _child_tracker(cfg, ctx, trial_id, params)
+    tracker = _child_tracker(cfg, ctx, trial_id, params, valid=invalid is None)
+    # Every report to Tune carries the metric (NaN until known): Tune's strict metric check ends the sweep otherwise.
     summary = {STATUS_KEY: OK, REASON_KEY: "", RUN_ID_KEY: tracker.run_id or "", ctx.metric: float("nan")}
 
     def fail(status: str, reason: str, exc: BaseException | None) -> None:
@@ -166,18 +187,20 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
         ray.tune.report({**summary, STATUS_KEY: status, REASON_KEY: reason})
         raise TrialFailed(f"trial {trial_id} failed: {status} ({reason})") from exc
 
+    if invalid is not None:
+        fail(FAILED, _reason(invalid), invalid)
     fit_max = ctx.max_fit.get(cfg.model.tier)
     if fit_max is not None and cfg.train.batch_size > fit_max:
         fail(OOM, f"skipped: largest batch that fits is {fit_max}", None)
     try:
         outcome = run_training(cfg, ctx.dataset_dir, run_dir, mlflow_run_id=tracker.run_id,
-                               callbacks=[TuneReportCallback()])
+                               callbacks=[TuneReportCallback()], required_metric=ctx.metric)
     except Exception as exc:  # noqa: BLE001 -- every failure is recorded, then re-raised for Tune
         fail(OOM if is_oom(exc) else FAILED, _reason(exc), exc)
     tracker.set_tags({TAG_STATUS: OK})
     tracker.finish("FINISHED")
     last = outcome.metrics
-    summary.update({k: last[k] for k in ("train/tokens_per_s", "train/peak_mem_gib", "step") if k in last})
+    summary.update({k: last[k] for k in SUMMARY_KEYS if k in last})
     summary[ctx.metric] = float(last.get(ctx.metric, float("nan")))
     return summary
 
@@ -276,10 +299,11 @@ def _rows(grid, space: Space, base: Config) -> list[TrialRow]:
             trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
             tier=str(params.get("model.tier", base.model.tier)),
             batch_size=int(params.get("train.batch_size", base.train.batch_size)),
-            tokens_per_s=last.get("train/tokens_per_s"), peak_mem_gib=last.get("train/peak_mem_gib"),
+            tokens_per_s=last.get("train/steady_tokens_per_s"), peak_mem_gib=last.get("train/peak_mem_gib"),
             metric_value=last.get(space.metric), status=status, reason=str(reason or ""),
             mlflow_run_id=last.get(RUN_ID_KEY) or None, steps=last.get("step"),
-            tokens_seen=last.get("train/tokens_seen")))
+            tokens_seen=last.get("train/tokens_seen"), mfu=last.get("train/steady_mfu"),
+            steady_steps=last.get("train/steady_steps")))
     return rows
 
 

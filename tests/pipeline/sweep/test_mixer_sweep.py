@@ -64,7 +64,8 @@ def test_mixer_sweep_gives_one_parent_with_a_child_per_family(ray_session, mlflo
 
     # The table: a model.mixer column, one row per family, printed and logged to the parent run
     table = (runs / "tune" / "mixers" / "sweep_table.md").read_text()
-    assert "| tier | batch size | model.mixer | tokens/s | peak memory (GiB) | val/loss | status | trial |" in table
+    assert ("| tier | batch size | model.mixer | tokens/s | MFU | timed steps | peak memory (GiB) | val/loss | status "
+            "| trial |" in table)
     for mixer, child in by_mixer.items():
         assert f"| nano | 2 | {mixer} | " in table and f"{child.data.metrics['val/loss']:.4f} | ok |" in table
     assert "| nano | 2 | resonance | " in out

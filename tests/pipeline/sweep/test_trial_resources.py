@@ -13,6 +13,7 @@ when Tune ends the trial (pipeline/sweep/tune.py ReleaseTrialResources).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,41 +164,68 @@ def test_sequential_trials_on_a_ray_that_fits_one_trial_all_finish(ray_session, 
     _wait_for_idle_cpus(ray_session)  # the job gave every CPU back to the session's Ray
 
 
-def test_a_trial_whose_workers_cannot_start_fails_with_its_reason_and_the_sweep_goes_on(
+# Six trials from a grid of two params, each failure on its own trial beside one that trains:
+#   ray.num_workers=1, log_every=2      trains: its every report (steps 2 and 4) has train/loss
+#   ray.num_workers=1, log_every=4      its report at step 2 lacks train/loss (nothing logged yet): its workers raise
+#                                       MissingMetricError before Tune sees it (Tune would end the sweep)
+#   ray.num_workers=2 (x2)              cannot start: 2 workers STRICT_SPREAD on the one-node session Ray; Ray Train
+#                                       waits START_TIMEOUT_ENV seconds, once (ray.max_failures 0)
+#   ray.num_workers=100000 (x2)         raises: its dataset cannot fill one global micro-batch (DatasetError, before
+#                                       any Train process starts)
+FAILING_SPACE = {
+    "metric": "train/loss", "mode": "min", "max_concurrent_trials": 6, "scheduler": {"type": "fifo"},
+    "resources_per_trial": {"cpus_per_worker": 1, "use_gpu": "false"},
+    "fixed": {"ray.max_failures": 0, "ray.placement_strategy": "STRICT_SPREAD", "train.max_steps": 4,
+              "train.warmup_steps": 0, "train.eval_every": 2, "train.checkpoint_every": 2, "train.eval_batches": 1,
+              "train.sample_tokens": 0},
+    "params": {"ray.num_workers": {"grid": [1, 2, 100000]}, "train.log_every": {"grid": [2, 4]}},
+}
+
+
+def test_each_kind_of_failing_trial_fails_alone_and_the_sweep_ends_with_its_table(
         ray_session, mlflow_server, test_runs_root, tmp_path, monkeypatch, capsys):
-    """Two workers placed STRICT_SPREAD (one per node) on the one-node session Ray can never start: Ray Train
-    waits START_TIMEOUT_ENV seconds, gives up after ray.max_failures + 1 attempts, the trial is recorded as
-    failed with that reason, and the sweep still ends with its table and its parent run. (A failed
-    trial beside trials that train is test_tune.py's end-to-end sweep, whose out-of-memory trial fails while
-    the other two finish; one trial here saves a whole Ray Train run.)"""
+    """A trial whose reports lack the sweep's metric, one that raises and one that cannot start each fail alone --
+    status and reason in the table, child run FAILED with tag longtrain.failure_reason -- and the sweep goes on to
+    its table and its best trial, the one that trained (FAILING_SPACE)."""
     from mlflow.tracking import MlflowClient
 
     from pipeline.run import main
 
     uri, _ = mlflow_server
     monkeypatch.setenv(START_TIMEOUT_ENV, "3")
-    space = _space(tmp_path, {
-        "metric": "val/loss", "mode": "min", "max_concurrent_trials": 1, "scheduler": {"type": "fifo"},
-        "resources_per_trial": {"cpus_per_worker": 1, "use_gpu": "false"},
-        "fixed": {"ray.max_failures": 0, "ray.placement_strategy": "STRICT_SPREAD", "train.max_steps": 2,
-                  "train.warmup_steps": 0, "train.eval_every": 2, "train.checkpoint_every": 2,
-                  "train.log_every": 2, "train.eval_batches": 1, "train.sample_tokens": 0},
-        "params": {"ray.num_workers": {"grid": [2]}},
-    })
-    # The sweep ends: its one trial failed, so it recommends nothing and exits 1 (as a sweep with no result).
+    space = _space(tmp_path, FAILING_SPACE)
     assert main(["tune", "--space", str(space), "--preset", "test", f"--run.root={test_runs_root}",
-                 "--run.name=nostart", f"--tracking.tracking_uri={uri}", "--tracking.experiment=sweep-nostart"]) == 1
-    assert "no trial finished; nothing to recommend" in capsys.readouterr().out
-    table = (test_runs_root / "tune" / "nostart" / "sweep_table.md").read_text()
-    assert f"| {FAILED} (TrainStartError: Ray Train's 2 worker(s)" in table, table
+                 "--run.name=failing", f"--tracking.tracking_uri={uri}", "--tracking.experiment=sweep-failing"]) == 0
+    out = capsys.readouterr().out
+    assert "did not include the specified metric" not in out
+    table = (test_runs_root / "tune" / "failing" / "sweep_table.md").read_text()
+    rows = {}
+    for line in table.splitlines():
+        if line.startswith("| nano |"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            rows[(int(cells[2]), int(cells[3]))] = cells  # (ray.num_workers, train.log_every)
+    assert len(rows) == 6, table
+    status = {k: cells[-2] for k, cells in rows.items()}
+    assert status[(1, 2)] == OK and float(rows[(1, 2)][-3]) > 0, table  # trained: its train/loss in the table
+    assert status[(1, 4)].startswith(f"{FAILED} (MissingMetricError: the report at step 2 has no train/loss"), table
+    for log_every in (2, 4):
+        assert status[(2, log_every)].startswith(f"{FAILED} (TrainStartError: Ray Train's 2 worker(s)"), table
+        assert re.match(rf"{FAILED} \(DatasetError: [\d,]+ training rows, fewer than one global micro-batch",
+                        status[(100000, log_every)]), table
+    assert f"best: trial {rows[(1, 2)][-1]}" in out
 
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("sweep-nostart")
-    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id], f"tags.`{TAG_SWEEP}` = 'nostart'")}
-    assert runs.pop("nostart").info.status == "FINISHED"  # the sweep's parent run
-    (failed,) = runs.values()
-    assert failed.data.params["ray.num_workers"] == "2"
-    assert failed.info.status == "FAILED" and failed.data.tags[TAG_STATUS] == FAILED
-    reason = failed.data.tags[TAG_REASON]
-    assert "Ray Train's 2 worker(s) with {CPU 1} each (STRICT_SPREAD)" in reason, reason
-    assert "did not come within 3 s, in 1 attempt(s)" in reason, reason
+    exp = client.get_experiment_by_name("sweep-failing")
+    runs = client.search_runs([exp.experiment_id], f"tags.`{TAG_SWEEP}` = 'failing'")
+    parent = next(r for r in runs if r.info.run_name == "failing")
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/trials_failed"] == 5
+    children = {(int(r.data.params["ray.num_workers"]), int(r.data.params["train.log_every"])): r
+                for r in runs if r.info.run_name != "failing"}
+    assert len(children) == 6
+    assert children[(1, 2)].info.status == "FINISHED" and children[(1, 2)].data.tags[TAG_STATUS] == OK
+    reasons = {k: c.data.tags.get(TAG_REASON, "") for k, c in children.items() if k != (1, 2)}
+    assert all(children[k].info.status == "FAILED" and children[k].data.tags[TAG_STATUS] == FAILED for k in reasons)
+    assert "the report at step 2 has no train/loss (it has: " in reasons[(1, 4)], reasons
+    assert "did not come within 3 s, in 1 attempt(s)" in reasons[(2, 2)], reasons
+    assert "training rows, fewer than one global micro-batch (train.batch_size=4 x 100000" in reasons[(100000, 2)]
+    assert rows[(1, 2)][4] != "–" and rows[(1, 2)][6] == "4–4", table  # steady-state tokens/s: step 4 of 4

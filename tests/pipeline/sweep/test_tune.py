@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from pipeline.config import Config, field_types, load_config
+from pipeline.train.engine import STEADY_AFTER_STEPS
 from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, write_best_preset
 from pipeline.tracking.tracker import METRICS, PARENT_RUN_TAG
 from pipeline.sweep.tune import TAG_REASON, TAG_STATUS, TAG_SWEEP, TAG_TRIAL, SweepContext, TrialFailed, is_oom
@@ -120,7 +121,8 @@ def test_is_oom_sees_through_train_and_task_wrappers():
 
 def _rows() -> list[TrialRow]:
     return [TrialRow("t0", {"train.batch_size": 1}, "nano", 1, 150.0, 0.002, 5.3, OK),
-            TrialRow("t1", {"train.batch_size": 2}, "nano", 2, 270.0, 0.003, 5.1, OK),
+            TrialRow("t1", {"train.batch_size": 2}, "nano", 2, 270.0, 0.003, 5.1, OK, steps=32, steady_steps=29,
+                     mfu=0.3127),
             TrialRow("t2", {"train.batch_size": 4}, "nano", 4, 300.0, 0.004, 4.9, STOPPED, "early"),
             TrialRow("t3", {"train.batch_size": 64}, "nano", 64, None, None, None, OOM, "OutOfMemoryError"),
             TrialRow("t4", {"train.batch_size": 8}, "nano", 8, None, None, float("nan"), FAILED, "ValueError")]
@@ -131,10 +133,13 @@ def test_best_is_the_best_finished_trial_and_the_table_has_every_row():
     assert best_row(rows, "min").trial_id == "t1"  # t2 is lower but was stopped early (fewer tokens)
     assert best_row(rows, "max").trial_id == "t0"
     table = markdown_table(rows, "val/loss").splitlines()
-    assert table[0] == "| tier | batch size | tokens/s | peak memory (GiB) | val/loss | status | trial |"
-    assert len(table) == 2 + len(rows)
-    assert "| nano | 64 | – | – | – | oom (OutOfMemoryError) | t3 |" in table
-    assert "| nano | 2 | 270 | 0.003 | 5.1000 | ok | t1 |" in table
+    assert table[0] == ("| tier | batch size | tokens/s | MFU | timed steps | peak memory (GiB) | val/loss | status "
+                        "| trial |")
+    assert len(table) == 2 + len(rows) + 2 and table[-2] == ""  # the rows, then what the figures count
+    assert table[-1].startswith("tokens/s and MFU are steady state: each trial's optimizer steps after its first "
+                                f"{STEADY_AFTER_STEPS} (torch.compile and warm-up)")
+    assert "| nano | 64 | – | – | – | – | – | oom (OutOfMemoryError) | t3 |" in table
+    assert "| nano | 2 | 270 | 31.3% | 4–32 | 0.003 | 5.1000 | ok | t1 |" in table
 
 
 def test_best_preset_round_trips_through_the_config_loader(tmp_path):
@@ -227,7 +232,8 @@ def test_sweep_end_to_end_with_mlflow_parent_and_children(ray_session, mlflow_se
             "--run.name=bs-sweep"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "| tier | batch size | tokens/s | peak memory (GiB) | val/loss | status | trial |" in out
+    assert ("| tier | batch size | tokens/s | MFU | timed steps | peak memory (GiB) | val/loss | status | trial |"
+            in out)
     sweep_dir = runs / "tune" / "bs-sweep"
 
     client = MlflowClient(tracking_uri=uri)
@@ -264,10 +270,12 @@ def test_sweep_end_to_end_with_mlflow_parent_and_children(ray_session, mlflow_se
 
     # The table, as files and as the parent's artifacts
     table = (sweep_dir / "sweep_table.md").read_text()
-    assert "| nano | 64 | – | – | – | oom (OutOfMemoryError: cpu out of memory: " in table
+    assert "| nano | 64 | – | – | – | – | – | oom (OutOfMemoryError: cpu out of memory: " in table
     assert "MiB would be live on a simulated 6.0 MiB device" in table
-    for bs in (1, 4):
-        assert f"| nano | {bs} | " in table and f"{final_val[bs]:.4f} | ok |" in table
+    for bs in (1, 4):  # steady-state tokens/s over step 4 of 4 (the first 3 are warm-up), the trial's peak memory
+        steady = by_bs[bs].data.metrics["train/steady_tokens_per_s"]
+        peak = by_bs[bs].data.metrics["train/peak_mem_gib"]
+        assert (f"| nano | {bs} | {steady:,.0f} | – | 4–4 | {peak:.3f} | {final_val[bs]:.4f} | ok |" in table), table
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"sweep_table.md", "sweep_table.png", "best_preset.yaml", "space.yaml", "base_config.json"} <= artifacts
     local = Path(client.download_artifacts(parent.info.run_id, "sweep_table.md", str(tmp_path / "dl")))
