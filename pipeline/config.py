@@ -49,6 +49,9 @@ class DataConfig:
     vocab_size: int = 32000
     tokenizer_sample_bytes: int = 20_000_000  # text sampled to train the tokenizer
     seq_len: int = 256  # tokens per training row; shards hold seq_len + 1
+    # > 0: a corpus that packs into fewer rows than this at seq_len is packed again at the longest power-of-two
+    # seq_len that gives at least this many (pipeline/train/sizing.py); 0: seq_len as set
+    min_rows: int = 0
     val_fraction: float = 0.02
     rows_per_shard: int = 2048
     dataset_dir: str = ""  # empty = <run.root>/datasets/<content hash>
@@ -66,6 +69,7 @@ class TrainConfig:
     batch_size: int = 8  # micro-batch, sequences per worker per forward
     grad_accum: int = 1
     max_steps: int = 200  # optimizer steps
+    max_epochs: float = 0.0  # > 0: max_steps is capped at this many passes over the training split; 0: no cap
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
     warmup_steps: int = 20
@@ -258,7 +262,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} is invalid; it must be in [0, 0.5)")
     for key in ("data.rows_per_shard", "data.tokenizer_sample_bytes"):
         _positive(key, cfg.flat()[key])
-    for key in ("data.max_documents", "data.tokenize_actors"):
+    for key in ("data.max_documents", "data.tokenize_actors", "data.min_rows", "train.max_epochs"):
         _positive(key, cfg.flat()[key], zero_ok=True)
     _one_of("data.on_bad_record", d.on_bad_record, ("error", "skip"))
     if not 0.0 <= d.max_bad_fraction <= 1.0:
@@ -300,10 +304,24 @@ def _cpu() -> dict[str, Any]:
 
 
 def _gpu() -> dict[str, Any]:
-    """One GPU, the product's default: tier B at 32k context."""
-    return {"model.tier": "B", "data.vocab_size": 32000, "data.seq_len": 32768, "train.batch_size": 1,
-            "train.grad_accum": 8, "train.max_steps": 2000, "train.lr": 6e-4, "train.warmup_steps": 100,
-            "train.eval_every": 200, "train.checkpoint_every": 200, "ray.use_gpu": "true"}
+    """One GPU, the default with CUDA: tier B at up to 32k context, sized to its data (pipeline/train/sizing.py): a
+    corpus that fills fewer than 256 rows of 32k gets shorter rows, and no run passes over its data more than 4
+    times. On the built-in corpus that is a few minutes; on a real one (`fineweb-32k`) 2,000 steps at 32k."""
+    return {"model.tier": "B", "data.vocab_size": 32000, "data.seq_len": 32768, "data.min_rows": 256,
+            "train.batch_size": 1, "train.grad_accum": 8, "train.max_steps": 2000, "train.max_epochs": 4.0,
+            "train.lr": 6e-4, "train.warmup_steps": 100, "train.eval_every": 200, "train.checkpoint_every": 500,
+            "ray.use_gpu": "true"}
+
+
+# A real corpus for the gpu preset: FineWeb-Edu's 10B-token sample, streamed from the Hugging Face Hub, its first
+# 500,000 documents (~0.5B tokens at ~1,000 tokens each: about one pass of 2,000 steps x 8 rows of 32,768 tokens).
+FINEWEB_32K = {"data.source": "hf", "data.hf_name": "HuggingFaceFW/fineweb-edu", "data.hf_config": "sample-10BT",
+               "data.hf_streaming": True, "data.max_documents": 500_000, "data.min_rows": 0}
+
+
+def _fineweb_32k() -> dict[str, Any]:
+    """The gpu preset on a real corpus: tier B, 32,768-token rows of FineWeb-Edu, 2,000 steps of 8 rows."""
+    return {**_gpu(), **FINEWEB_32K}
 
 
 def _test() -> dict[str, Any]:
@@ -314,7 +332,7 @@ def _test() -> dict[str, Any]:
             "train.sample_tokens": 8}
 
 
-PRESETS = {"cpu": _cpu, "gpu": _gpu, "test": _test}
+PRESETS = {"cpu": _cpu, "gpu": _gpu, "fineweb-32k": _fineweb_32k, "test": _test}
 
 
 def default_preset() -> str:

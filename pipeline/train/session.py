@@ -86,6 +86,7 @@ class SessionResult:
     ui_command: str
     dataset_dirs: list[str]
     stopped: bool = False  # Ctrl+C: checkpointed before the end; continue with --resume
+    epochs: float | None = None  # passes over the training split, when train.max_epochs capped the run's steps
 
 
 class TrainSession:
@@ -121,6 +122,14 @@ class TrainSession:
 
             check_exportable({"config": cfg.to_dict()}, "tracking.register_model: this run")
             require_tokenizers()
+        try:
+            sized = self._size(cfg, record)  # before the MLflow run opens: its params are the sized config
+        except BaseException:
+            self._record(status="failed")
+            raise
+        if sized is not None:
+            cfg, total = sized.cfg, sized.cfg.train.max_steps
+            record = self._record(config=cfg.flat(), phases=[asdict(p) for p in self.phases])
         tracker = open_tracker(cfg, run_id=record.get("mlflow_run_id"), run_name=self.run_dir.name)
         self._record(mlflow_run_id=tracker.run_id)
         if cfg.tracking.system_metrics:
@@ -139,7 +148,7 @@ class TrainSession:
                                     **({"data.tokenizer": tokenizer} if tokenizer and i > 0 else {})})
                 if i < record.get("phases_done", 0):
                     continue
-                dataset = prepare_main(pcfg)
+                dataset = sized.dataset if sized is not None and i == 0 else prepare_main(pcfg)
                 manifest = load_manifest(dataset)
                 tokenizer = tokenizer or str(Path(dataset) / "tokenizer.model")
                 datasets = (datasets + [str(dataset)])[: i + 1]
@@ -178,7 +187,20 @@ class TrainSession:
             raise
         finally:
             self._finish(tracker, status)
-        return SessionResult(checkpoint, pcfg, tracker.ui_command(), datasets, stopped=status == "KILLED")
+        return SessionResult(checkpoint, pcfg, tracker.ui_command(), datasets, stopped=status == "KILLED",
+                             epochs=sized.epochs if sized is not None else None)
+
+    def _size(self, cfg: Config, record: dict[str, Any]):
+        """A run of one phase with data.min_rows or train.max_epochs set: prepare its data and size the run to it
+        (pipeline/train/sizing.py); None for other runs."""
+        from pipeline.data.stages import prepare_main
+        from pipeline.train.sizing import size_to_data, sizes
+
+        if len(self.phases) != 1 or self.phases[0].overrides or record.get("phases_done", 0) or not sizes(cfg):
+            return None
+        sized = size_to_data(cfg, prepare_main)
+        self.cfg, self.phases = sized.cfg, [Phase(sized.cfg.train.max_steps)]
+        return sized
 
     def _register(self, tracker, checkpoint: Path, name: str) -> None:
         """Export the final checkpoint to <run_dir>/hf_model and register it as a version of `name`."""
