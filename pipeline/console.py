@@ -74,5 +74,7 @@ def quiet_ray_train_worker() -> None:
 
 
 def quiet_mlflow() -> None:
-    """MLflow's system-metrics monitor announces every start and stop at INFO; keep its warnings only."""
-    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    """MLflow's system-metrics monitor announces every start and stop at INFO, and a new local store announces
+    its tables being created; keep their warnings only."""
+    for name in ("mlflow.system_metrics", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)

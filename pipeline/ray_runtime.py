@@ -23,6 +23,9 @@ API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's state API clients (Ray 
 # (measured on 2 cores: a local Ray and two short Ray Train runs, 101-110 -> 87-92 CPU-s, each run ~1 s faster).
 # A copy per ray.init: Ray adds its own keys (the session's spilling directory) to the dict it is given.
 LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+# Ray Train's preemption watcher (an actor per Train run, ~2.5 CPU-s to start on 2 cores, and a Ray C++ log line on
+# the console) watches for nodes being drained, which a local single-node Ray never is. Off there unless set.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 def ensure_ray(address: str | None = None, cfg: "Config | None" = None) -> None:
@@ -70,7 +73,7 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
         port = _free_port(dashboard_host, preferred=8265 if attempt == 0 else 0)
         api = f"http://{'127.0.0.1' if dashboard_host in ('0.0.0.0', '::') else dashboard_host}:{port}"
         try:
-            with _environ(API_SERVER_ENV, api):
+            with _environ({API_SERVER_ENV: api, PREEMPTION_WATCHER_ENV: os.environ.get(PREEMPTION_WATCHER_ENV, "0")}):
                 ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=dashboard_host,
                          dashboard_port=port, logging_level=logging.WARNING, _system_config=dict(LOCAL_SYSTEM_CONFIG))
             break
@@ -84,21 +87,22 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
 
 
 @contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    """`name`=`value` in this process's environment while Ray starts: the raylet inherits it and passes it on to
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment while Ray starts: the raylet inherits them and passes them on to
     every worker process it starts, of any job. Not a job runtime_env (env_vars): a job with a runtime_env has
     each of its worker processes started through Ray's setup_worker.py, one more Python start that imports
     part of Ray before it execs the worker (bench/worker_start.py, 2 cores: 8 worker processes in 8.0 s with it,
     5.0 s without). This process's own environment is left as it was."""
-    old = os.environ.get(name)
-    os.environ[name] = value
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _free_port(host: str, preferred: int = 8265) -> int:

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
+_PARQUET_BATCH_ROWS = 1024  # rows per block the Parquet reader yields
+_BUILTIN_BLOCKS = 32  # blocks of the built-in corpus's item list
 
 
 class DataSourceError(ValueError):
@@ -277,7 +279,7 @@ def read_document_file(f: Any, path: str, kind: str, column: str) -> Iterator[pa
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, columns=[column]):
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[column]):
             col = batch.column(0)
             if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
                 try:  # Parquet does not guarantee valid UTF-8 in string columns
@@ -450,7 +452,7 @@ def _read_builtin() -> "ray.data.Dataset":
     import ray.data
 
     items = builtin_items()
-    return ray.data.from_items(items, override_num_blocks=min(32, len(items))).flat_map(_builtin_rows)
+    return ray.data.from_items(items, override_num_blocks=min(_BUILTIN_BLOCKS, len(items))).flat_map(_builtin_rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,7 +491,10 @@ def _read_hf(d: "DataConfig") -> "ray.data.Dataset":
         # from_huggingface first probes the Hub for hosted Parquet by re-loading the builder by name, which
         # for a local builder (json, parquet, text) without data_files scans the working directory; skip
         # to what it then does anyway: the dataset's Arrow table.
-        ds = ray.data.from_arrow(hfds.with_format("arrow")[:])
+        # One block per ~1 MB of text, not one for the whole table: each block is a tokenizer task.
+        table = hfds.with_format("arrow")[:]
+        step = max(1, table.num_rows * _BLOCK_BYTES // max(1, table.nbytes))
+        ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, max(1, table.num_rows), step)])
     else:
         ds = ray.data.from_huggingface(hfds)
     ds = ds.select_columns([d.text_column])
@@ -545,6 +550,41 @@ def describe_source(d: "DataConfig") -> dict[str, Any]:
             desc["data_files_sha256"] = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
         return desc
     raise DataSourceError(f"data.source={d.source!r} has no corpus to prepare; use builtin, files or hf")
+
+
+def blocks_at_least(d: "DataConfig") -> int | None:
+    """A lower bound on the blocks `read_documents(d)` yields, where it can be known without reading the corpus
+    (None where not: a Hugging Face dataset from the Hub, or local files cut by data.max_documents). Each block is
+    at most one tokenizer task, so a pool of more actors than this leaves some idle (pipeline/data/pack.py)."""
+    if d.source == "builtin":
+        items = builtin_items()
+        blocks = min(_BUILTIN_BLOCKS, len(items))
+        if d.max_documents:  # a block holds at most ceil(items / blocks) documents
+            blocks = min(blocks, -(-d.max_documents // -(-len(items) // blocks)))
+        return max(1, blocks)
+    if d.max_documents:
+        return None
+    if d.source == "files":
+        files = resolve_files(d.path)
+    elif d.source == "hf" and d.path:
+        files = resolve_files(d.path)
+        # _read_hf's ~1 MB slices of the loaded Arrow table, whose text is larger than Parquet files and at least
+        # half the size of JSON ones: half the files' bytes in MB is a lower bound
+        return max(1, sum(f.stat().st_size for f in files) // _BLOCK_BYTES // 2)
+    else:
+        return None
+    total = 0
+    for f in files:  # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet batches of 1,024 rows
+        kind = FILE_KINDS[f.suffix.lower()]
+        if kind == "jsonl":
+            total += max(1, f.stat().st_size // _BLOCK_BYTES)
+        elif kind == "parquet":
+            import pyarrow.parquet as pq
+
+            total += max(1, -(-pq.read_metadata(f).num_rows // _PARQUET_BATCH_ROWS))
+        else:
+            total += 1
+    return total
 
 
 def read_documents(d: "DataConfig") -> "ray.data.Dataset":

@@ -22,7 +22,8 @@ Stages, overlapped (shards are written while the corpus is still being tokenized
 
 Ray Data settings (why): `compute=ActorPoolStrategy(size=n)` with n = one actor per core (a fixed pool:
 each actor costs ~1 CPU-s to start and the work is CPU-bound from the first to the last batch, so
-autoscaling would only add start-ups); `num_cpus=1` per actor (SentencePiece runs single-threaded);
+autoscaling would only add start-ups), or the corpus's block count when that is smaller (corpus.blocks_at_least:
+a small corpus has fewer blocks than the machine has cores, and an actor without one only costs its start); `num_cpus=1` per actor (SentencePiece runs single-threaded);
 `batch_size=DOCS_PER_BATCH` documents in `batch_format="pyarrow"` (the reader's Arrow blocks go to the
 actor without a pandas/numpy conversion); one read task per file with ~1 MB blocks (corpus.py); the
 shard writers are plain Ray tasks because which shard is ready is only known in the driver, in order.
@@ -54,8 +55,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data.corpus import (CleanStats, DataSourceError, check_bad_records, clean_batch, describe_source,
-                                  read_documents, sample_texts)
+from pipeline.data.corpus import (CleanStats, DataSourceError, blocks_at_least, check_bad_records, clean_batch,
+                                  describe_source, read_documents, sample_texts)
 from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, ShardWriters, SplitRule,  # noqa: F401
                                       plan_shards)
 from pipeline.data.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,
@@ -294,7 +295,9 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     # in source order and write every shard that became final while the rest is still being tokenized.
     parts_dir = out / PARTS_DIR
     parts_dir.mkdir(exist_ok=True)
-    n_actors = d.tokenize_actors or default_actor_count()
+    # One actor per core, or as many as the corpus has blocks when that is fewer: an actor without a block would
+    # only cost its start (and Ray Data warns that the pool is larger than its input).
+    n_actors = min(d.tokenize_actors or default_actor_count(), blocks_at_least(d) or 1 << 30)
     source = d.hf_name if d.source == "hf" else d.source
     batches = ds.map_batches(_TokenizeBatch, fn_constructor_args=(str(tok_path), dtype.name, source, str(parts_dir)),
                              batch_size=DOCS_PER_BATCH, batch_format="pyarrow", num_cpus=1,
