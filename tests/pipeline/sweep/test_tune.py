@@ -157,8 +157,16 @@ def test_best_preset_round_trips_through_the_config_loader(tmp_path):
 
 
 # ------------------------------------------------------------- skip path and finder, without Tune
-def test_trial_skipped_by_the_finder_is_recorded_as_oom_without_training(mlflow_server, tmp_path, monkeypatch):
-    """run_trial's skip path with Tune's context and report swapped for stand-ins, recorded in MLflow."""
+@pytest.mark.parametrize("params, status, reason", [
+    ({"train.batch_size": 8}, OOM, "skipped: largest batch that fits is 6"),
+    # values each valid alone, invalid together: the trial fails before anything trains, with a child run
+    ({"model.attention": "cudnn", "model.doc_masking": True}, FAILED,
+     "ConfigError: model.attention=cudnn runs plain causal attention"),
+])
+def test_trial_that_ends_before_training_is_recorded_without_training(mlflow_server, tmp_path, monkeypatch, params,
+                                                                     status, reason):
+    """run_trial's paths that end before Train starts, with Tune's context and report swapped for stand-ins, recorded
+    in MLflow: a batch the max-batch finder says cannot fit, a config invalid as a whole."""
     import ray.tune
     from mlflow.tracking import MlflowClient
 
@@ -180,14 +188,16 @@ def test_trial_skipped_by_the_finder_is_recorded_as_oom_without_training(mlflow_
     parent = Tracker(cfg, run_name="sweep")
     ctx = SweepContext(cfg.flat(), str(dataset), str(tmp_path / "sweep"), "sweep", "val/loss", 0, parent.run_id,
                        max_fit={"nano": 6})
-    with pytest.raises(TrialFailed, match="oom"):
-        run_trial({"train.batch_size": 8}, ctx)
-    assert reports[-1]["sweep/status"] == OOM and "largest batch that fits is 6" in reports[-1]["sweep/reason"]
+    with pytest.raises(TrialFailed, match=status):
+        run_trial(params, ctx)
+    assert reports[-1]["sweep/status"] == status and reason in reports[-1]["sweep/reason"]
     assert math.isnan(reports[-1]["val/loss"])  # Tune's metric is present (strict metric checking)
     child = MlflowClient(cfg.tracking.tracking_uri).get_run(reports[-1]["sweep/mlflow_run_id"])
     assert child.info.status == "FAILED" and child.data.tags[PARENT_RUN_TAG] == parent.run_id
-    assert child.data.tags[TAG_REASON] == "oom" and child.data.tags[TAG_STATUS] == OOM
-    assert child.data.tags[TAG_TRIAL] == "x_00007" and child.data.params["train.batch_size"] == "8"
+    assert child.data.tags[TAG_STATUS] == status
+    assert (child.data.tags[TAG_REASON] == "oom") if status == OOM else (reason in child.data.tags[TAG_REASON])
+    assert child.data.tags[TAG_TRIAL] == "x_00007"
+    assert all(child.data.params[k] == str(v) for k, v in params.items())
 
 
 def test_finder_runs_as_a_ray_task_per_tier(ray_session, tmp_path):
