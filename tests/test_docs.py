@@ -1,0 +1,177 @@
+"""The commands in README.md and docs/*.md still work: every `python pipeline/run.py ...` line of a code block or
+inline code goes through the CLI's argument parser and config loading (and its space file, when it names one)
+without running; every other `python` command (benchmarks, `python -m ...`) through its own argument parser; the
+console examples that show an error print exactly that error; `python -m model` runs; and the README stays short.
+
+    .venv/bin/python -m pytest -q tests/test_docs.py
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.run import REAL_CORPUS_COMMAND
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 300
+# Words that stand for something the reader fills in: such an argument is parsed, never opened.
+PLACEHOLDER = re.compile(r"<[^>]*>|\b(DIR|RUN|FILE|NAME|PATH)\b")
+
+
+def _blocks(text: str) -> list[tuple[str, list[str]]]:
+    """(language, lines) of every fenced code block."""
+    out, lang, lines = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, lines = line[3:].strip(), []
+            else:
+                out.append((lang, lines))
+                lang = None
+        elif lang is not None:
+            lines.append(line)
+    return out
+
+
+def _commands(text: str) -> list[tuple[str, str | None]]:
+    """(command, the error line shown after it or None) for every command a reader is shown: lines of shell code
+    blocks (continuations joined, `$ ` prompts and `VAR=value` prefixes dropped) and inline code that starts with
+    python; `ray job submit ... -- CMD` gives CMD."""
+    found: list[tuple[str, str | None]] = []
+    for lang, lines in _blocks(text):
+        if lang not in ("", "bash", "sh", "console", "shell"):
+            continue
+        joined: list[str] = []
+        for line in lines:
+            if joined and joined[-1].endswith("\\"):
+                joined[-1] = joined[-1][:-1] + " " + line.strip()
+            else:
+                joined.append(line)
+        for i, line in enumerate(joined):
+            cmd = line[2:] if line.startswith("$ ") else line
+            nxt = joined[i + 1] if i + 1 < len(joined) else ""
+            found.append((cmd, nxt if line.startswith("$ ") and nxt.startswith("error: ") else None))
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    found += [(" ".join(m.split()), None) for m in re.findall(r"`((?:python3?|\.venv/bin/python) [^`]+)`", prose)]
+    out = []
+    for cmd, error in found:
+        cmd = cmd.split(" && ")[-1]  # the install commands end with the one to run
+        if " -- " in cmd and "ray job submit" in cmd:
+            cmd = cmd.split(" -- ", 1)[1]
+        words = shlex.split(cmd, comments=True) if cmd.strip() else []
+        for j, w in enumerate(words):  # a redirection or a pipe ends the command
+            if re.match(r"\d?>|\||<", w):
+                words = words[:j]
+                break
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+            words = words[1:]
+        if words and re.fullmatch(r"(\.venv/bin/)?python3?", words[0]) and "$" not in cmd:
+            out.append((shlex.join(words[1:]), error))
+    return out
+
+
+ALL = sorted({(doc.name, cmd, err) for doc in DOCS for cmd, err in _commands(doc.read_text())})
+# and the command a run sized to the built-in corpus prints at its end
+PRINTED = [("pipeline/run.py's console", REAL_CORPUS_COMMAND.split(" ", 1)[1], None)]
+RUN_PY = [c for c in ALL if c[1].startswith("pipeline/run.py")] + PRINTED
+OTHER = [c for c in ALL if not c[1].startswith(("pipeline/run.py", "-m pytest", "../shared/"))]
+
+
+def test_the_readme_is_short_and_every_doc_it_links_exists():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    links = re.findall(r"\]\((docs/[^)#]+)", text)
+    assert {ROOT / link for link in links} == set(DOCS[1:]), "README.md links one line to every docs/*.md"
+    assert len(RUN_PY) >= 30 and len(OTHER) >= 10  # the extraction finds the commands (a format change would not)
+
+
+@pytest.mark.parametrize("doc, command, error", RUN_PY, ids=[f"{c[0]}: {c[1]}" for c in RUN_PY])
+def test_every_pipeline_command_parses_and_loads_its_config(doc, command, error, capsys):
+    from pipeline.config import ConfigError
+    from pipeline.run import build_config, main, parse_args
+    from pipeline.sweep.space import load_space
+
+    argv = shlex.split(command)[1:]
+    if "--help" in argv:
+        with pytest.raises(SystemExit) as done:
+            parse_args(argv)
+        assert done.value.code == 0 and "\n  train.batch_size\n" in capsys.readouterr().out  # every field
+        return
+    args, rest = parse_args(argv)
+    if args.preset and PLACEHOLDER.search(args.preset):
+        args.preset = None  # a preset the reader's own sweep writes (runs/tune/<sweep>/best_preset.yaml)
+    try:
+        cfg = build_config(args, rest)
+    except ConfigError as exc:
+        if error is None:
+            pytest.fail(f"{doc}: `python {command}`: {exc}")
+        # a console example of a bad command line: this exact line on stderr, exit code 2
+        assert main(argv) == 2 and capsys.readouterr().err.strip() == error
+        return
+    # (an example whose error comes from its data, not its command line, needs that data: its command is checked)
+    if args.space:
+        load_space(ROOT / args.space, cfg)
+
+
+def _parse_only(words: list[str]) -> argparse.Namespace:
+    """Run `python WORDS` up to its argument parser, then stop: the parsed arguments, or SystemExit from argparse."""
+
+    class Parsed(Exception):
+        pass
+
+    real = argparse.ArgumentParser.parse_known_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        raise Parsed(real(self, args, namespace)[0])
+
+    argv = sys.argv
+    try:
+        argparse.ArgumentParser.parse_known_args = parse_and_stop
+        if words[0] == "-m":
+            sys.argv = [words[1], *words[2:]]
+            runpy.run_module(words[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = words
+            runpy.run_path(str(ROOT / words[0]), run_name="__main__")
+    except Parsed as parsed:
+        return parsed.args[0]
+    finally:
+        argparse.ArgumentParser.parse_known_args = real
+        sys.argv = argv
+    pytest.fail(f"`python {shlex.join(words)}` did not parse its arguments with argparse")
+
+
+@pytest.mark.parametrize("doc, command, error", OTHER, ids=[f"{c[0]}: {c[1]}" for c in OTHER])
+def test_every_other_python_command_parses_its_arguments(doc, command, error):
+    words = shlex.split(command)
+    _parse_only(words)  # argparse exits 2 on an argument the script no longer takes
+
+
+def test_python_m_model_runs(capsys):
+    from model.__main__ import main
+
+    main([])
+    out = capsys.readouterr().out
+    assert all(re.search(rf"\b{tier}\b", out) for tier in ("nano", "A", "B", "C", "D"))
+
+
+def test_the_phases_example_loads(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.train.session import load_phases
+
+    examples = [yaml.safe_load("\n".join(lines)) for doc in DOCS for lang, lines in _blocks(doc.read_text())
+                if lang == "yaml"]
+    phases = [e for e in examples if isinstance(e, list) and e and all(isinstance(p, dict) and "steps" in p for p in e)]
+    assert phases
+    for i, example in enumerate(phases):
+        path = tmp_path / f"phases-{i}.yaml"
+        path.write_text(yaml.safe_dump(example))
+        assert [p.steps for p in load_phases(str(path), load_config("cpu"))] == [p["steps"] for p in example]
