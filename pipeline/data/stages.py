@@ -21,11 +21,24 @@ from pipeline.data.validate import validate_dataset
 log = logging.getLogger("longtrain.data")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when it emits, not the one it was created with (which a caller that
+    redirects stderr, such as pytest's capture, may have closed since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _quiet_logging() -> None:
     """Our INFO lines, and Ray Data's progress bars in a terminal; Ray's own chatter at WARNING."""
     quiet_ray_data()
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[data] %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

@@ -334,7 +334,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     from pipeline.data.stages import prepare_main
-    from pipeline.data.shards import load_manifest
+    from pipeline.data.shards import check_trainable, load_manifest
     from pipeline.tracking.tracker import check_tracking_uri, open_tracker, pin_tracking_uri, resolve_tracking_uri
     from pipeline.ray_runtime import ensure_ray
 
@@ -355,6 +355,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
 
     dataset = Path(prepare_main(cfg)).resolve()
     manifest = load_manifest(dataset)
+    check_trainable(manifest, dataset, batch_size=1)  # no validation rows: no trial could be ranked
     ensure_ray(cfg.ray.address, cfg)
     parent = open_tracker(cfg, run_name=name)
     parent.set_tags({TAG_SWEEP: name})

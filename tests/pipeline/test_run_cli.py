@@ -148,3 +148,26 @@ def test_the_main_job_reads_well_in_a_log_file(test_runs_root):
     noise = [ln for ln in lines if "PlacementGroupCleaner" in ln or "deprecated" in ln.lower() or "Traceback" in ln]
     assert not noise, "\n".join(noise)
     assert len(lines) <= 150, f"{len(lines)} lines:\n{out}"
+
+
+@pytest.mark.parametrize("no_ray", [True, False], ids=["no-ray", "ray-train"])
+def test_a_dataset_without_validation_rows_is_refused_at_training_start(test_runs_root, tmp_path, capsys, no_ray):
+    """The session's prepared `test` dataset with its validation shards taken out of the manifest (found again by
+    its settings hash, so nothing is prepared): training refuses it in one line before any step or worker."""
+    import shutil
+
+    from pipeline.run import main
+
+    (dataset,) = (test_runs_root / "datasets").iterdir()
+    copy = shutil.copytree(dataset, tmp_path / "no-val")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["shards"]["val"] = []
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    args = ["train", "--preset", "test", f"--run.root={tmp_path}", f"--data.dataset_dir={copy}",
+            "--tracking.enabled=false", *(["--no-ray"] if no_ray else [])]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [ln for ln in err.splitlines() if not ln.startswith("[data] ")]  # after prepare's reuse line
+    assert line.startswith("error: no validation rows (") and "data.val_fraction=0.02) in dataset " in line
+    assert not (tmp_path / "ray_results").exists() and not list(tmp_path.glob("*/checkpoints"))
