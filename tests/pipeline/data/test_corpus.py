@@ -198,3 +198,21 @@ def test_hugging_face_loaders_on_local_files(ray_session, tmp_path, monkeypatch)
         read_documents(cfg_for(source="hf", hf_name="json", path=str(tmp_path / "train-0.jsonl")))
     with pytest.raises(DataSourceError, match="cannot load Hugging Face dataset 'no-such-org/no-such-data'"):
         read_documents(cfg_for(source="hf", hf_name="no-such-org/no-such-data"))
+
+
+def test_blocks_at_least_bounds_what_the_readers_yield(tmp_path):
+    """The lower bound on read blocks that sizes the tokenizer actor pool (pipeline/data/pack.py)."""
+    from pipeline.data.corpus import blocks_at_least
+
+    write_jsonl(tmp_path / "small.jsonl", sample_docs(10, 300))
+    write_jsonl(tmp_path / "big.jsonl", ["x" * 100_000] * 25)  # 2.5 MB: two blocks of >= 1 MB, then the rest
+    (tmp_path / "one.txt").write_text("a document")
+    pq.write_table(pa.table({"text": ["t"] * 3000}), tmp_path / "rows.parquet")  # batches of 1,024 rows
+    for name, n in (("small.jsonl", 1), ("big.jsonl", 2), ("one.txt", 1), ("rows.parquet", 3), ("*", 7)):
+        assert blocks_at_least(cfg_for(source="files", path=str(tmp_path / name))) == n, name
+    assert blocks_at_least(cfg_for(source="files", path=str(tmp_path / "big.jsonl"), max_documents=3)) is None
+    assert blocks_at_least(cfg_for(source="hf", hf_name="some/data")) is None
+    items = len(builtin_items())
+    assert blocks_at_least(cfg_for(source="builtin")) == 32
+    per_block = -(-items // 32)
+    assert blocks_at_least(cfg_for(source="builtin", max_documents=100)) == -(-100 // per_block)

@@ -194,6 +194,7 @@ def test_same_settings_same_bytes_whatever_the_parallelism(ray_session, tok_path
                    data__dataset_dir=str(tmp_path / "one_actor"))
     again = prepare(cfg)
     a, b = load_manifest(out), load_manifest(again)
+    assert (a.extra["tokenize_actors"], b.extra["tokenize_actors"]) == (2, 1)  # three files: blocks for both
     assert a.settings_hash == b.settings_hash  # the actor count is not part of the key...
     assert a.shards == b.shards  # ...because it cannot change a byte
 
@@ -286,3 +287,13 @@ def test_sigkill_midway_leaves_no_manifest_and_the_rerun_validates(ray_session, 
     cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(root), data__dataset_dir=str(out))
     assert prepare(cfg) == out
     assert validate_dataset(out).ok and not (out / "_parts").exists() and not list(out.glob(".hold-*"))
+
+
+def test_a_small_corpus_starts_no_idle_tokenizer_actors(ray_session, tok_path, tmp_path, recwarn):
+    """One small .jsonl file is one block: one actor tokenizes it (not one per core, the others idle), and Ray
+    Data has no reason to warn that the pool is larger than its input."""
+    write_jsonl(tmp_path / "small.jsonl", sample_docs(30, 400))
+    out = prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path / "small.jsonl"),
+                           data__tokenize_actors=0))
+    assert load_manifest(out).extra["tokenize_actors"] == 1
+    assert not [w for w in recwarn if "minimum number of concurrent actors" in str(w.message)]
