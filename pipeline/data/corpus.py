@@ -553,37 +553,41 @@ def describe_source(d: "DataConfig") -> dict[str, Any]:
 
 
 def blocks_at_least(d: "DataConfig") -> int | None:
-    """A lower bound on the blocks `read_documents(d)` yields, where it can be known without reading the corpus
-    (None where not: a Hugging Face dataset from the Hub, or local files cut by data.max_documents). Each block is
-    at most one tokenizer task, so a pool of more actors than this leaves some idle (pipeline/data/pack.py)."""
+    """The blocks `read_documents(d)` yields, where they can be counted without reading the corpus (at most its first
+    megabyte); None where not (a Hugging Face dataset from the Hub). A lower bound, except for local files cut by
+    data.max_documents, where it is an estimate from the first block. Each block is at most one tokenizer task, so a
+    pool of more actors than this leaves some idle (pipeline/data/pack.py)."""
     if d.source == "builtin":
         items = builtin_items()
         blocks = min(_BUILTIN_BLOCKS, len(items))
         if d.max_documents:  # a block holds at most ceil(items / blocks) documents
             blocks = min(blocks, -(-d.max_documents // -(-len(items) // blocks)))
         return max(1, blocks)
-    if d.max_documents:
-        return None
-    if d.source == "files":
-        files = resolve_files(d.path)
-    elif d.source == "hf" and d.path:
-        files = resolve_files(d.path)
+    if d.source == "hf" and d.path and not d.max_documents:
         # _read_hf's ~1 MB slices of the loaded Arrow table, whose text is larger than Parquet files and at least
         # half the size of JSON ones: half the files' bytes in MB is a lower bound
-        return max(1, sum(f.stat().st_size for f in files) // _BLOCK_BYTES // 2)
-    else:
+        return max(1, sum(f.stat().st_size for f in resolve_files(d.path)) // _BLOCK_BYTES // 2)
+    if d.source != "files":
         return None
-    total = 0
+    files = resolve_files(d.path)
+    total, docs_per_block = 0, None
     for f in files:  # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet batches of 1,024 rows
         kind = FILE_KINDS[f.suffix.lower()]
         if kind == "jsonl":
             total += max(1, f.stat().st_size // _BLOCK_BYTES)
+            if docs_per_block is None:  # the first ~1 MB block of the first .jsonl: how many documents a block holds
+                with open(f, "rb") as fh:
+                    docs_per_block = max(1, sum(1 for line in fh.read(_BLOCK_BYTES).splitlines() if line.strip()))
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
             total += max(1, -(-pq.read_metadata(f).num_rows // _PARQUET_BATCH_ROWS))
+            docs_per_block = docs_per_block or _PARQUET_BATCH_ROWS
         else:
             total += 1
+            docs_per_block = docs_per_block or 1
+    if d.max_documents and total > 1:  # the first max_documents documents fill this many blocks (an estimate)
+        total = min(total, -(-d.max_documents // (docs_per_block or 1)))
     return total
 
 

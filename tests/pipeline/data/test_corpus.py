@@ -210,7 +210,10 @@ def test_blocks_at_least_bounds_what_the_readers_yield(tmp_path):
     pq.write_table(pa.table({"text": ["t"] * 3000}), tmp_path / "rows.parquet")  # batches of 1,024 rows
     for name, n in (("small.jsonl", 1), ("big.jsonl", 2), ("one.txt", 1), ("rows.parquet", 3), ("*", 7)):
         assert blocks_at_least(cfg_for(source="files", path=str(tmp_path / name))) == n, name
-    assert blocks_at_least(cfg_for(source="files", path=str(tmp_path / "big.jsonl"), max_documents=3)) is None
+    small = cfg_for(source="files", path=str(tmp_path / "small.jsonl"), max_documents=3)
+    assert blocks_at_least(small) == 1  # a one-block corpus stays one block, however many documents it keeps
+    assert blocks_at_least(cfg_for(source="files", path=str(tmp_path / "big.jsonl"), max_documents=3)) == 1
+    assert blocks_at_least(cfg_for(source="files", path=str(tmp_path / "big.jsonl"), max_documents=15)) == 2  # ~10 a block
     assert blocks_at_least(cfg_for(source="hf", hf_name="some/data")) is None
     items = len(builtin_items())
     assert blocks_at_least(cfg_for(source="builtin")) == 32
