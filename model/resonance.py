@@ -1,4 +1,4 @@
-"""The resonance mixer: learned damped oscillators ("eigenstates") in place of attention, O(T log T).
+"""The resonance mixer: learned damped oscillators ("eigenstates") in place of attention, O(T log T) or O(T).
 
     from model.resonance import build_resonance_model
     model = build_resonance_model("nano", vocab_size=2000)     # or model.decoder.build_model(..., mixer="resonance")
@@ -16,17 +16,22 @@ c_k = (C_re + i C_im)[:, k] (a column of P). With u (B, T, G, P) the mixer's inp
     y(t) = sum_{s <= t} h(t - s) u(s),      h(j) = Re( sum_k c_k lambda_k^j b_k )   (P x P, j >= 0)
 
 i.e. per group a causal long convolution whose kernel has rank <= 2K. Written through the complex state
-s_k(t) = lambda_k s_k(t-1) + b_k . u(t), y(t) = Re(sum_k c_k s_k(t)); the three forms compute exactly that:
+s_k(t) = lambda_k s_k(t-1) + b_k . u(t), y(t) = Re(sum_k c_k s_k(t)). Complex numbers between the projections and
+the core are (re, im) pairs on a trailing axis of 2: z = b . u is ONE real matmul (B, T, G, P) @ (G, P, 2K), and
+Re(c . s) another, (B, T, G, 2K) @ (G, 2K, P); both run in the autocast dtype (bf16 on tensor cores). Only the core
+between them keeps fp32 (cuda_ops/resonance_scan.py; the FFT below). The three forms compute exactly the same s:
 
-  fft        s = causal convolution of z = b . u with lambda^t by FFT of length 2T  -- O(T log T); whole rows
-             with no document resets (training without doc masking, and the generation prefill).
-  scan       chunked scan: within chunks of `chunk_size` tokens a parallel (Hillis-Steele) scan of
-             s(t) = a(t) s(t-1) + z(t), across chunks the state carried forward; a(t) = 0 at a document start,
-             so no document sees its neighbour -- O(T log chunk); training with doc masking.
-  recurrent  one token: s = lambda s + z -- generation with a state of G x K complex numbers per layer
-             (O(1) memory per token instead of a KV cache).
-The model picks the form itself: scan when doc_ids are given and doc masking is on, fft otherwise, recurrent for
-one new token with a state. No RoPE: the kernel is the position code.
+  fft        s = causal convolution of z with lambda^t by FFT of length 2T  -- O(T log T); whole rows with no
+             document resets. A custom autograd Function keeps only z for backward and recomputes the rest.
+  scan       s(t) = a(t) s(t-1) + z(t), a(t) = 0 at a document start, so no document sees its neighbour -- O(T).
+             cuda_ops.resonance_scan: on CUDA the Numba kernel (each thread walks one channel's chunk with the
+             state in registers, plus a carry across chunks; backward the reverse recurrence); elsewhere a
+             log-depth (Hillis-Steele) scan within chunks of `chunk_size` tokens.
+  recurrent  token by token, the definition (tests); generation steps by model/resonance_state.py, with a state
+             of G x K complex numbers per layer (O(1) per token instead of a KV cache).
+The model picks the form itself (`core_form`): on CUDA with the kernel, the scan for every row (it moves seven
+passes of z-sized bytes per layer, fwd + bwd, where the FFT moves several 2T-long fp32 spectra); elsewhere the
+scan when doc_ids are given and doc masking is on, the FFT otherwise. No RoPE: the kernel is the position code.
 
 The block is x + Out(GroupRMSNorm(y) * silu(gate)), then x + SwiGLU(RMSNorm(x)), with u, gate = In(RMSNorm(x)).
 Why the extra norm and gate: the state's size scales like 1 / sqrt(1 - |lambda|^2), which differs by orders of
@@ -35,12 +40,13 @@ unit scale whatever the decays are, and the SiLU gate (as in H3 / Mamba) gives t
 interaction a linear convolution lacks. Both are per token, so causality and document isolation are untouched.
 
 Generation uses the same protocol as model/decoder.py: cache = model.new_kv_cache(B, max_len, left_pad);
-model(prompt, kv_cache=cache); model(next[:, None], kv_cache=cache). The "cache" is ResonanceState. Left-pad
-positions have their mixer input zeroed in every layer, so the state of a padded row stays exactly zero until
-its first real token: each row equals its prompt run alone.
+model(prompt, kv_cache=cache); model(next[:, None], kv_cache=cache) (= model.decode_step(next, cache)). The
+"cache" is model/resonance_state.py's ResonanceState: static fp32 state buffers and a fixed-shape step that a CUDA
+graph can capture. Left-pad positions have their mixer input zeroed in every layer, so the state of a padded row
+stays exactly zero until its first real token: each row equals its prompt run alone.
 
-The complex core always runs in fp32 (fp64 when the model is fp64) with autocast off: cuFFT has no bf16, and
-products of many eigenvalue powers need the mantissa. Powers lambda^t are formed from float64 logarithms.
+Precision: the core's state and sums are fp32 (fp64 when the model is fp64): cuFFT has no bf16, and a state that
+decays by 1e-5 a token needs the mantissa. Powers lambda^t (FFT form) come from float64 logarithms.
 """
 from __future__ import annotations
 
@@ -51,7 +57,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from cuda_ops.dispatch import resolve_backend
+from cuda_ops.resonance_scan import resonance_scan, sequential_scan
 from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
+from model.resonance_state import ResonanceState, decode_step
 from model.tiers import ResonanceTier, get_mixer_tier
 
 MIN_DECAY = 1e-5  # |lambda| <= exp(-1e-5): memory up to ~100k tokens, yet strictly inside the unit circle
@@ -77,50 +86,89 @@ def powers(log_lam: torch.Tensor, T: int, offset: int = 0, block: int = 256) -> 
     small = torch.exp(r[:, None, None] * lg).to(log_lam.dtype)  # (block, G, K)
     big = torch.exp(q[:, None, None] * lg).to(log_lam.dtype)  # (nq, G, K)
     out = (big[:, None] * small[None]).flatten(0, 1)  # (nq * block, G, K)
-    start = offset - int(q[0].item())
+    start = offset % block  # q starts at the block holding `offset`
     return out[start:start + T]
 
 
-def fft_conv(z: torch.Tensor, log_lam: torch.Tensor) -> torch.Tensor:
-    """s(t) = sum_{s<=t} lambda^(t-s) z(s) for z (B, T, G, K) complex, by FFT of length 2T (no wrap-around)."""
+def _causal_conv(x: torch.Tensor, kernel_f: torch.Tensor, T: int) -> torch.Tensor:
+    """x (B, T, G, K) complex convolved causally with the kernel whose length-2T spectrum is kernel_f (2T, G, K)."""
+    return torch.fft.ifft(torch.fft.fft(x, n=2 * T, dim=1) * kernel_f, dim=1)[:, :T]
+
+
+def _fft_states(z: torch.Tensor, log_lam: torch.Tensor, state0: torch.Tensor | None):
+    """z (B, T, G, K, 2), log_lam (G, K, 2), state0 (B, G, K, 2) | None -> (s (B, T, G, K) complex in the work
+    dtype, log lambda complex (G, K), the kernel lambda^t (T, G, K)): s(t) = sum_{u<=t} lambda^(t-u) z(u)
+    (+ lambda^(t+1) state0)."""
+    work = torch.float64 if z.dtype == torch.float64 else torch.float32
     T = z.shape[1]
-    kernel = powers(log_lam, T)  # (T, G, K)
-    zf = torch.fft.fft(z, n=2 * T, dim=1)  # (B, 2T, G, K)
-    kf = torch.fft.fft(kernel, n=2 * T, dim=0)  # (2T, G, K)
-    return torch.fft.ifft(zf * kf, dim=1)[:, :T]  # (B, T, G, K)
+    llc = torch.view_as_complex(log_lam.to(work).contiguous())  # (G, K)
+    kernel = powers(llc, T)  # (T, G, K)
+    s = _causal_conv(torch.view_as_complex(z.to(work).contiguous()), torch.fft.fft(kernel, n=2 * T, dim=0), T)
+    if state0 is not None:
+        s = s + powers(llc, T, offset=1) * torch.view_as_complex(state0.to(work).contiguous())[:, None]
+    return s, llc, kernel
 
 
-def linear_scan(a: torch.Tensor, z: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive scan of s(t) = a(t) s(t-1) + z(t), s(-1) = 0, along `dim` in log2(n) parallel steps
-    (Hillis-Steele). Returns (A, S): A(t) = a(0)...a(t) (what multiplies a state entering before 0), S(t) = s(t)."""
-    n, d = z.shape[dim], 1
-    A, S = a.expand_as(z), z
-    while d < n:
-        head_A, head_S = A.narrow(dim, 0, d), S.narrow(dim, 0, d)
-        S = torch.cat([head_S, S.narrow(dim, d, n - d) + A.narrow(dim, d, n - d) * S.narrow(dim, 0, n - d)], dim)
-        A = torch.cat([head_A, A.narrow(dim, d, n - d) * A.narrow(dim, 0, n - d)], dim)
-        d *= 2
-    return A, S
+class FFTConv(torch.autograd.Function):
+    """The FFT form without its complex intermediates on the tape: forward saves z, log_lam (and state0) only;
+    backward recomputes s by FFT, gets dLoss/dz(u) = sum_{t>=u} conj(lambda)^(t-u) gs(t) by the same FFT on the
+    time-reversed gradient, and dLoss/dlambda = sum_t r(t) conj(s(t-1)) (cuda_ops/resonance_scan.py's algebra)."""
+
+    @staticmethod
+    def forward(ctx, z, log_lam, state0):
+        s, _, _ = _fft_states(z, log_lam, state0)
+        ctx.save_for_backward(z, log_lam, state0)
+        last = torch.view_as_real(s[:, -1]).contiguous()
+        ctx.mark_non_differentiable(last)
+        return torch.view_as_real(s).to(z.dtype), last
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gs, _glast):
+        z, log_lam, state0 = ctx.saved_tensors
+        s, llc, kernel = _fft_states(z, log_lam, state0)  # (B, T, G, K) recomputed
+        T = z.shape[1]
+        g = torch.view_as_complex(gs.to(s.real.dtype).contiguous())  # (B, T, G, K)
+        r = _causal_conv(g.flip(1), torch.fft.fft(kernel.conj(), n=2 * T, dim=0), T).flip(1)  # dLoss/dz
+        prev = torch.cat([torch.zeros_like(s[:, :1]) if state0 is None else
+                          torch.view_as_complex(state0.to(s.real.dtype).contiguous())[:, None], s[:, :-1]], dim=1)
+        dlam = (r * prev.conj()).sum(dim=(0, 1))  # (G, K)
+        dlog = dlam * torch.exp(llc).conj()  # lambda = exp(log lambda)
+        return torch.view_as_real(r).to(z.dtype), torch.view_as_real(dlog).to(log_lam.dtype), None
 
 
-def chunked_scan(z: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor | None, chunk: int) -> torch.Tensor:
-    """s for z (B, T, G, K) complex, the state reset to 0 before every token where starts (B, T) bool is True."""
-    B, T, G, K = z.shape
-    lam = torch.exp(log_lam.to(torch.complex128)).to(z.dtype)  # (G, K)
-    a = lam.expand(B, T, G, K)
-    if starts is not None:
-        a = a * (~starts)[:, :, None, None].to(z.dtype)  # a(t) = 0: nothing from before t survives
-    n_chunks = -(-T // chunk)
-    pad = n_chunks * chunk - T
-    if pad:  # trailing padding: its outputs are cut off and nothing flows backwards, so any values do
-        z, a = F.pad(z, (0, 0, 0, 0, 0, pad)), F.pad(a, (0, 0, 0, 0, 0, pad))
-    zc = z.view(B, n_chunks, chunk, G, K)
-    A, S = linear_scan(a.reshape(B, n_chunks, chunk, G, K), zc, dim=2)  # within each chunk, from a zero state
-    # Across chunks: the state leaving chunk j is A_j(last) * (state entering j) + S_j(last).
-    _, H = linear_scan(A[:, :, -1], S[:, :, -1], dim=1)  # (B, n_chunks, G, K) state after each chunk
-    entering = torch.cat([torch.zeros_like(H[:, :1]), H[:, :-1]], dim=1)  # (B, n_chunks, G, K)
-    s = S + A * entering[:, :, None]  # (B, n_chunks, chunk, G, K)
-    return s.reshape(B, n_chunks * chunk, G, K)[:, :T]
+def fft_conv(z: torch.Tensor, log_lam: torch.Tensor, state0: torch.Tensor | None = None, *,
+             recompute: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FFT form: z (B, T, G, K, 2), log_lam (G, K, 2) -> (s like z, last (B, G, K, 2) in the work dtype).
+    recompute=False runs the same ops under plain autograd, which keeps every complex intermediate (the memory
+    comparison of bench/mixer.py and the gradient oracle of the tests)."""
+    if recompute and torch.is_grad_enabled() and (z.requires_grad or log_lam.requires_grad):
+        return FFTConv.apply(z, log_lam, state0)
+    s, _, _ = _fft_states(z, log_lam, state0)
+    return torch.view_as_real(s).to(z.dtype), torch.view_as_real(s[:, -1])
+
+
+def core_form(device: torch.device | str, doc_masked: bool) -> str:
+    """The form form='auto' runs: the scan wherever the Numba kernel runs (O(T), and it resets at document starts
+    for free); elsewhere the log-depth reference scan only when documents must be isolated, else the FFT."""
+    if resolve_backend(device) == "numba":
+        return "scan"
+    return "scan" if doc_masked else "fft"
+
+
+@eager_only  # complex FFTs and Numba launches stay eager; compile fuses the projections and the rest of the block
+def mixer_core(form: str, z: torch.Tensor, log_lam: torch.Tensor, starts, state, chunk: int):
+    """z (B, T, G, K, 2) -> (s like z, last state (B, G, K, 2) fp32), in the named form."""
+    with torch.autocast(device_type=z.device.type, enabled=False):
+        if form == "fft":
+            if starts is not None:
+                raise ValueError("the FFT form cannot reset at document starts; use form='scan'")
+            return fft_conv(z, log_lam, state)
+        if form == "scan":
+            return resonance_scan(z, log_lam, starts, state, chunk=chunk)
+        if form == "recurrent":
+            return sequential_scan(z, log_lam, starts, state)
+    raise ValueError(f"form={form!r} is not allowed; choose fft, scan or recurrent")
 
 
 class ResonanceMixer(nn.Module):
@@ -154,6 +202,11 @@ class ResonanceMixer(nn.Module):
         for w in (self.C_re, self.C_im):
             w.normal_(0.0, (2 * K) ** -0.5)
 
+    @property
+    def work_dtype(self) -> torch.dtype:
+        """The core's real dtype: fp32, or fp64 for an fp64 model (tests); never the autocast dtype."""
+        return torch.float64 if self.B_re.dtype == torch.float64 else torch.float32
+
     def eigen(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log lambda (G, K) complex, dt (G, K)) computed in `dtype` (default: the parameters'); lambda = exp(log lambda)."""
         shape = (self.G, self.K)
@@ -169,80 +222,31 @@ class ResonanceMixer(nn.Module):
         c = torch.complex(self.C_re, self.C_im)  # (G, P, K)
         return torch.einsum("gpk,jgk,gkq->jgpq", c, powers(log_lam, T), b).real
 
-    def project_in(self, u: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-        """u (B, T, G, P) real -> z = b . u (B, T, G, K) complex (two real matmuls, in u's dtype)."""
-        z_re = torch.einsum("btgp,gkp->btgk", u, self.B_re.to(u.dtype))
-        z_im = torch.einsum("btgp,gkp->btgk", u, self.B_im.to(u.dtype))
-        return torch.complex(z_re, z_im) * dt
+    def in_weight(self, dt: torch.Tensor) -> torch.Tensor:
+        """(G, P, 2K): column 2k is dt_k B_re[k], column 2k + 1 is dt_k B_im[k], so u @ it = z as (re, im) pairs."""
+        w = torch.stack([self.B_re, self.B_im], dim=-1) * dt.to(self.B_re.dtype)[:, :, None, None]  # (G, K, P, 2)
+        return w.transpose(1, 2).flatten(2)
 
-    def project_out(self, s: torch.Tensor) -> torch.Tensor:
-        """s (B, T, G, K) complex -> Re(c . s) (B, T, G, P) real."""
-        c_re, c_im = self.C_re.to(s.real.dtype), self.C_im.to(s.real.dtype)
-        return torch.einsum("btgk,gpk->btgp", s.real, c_re) - torch.einsum("btgk,gpk->btgp", s.imag, c_im)
+    def out_weight(self) -> torch.Tensor:
+        """(G, 2K, P): rows 2k, 2k + 1 are C_re[:, k] and -C_im[:, k], so s @ it = Re(c . s)."""
+        return torch.stack([self.C_re, -self.C_im], dim=-1).permute(0, 2, 3, 1).flatten(1, 2)
 
-    @eager_only  # complex FFTs and scans stay eager; compile fuses the rest of the block
     def forward(self, u: torch.Tensor, *, form: str = "fft", starts: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, state: torch.Tensor | None = None):
-        """u (B, T, D) -> (y (B, T, D) in u's dtype, final state (B, G, K) complex).
+        """u (B, T, D) -> (y (B, T, D) in u's dtype, final state (B, G, K, 2) fp32 (re, im)).
 
-        form: fft | scan | recurrent (token by token; generation and tests). starts (B, T) bool: document
-        starts (scan only). valid (B, T) bool: False zeroes the input there (left padding). state (B, G, K):
-        the state before token 0 (generation), None = zeros."""
+        form: fft | scan | recurrent. starts (B, T) bool: document starts (scan, recurrent). valid (B, T) bool: False
+        zeroes the input there (left padding). state (B, G, K, 2): the state before token 0 (generation), None = 0."""
         B, T, D = u.shape
-        work = torch.float64 if self.B_re.dtype == torch.float64 else torch.float32
-        with torch.autocast(device_type=u.device.type, enabled=False):
-            log_lam, dt = self.eigen(work)  # fp32 even for bf16 weights
-            z = self.project_in(u.to(work).view(B, T, self.G, self.P), dt)  # (B, T, G, K)
-            if valid is not None:
-                z = z * valid[:, :, None, None].to(z.dtype)
-            if state is not None:  # s(0) = lambda s_prev + z(0): fold the incoming state into the first input
-                z = torch.cat([z[:, :1] + torch.exp(log_lam) * state.to(z.dtype)[:, None], z[:, 1:]], dim=1)
-            if form == "fft":
-                if starts is not None:
-                    raise ValueError("the FFT form cannot reset at document starts; use form='scan'")
-                s = fft_conv(z, log_lam)
-            elif form == "scan":
-                s = chunked_scan(z, log_lam, starts, self.chunk_size)
-            elif form == "recurrent":
-                lam, prev, out = torch.exp(log_lam), torch.zeros_like(z[:, 0]), []
-                for t in range(T):
-                    keep = lam if starts is None else lam * (~starts[:, t, None, None]).to(lam.dtype)
-                    prev = keep * prev + z[:, t]  # (B, G, K)
-                    out.append(prev)
-                s = torch.stack(out, dim=1)
-            else:
-                raise ValueError(f"form={form!r} is not allowed; choose fft, scan or recurrent")
-            y = self.project_out(s).reshape(B, T, D)
-        return y.to(u.dtype), s[:, -1]
-
-
-class ResonanceState:
-    """The generation "cache" of the resonance model: one (B, G, K) complex state per layer, O(1) per token.
-
-    Same constructor as model/decoder.py's KVCache; max_len is accepted for that protocol and only bounds
-    `length` (the state itself never grows). left_pad (B,) int64: pad tokens at the start of each row."""
-
-    def __init__(self, n_layers: int, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None):
-        self.batch_size, self.max_len, self.length = batch_size, max_len, 0
-        self.state: list[torch.Tensor | None] = [None] * n_layers
-        if left_pad is not None and tuple(left_pad.shape) != (batch_size,):
-            raise ValueError(f"left_pad must have shape ({batch_size},), got {tuple(left_pad.shape)}")
-        self.left_pad = None if left_pad is None else left_pad.to(torch.int64)
-
-    def reset(self) -> None:
-        self.length, self.state = 0, [None] * len(self.state)
-
-    def valid(self, B: int, T: int, device: torch.device) -> torch.Tensor | None:
-        """(B, T) bool, False at left-pad positions of the next T tokens; None when there are none."""
-        if B != self.batch_size:
-            raise ValueError(f"state was made for batch size {self.batch_size}, got a batch of {B}")
-        if self.length + T > self.max_len:
-            raise ValueError(f"generation state is full: {self.length} + {T} tokens > max_len={self.max_len}; "
-                             "create it with a larger max_len")
-        if self.left_pad is None or self.length >= int(self.left_pad.max()):
-            return None
-        t_abs = torch.arange(self.length, self.length + T, device=device)
-        return t_abs[None, :] >= self.left_pad.to(device)[:, None]
+        G, K, P = self.G, self.K, self.P
+        log_lam, dt = self.eigen(self.work_dtype)  # (G, K): fp32 even for bf16 weights
+        # the projection runs in the autocast dtype (bf16 tensor cores) like any nn.Linear
+        z = torch.einsum("btgp,gpn->btgn", u.view(B, T, G, P), self.in_weight(dt)).unflatten(-1, (K, 2))
+        if valid is not None:
+            z = z * valid[:, :, None, None, None].to(z.dtype)  # (B, T, G, K, 2)
+        s, last = mixer_core(form, z, torch.view_as_real(log_lam), starts, state, self.chunk_size)
+        y = torch.einsum("btgn,gnp->btgp", s.flatten(-2), self.out_weight())  # (B, T, G, P)
+        return y.reshape(B, T, D).to(u.dtype), last
 
 
 class ResonanceBlock(nn.Module):
@@ -258,18 +262,23 @@ class ResonanceBlock(nn.Module):
         self.mlp = SwiGLU(tier)
 
     def forward(self, x: torch.Tensor, form: str, starts=None, valid=None, state=None):
-        """x (B, T, D) -> (x (B, T, D), final mixer state (B, G, K))."""
-        B, T, D = x.shape
+        """x (B, T, D) -> (x (B, T, D), final mixer state (B, G, K, 2))."""
         u, gate = self.w_in(self.mix_norm(x)).chunk(2, dim=-1)  # (B, T, D) each
         y, last = self.mixer(u, form=form, starts=starts, valid=valid, state=state)
+        return self.finish(x, y, gate), last
+
+    def finish(self, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The per-token rest of the block (shared with the decode step): x + W_out(GroupRMSNorm(y) * silu(gate)),
+        then the MLP. x, y, gate (B, T, D) -> (B, T, D)."""
+        B, T, D = x.shape
         y = self.group_norm(y.view(B, T, self.mixer.G, self.mixer.P)).view(B, T, D)
         x = x + self.w_out(y * F.silu(gate))
-        return x + self.mlp(self.mlp_norm(x)), last
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class ResonanceLM(TokenModel):
     """Token ids (B, T) -> hidden states (B, T, D) after the final RMSNorm; the same interface as
-    model/decoder.py's Decoder (output_weight, logits, num_params, compile_blocks, new_kv_cache)."""
+    model/decoder.py's Decoder (output_weight, logits, num_params, compile_blocks, new_kv_cache, decode_step)."""
 
     RESIDUAL_WRITERS = ("w_out.weight", "mlp.w_down.weight")
     SKIP_INIT = ".mixer."  # the mixer's own reset_parameters initialises its eigenvalues and projections
@@ -293,8 +302,22 @@ class ResonanceLM(TokenModel):
         for block in self.blocks:
             block.mixer.reset_parameters()
 
-    def new_kv_cache(self, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None) -> ResonanceState:
-        return ResonanceState(self.tier.n_layers, batch_size, max_len, left_pad)
+    def training_form(self, device: torch.device | str) -> str:
+        """What a training forward's core runs on `device`, for FLOP counting (model/flops.py): "kernel" (the
+        Numba scan), "scan" (the reference scan) or "fft"."""
+        form = core_form(device, self.doc_masking) if self.form == "auto" else self.form
+        return "kernel" if form == "scan" and resolve_backend(device) == "numba" else form
+
+    def new_kv_cache(self, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
+                     dtype: torch.dtype | None = None) -> ResonanceState:
+        """Static generation state on the model's device (model/resonance_state.py); dtype of the decode step's
+        projections: the autocast dtype when autocast is on (create the state inside the autocast region)."""
+        return ResonanceState(self, batch_size, max_len, left_pad, dtype=dtype)
+
+    def decode_step(self, tok: torch.Tensor, kv_cache: ResonanceState) -> torch.Tensor:
+        """tok (B,) int64, one new token per row -> hidden (B, D): the fixed-shape recurrent step
+        (what `self(tok[:, None], kv_cache=cache)` runs, without the sequence axis)."""
+        return decode_step(self, tok, kv_cache)
 
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 kv_cache: ResonanceState | None = None) -> torch.Tensor:
@@ -308,26 +331,31 @@ class ResonanceLM(TokenModel):
         if kv_cache is not None:
             if doc_ids is not None:
                 raise ValueError("generation with a state has no document masking; pass doc_ids=None")
-            valid = kv_cache.valid(B, T, idx.device)
-            form = "recurrent" if T == 1 else "fft"
+            if T == 1:
+                return decode_step(self, idx[:, 0], kv_cache)[:, None]  # (B, 1, D): the static recurrent step
+            kv_cache.check(B, T)
+            valid = kv_cache.valid(T, idx.device)
+            form = core_form(idx.device, False) if self.form == "auto" else self.form
         else:
             if self.doc_masking and doc_ids is not None:
                 starts = torch.zeros_like(doc_ids, dtype=torch.bool)
                 starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]  # (B, T) True at each document start
-            form = self.form if self.form != "auto" else ("scan" if starts is not None else "fft")
+            form = self.form if self.form != "auto" else core_form(idx.device, starts is not None)
             if form == "fft" and starts is not None:
                 raise ValueError("form='fft' cannot isolate documents; use form='scan' or auto with doc masking")
 
         x = self.tok_emb(idx)  # (B, T, D)
         for i, block in enumerate(self.blocks):
-            if kv_cache is not None:
-                x, kv_cache.state[i] = block.forward(x, form, None, valid, kv_cache.state[i])  # eager
+            if kv_cache is not None:  # .forward: eager even if compiled; the state continues from the cache's
+                state = kv_cache.state[i] if kv_cache.length > 0 else None
+                x, last = block.forward(x, form, None, valid, state)
+                kv_cache.state[i].copy_(last)
             elif self.training and i in self.checkpointed and torch.is_grad_enabled():
                 x, _ = checkpoint(block, x, form, starts, use_reentrant=False)
             else:
                 x, _ = block(x, form, starts)
         if kv_cache is not None:
-            kv_cache.length += T
+            kv_cache.advance(T)
         return self.norm(x)  # (B, T, D)
 
 
