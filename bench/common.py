@@ -52,3 +52,23 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def saved_tensor_bytes(fn, params=()) -> int:
+    """Bytes of the tensors autograd saves for backward while `fn()` runs: the activation memory a training step
+    holds at the end of its forward. Counted per storage (a tensor saved by several ops, or views of one buffer,
+    count once), parameters in `params` left out (they are held anyway)."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and t.device.type != "meta":
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())

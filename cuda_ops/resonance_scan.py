@@ -33,12 +33,12 @@ twice and writes s once; scan-then-propagate would write and reread a per-token 
 Backward runs the same three passes in reverse time:
   1. reduce  X_j = conj(a(t0)) r_local(t0) (the adjoint of chunk j alone, carried one step left), Y_j = conj(A_j)
   2. carry   E_{j-1} = X_j + Y_j E_j, from E_{NC-1} = 0
-  3. apply   walk chunk j downwards from E_j: r(t) = gs(t) + carry, written as dLoss/dz(t); and the eigenvalue gradient
-             dLoss/dlam = sum over b and t with m(t) = 1 of r(t) conj(s(t-1)), WITHOUT s: with
-             Q(u) = sum over t > u in the chunk of m(t) r(t) prod_{v=u+1}^{t-1} conj(a(v)), Q(t1-1) = 0,
-             Q(u-1) = m(u) (r(u) + conj(lam) Q(u)), the chunk's share is sum_u conj(z(u)) Q(u) + conj(H_j) Q(t0-1).
-So backward recomputes nothing per token and stores nothing per pass: autograd keeps z and the NC carries H per
-channel (1/L of z), and backward reads gs twice and z once.
+  3. apply   walk chunk j downwards from E_j: r(t) = gs(t) + carry, written as dLoss/dz(t), and the eigenvalue
+             gradient dLoss/dlam = sum over b and t with m(t) = 1 of r(t) conj(s(t-1)), from s itself
+The Function saves its OUTPUT s, not z: the output projection after the scan keeps s for its own weight gradient,
+so the tape holds no tensor for the scan that it would not hold anyway, and nothing per pass. Backward reads gs
+twice and s once. (In bf16, dLoss/dlam then sums products with the bf16-rounded s, in fp32: a relative error of
+order 2^-9 in the sum's terms, far below what the bf16 matmuls around it add.)
 
 Layout of this file: (a) reference (pure torch: the CPU path; `sequential_scan` is the definition the tests run in
 fp64) (b) the Numba kernels (c) launch configuration and the bytes-moved model (d) autograd Function, public API.
@@ -69,6 +69,12 @@ def _as_complex(x: torch.Tensor, real_dtype: torch.dtype) -> torch.Tensor:
     return torch.view_as_complex(x.to(real_dtype).contiguous())
 
 
+def like(z: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """`pairs` (B, T, G, K, 2) in z's dtype and z's memory layout (a strided z gets a strided s: what the output
+    projection reads without a copy). Differentiable."""
+    return torch.empty_like(z).copy_(pairs)
+
+
 def lambdas(log_lam: torch.Tensor) -> torch.Tensor:
     """log_lam (G, K, 2) real pairs -> lambda (G, K) complex, exponentiated in float64 and rounded once to the work
     dtype: every path (reference, kernel, generation) multiplies by the same lambda."""
@@ -96,7 +102,7 @@ def sequential_scan(z: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor
         prev = keep * prev + zc[:, t]
         out.append(prev)
     s = torch.stack(out, dim=1)  # (B, T, G, K) complex
-    return torch.view_as_real(s).to(z.dtype), torch.view_as_real(s[:, -1])
+    return like(z, torch.view_as_real(s)), torch.view_as_real(s[:, -1])
 
 
 def _linear_scan(a: torch.Tensor, z: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +140,7 @@ def scan_reference(z: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor 
     _, H = _linear_scan(A[:, :, -1], S[:, :, -1], dim=1)  # (B, n_chunks, G, K) state after each chunk
     entering = torch.cat([torch.zeros_like(H[:, :1]), H[:, :-1]], dim=1)  # (B, n_chunks, G, K)
     s = (S + A * entering[:, :, None]).reshape(B, n_chunks * chunk, G, K)[:, :T]
-    return torch.view_as_real(s).to(z.dtype), torch.view_as_real(s[:, -1])
+    return like(z, torch.view_as_real(s)), torch.view_as_real(s[:, -1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,7 +194,7 @@ def _kernels(io: str) -> dict:
     io "f32": (B, T, G, K, 2) float32 arrays. io "bf16": (B, T, G, K) int32 arrays, each the two bf16 halves of a
     complex number (a torch bf16 (..., 2) tensor viewed as int32): one 32-bit load per complex number per thread.
     Other arrays: lam (G, K, 2) f32; starts (B, T) uint8; AS, XY (B, NC, G, K, 4) f32 chunk summaries;
-    H, E, dlam (B, NC, G, K, 2) f32; last (B, G, K, 2) f32.
+    H, E, dlam (B, NC, G, K, 2) f32; last, s0 (B, G, K, 2) f32.
     """
     global cuda, float32, int32
     from numba import cuda, float32, int32
@@ -337,8 +343,8 @@ def _kernels(io: str) -> dict:
             E[b, j - 1, g, k, 1] = ei
 
     @cuda.jit
-    def bwd_apply(gs, z, lam, starts, L, H, E, dz, dlam):
-        B, NC, G, K = H.shape[0], H.shape[1], H.shape[2], H.shape[3]
+    def bwd_apply(gs, s, lam, starts, L, s0, E, dz, dlam):
+        B, NC, G, K = E.shape[0], E.shape[1], E.shape[2], E.shape[3]
         i = cuda.grid(1)
         if i >= B * NC * G * K:
             return
@@ -348,24 +354,24 @@ def _kernels(io: str) -> dict:
         b = i // (K * G * NC)
         lr, li = lam[g, k, 0], lam[g, k, 1]
         cr, ci = E[b, j, g, k, 0], E[b, j, g, k, 1]  # conj(a(t+1)) r(t+1), E_j at the chunk's last token
-        qr, qi = float32(0.0), float32(0.0)  # Q(t), 0 at the chunk's last token
         accr, acci = float32(0.0), float32(0.0)  # this chunk's share of dLoss/dlam
         t0 = j * L
         for t in range(min(t0 + L, starts.shape[1]) - 1, t0 - 1, -1):
             gr, gi = load(gs, b, t, g, k)
             rr, ri = gr + cr, gi + ci  # r(t)
             store(dz, b, t, g, k, rr, ri)
-            zr, zi = load(z, b, t, g, k)
-            accr += zr * qr + zi * qi  # conj(z(t)) Q(t)
-            acci += zr * qi - zi * qr
-            if starts[b, t]:  # m(t) = 0: nothing before t reaches t or later
-                cr, ci, qr, qi = float32(0.0), float32(0.0), float32(0.0), float32(0.0)
+            if starts[b, t]:  # a(t) = 0: no gradient for lam here, and nothing flows to t - 1
+                cr, ci = float32(0.0), float32(0.0)
             else:
-                qr, qi = rr + lr * qr + li * qi, ri + lr * qi - li * qr  # Q(t-1) = r(t) + conj(lam) Q(t)
+                if t > 0:
+                    pr, pi = load(s, b, t - 1, g, k)
+                else:
+                    pr, pi = s0[b, g, k, 0], s0[b, g, k, 1]
+                accr += rr * pr + ri * pi  # r(t) conj(s(t-1))
+                acci += ri * pr - rr * pi
                 cr, ci = lr * rr + li * ri, lr * ri - li * rr
-        hr, hi = H[b, j, g, k, 0], H[b, j, g, k, 1]
-        dlam[b, j, g, k, 0] = accr + hr * qr + hi * qi  # + conj(H_j) Q(t0-1)
-        dlam[b, j, g, k, 1] = acci + hr * qi - hi * qr
+        dlam[b, j, g, k, 0] = accr
+        dlam[b, j, g, k, 1] = acci
 
     return {"fwd_reduce": fwd_reduce, "fwd_carry": fwd_carry, "fwd_apply": fwd_apply,
             "bwd_reduce": bwd_reduce, "bwd_carry": bwd_carry, "bwd_apply": bwd_apply}
@@ -440,7 +446,7 @@ def traffic(plan: ScanPlan, io_bytes: int = 4) -> list[dict]:
             ("fwd apply", tok + starts + per_chunk, tok + last, p.chunk),
             ("bwd reduce", tok + starts, 2 * per_chunk, p.chunk),
             ("bwd carry", 2 * per_chunk, per_chunk, p.n_chunks - 1),
-            ("bwd apply", 2 * tok + starts + 2 * per_chunk, tok + per_chunk, p.chunk)]
+            ("bwd apply", 2 * tok + starts + per_chunk + last, tok + per_chunk, p.chunk)]
     if p.n_chunks == 1:  # a single pass each way: no summaries, no carries
         rows = [r for r in rows if r[0].endswith("apply")]
     return [{"pass": name, "read": r, "written": w, "steps": steps} for name, r, w, steps in rows]
@@ -462,7 +468,9 @@ def _arrays(*tensors):
         return [as_numba(t) for t in tensors]
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         raise ValueError("the resonance scan kernels need CUDA tensors (or NUMBA_ENABLE_CUDASIM=1 for tests)")
-    return [t.detach().numpy() for t in tensors]
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # wrapped: strided views, no copies
+
+    return [FakeCUDAArray(t.detach().numpy()) for t in tensors]
 
 
 def _io_kind(x: torch.Tensor) -> str:
@@ -479,13 +487,13 @@ def _pairs_for_kernel(x: torch.Tensor) -> torch.Tensor:
 
 def kernel_forward(z, lam_pairs, starts_u8, state0, plan: ScanPlan):
     """Passes 1-3. z (B, T, G, K, 2) bf16/fp32, lam_pairs (G, K, 2) fp32, starts_u8 (B, T) uint8, state0 (B, G, K, 2)
-    fp32 or None -> (s like z, last (B, G, K, 2) fp32, H (B, NC, G, K, 2) fp32: the states entering each chunk)."""
+    fp32 -> (s like z, last (B, G, K, 2) fp32)."""
     B, T, G, K, _ = z.shape
     NC, io = plan.n_chunks, _io_kind(z)
     dev = z.device
-    H = torch.empty(B, NC, G, K, 2, dtype=torch.float32, device=dev)
-    H[:, 0] = 0.0 if state0 is None else state0
-    s = torch.empty(B, T, G, K, 2, dtype=z.dtype, device=dev)
+    H = torch.empty(B, NC, G, K, 2, dtype=torch.float32, device=dev)  # the state entering each chunk
+    H[:, 0] = state0
+    s = torch.empty_like(z)  # z's layout: (G, B, T, K, 2) in memory when z comes from the mixer's projection
     last = torch.empty(B, G, K, 2, dtype=torch.float32, device=dev)
     stream = torch_stream() if z.is_cuda else 0
     if NC > 1:
@@ -495,27 +503,28 @@ def kernel_forward(z, lam_pairs, starts_u8, state0, plan: ScanPlan):
         _launch("fwd_carry", io, B * G * K, (as_, hh), stream)
     zz, lam, st, hh, ss, ll = _arrays(_io_view(z, io), lam_pairs, starts_u8, H, _io_view(s, io), last)
     _launch("fwd_apply", io, plan.threads, (zz, lam, st, plan.chunk, hh, ss, ll), stream)
-    return s, last, H
+    return s, last
 
 
-def kernel_backward(gs, z, lam_pairs, starts_u8, H, plan: ScanPlan):
-    """Backward passes 1-3 -> (dz like z, dlam (G, K, 2) fp32 = sum over rows and chunks of each chunk's share)."""
-    B, T, G, K, _ = z.shape
+def kernel_backward(gs, s, lam_pairs, starts_u8, state0, plan: ScanPlan):
+    """Backward passes 1-3 from the forward's output s -> (dz like s, dlam (G, K, 2) fp32: the sum over rows and
+    chunks of each chunk's share)."""
+    B, T, G, K, _ = s.shape
     NC = plan.n_chunks
-    gs = _pairs_for_kernel(gs).to(z.dtype)  # the kernel reads gs and z with one storage kind
-    io, dev = _io_kind(z), z.device
+    gs = _pairs_for_kernel(gs).to(s.dtype)  # the kernel reads gs and s with one storage kind
+    io, dev = _io_kind(s), s.device
     E = torch.zeros(B, NC, G, K, 2, dtype=torch.float32, device=dev)
-    dz = torch.empty(B, T, G, K, 2, dtype=z.dtype, device=dev)
+    dz = torch.empty_like(s)
     dlam = torch.empty(B, NC, G, K, 2, dtype=torch.float32, device=dev)
-    stream = torch_stream() if z.is_cuda else 0
+    stream = torch_stream() if s.is_cuda else 0
     if NC > 1:
         XY = torch.empty(B, NC, G, K, 4, dtype=torch.float32, device=dev)
         gg, lam, st, xy, ee = _arrays(_io_view(gs, io), lam_pairs, starts_u8, XY, E)
         _launch("bwd_reduce", io, plan.threads, (gg, lam, st, plan.chunk, xy), stream)
         _launch("bwd_carry", io, B * G * K, (xy, ee), stream)
-    gg, zz, lam, st, hh, ee, dd, dl = _arrays(_io_view(gs, io), _io_view(z, io), lam_pairs, starts_u8, H, E,
+    gg, ss, lam, st, s0, ee, dd, dl = _arrays(_io_view(gs, io), _io_view(s, io), lam_pairs, starts_u8, state0, E,
                                               _io_view(dz, io), dlam)
-    _launch("bwd_apply", io, plan.threads, (gg, zz, lam, st, plan.chunk, hh, ee, dd, dl), stream)
+    _launch("bwd_apply", io, plan.threads, (gg, ss, lam, st, plan.chunk, s0, ee, dd, dl), stream)
     return dz, dlam.sum(dim=(0, 1))
 
 
@@ -536,24 +545,26 @@ def warmup() -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 class ResonanceScanFunction(torch.autograd.Function):
-    """The kernel path: forward keeps z, log_lam, the starts and the NC chunk carries H; backward runs the three
-    reverse passes. The final state is not differentiable (it feeds generation, never a loss)."""
+    """The kernel path: forward keeps its output s (which the caller's output projection keeps anyway), lambda,
+    the starts and the initial state; backward runs the three reverse passes. The final state is not
+    differentiable (it feeds generation, never a loss)."""
 
     @staticmethod
     def forward(ctx, z, log_lam, starts_u8, state0, kernel_chunk):
         plan = device_plan(z.shape[0], z.shape[1], z.shape[2], z.shape[3], z.device, kernel_chunk)
         lam_pairs = torch.view_as_real(lambdas(log_lam)).float().contiguous()  # (G, K, 2)
-        s, last, H = kernel_forward(_pairs_for_kernel(z), lam_pairs, starts_u8, state0, plan)
-        ctx.save_for_backward(z, lam_pairs, starts_u8, H)
+        s, last = kernel_forward(_pairs_for_kernel(z), lam_pairs, starts_u8, state0, plan)
+        out = s.to(z.dtype)  # no copy for bf16 and fp32 z
+        ctx.save_for_backward(s, lam_pairs, starts_u8, state0)
         ctx.plan, ctx.z_dtype, ctx.log_lam_dtype = plan, z.dtype, log_lam.dtype
         ctx.mark_non_differentiable(last)
-        return s.to(z.dtype), last
+        return out, last
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gs, _glast):
-        z, lam_pairs, starts_u8, H = ctx.saved_tensors
-        dz, dlam = kernel_backward(gs, _pairs_for_kernel(z), lam_pairs, starts_u8, H, ctx.plan)
+        s, lam_pairs, starts_u8, state0 = ctx.saved_tensors
+        dz, dlam = kernel_backward(gs, s, lam_pairs, starts_u8, state0, ctx.plan)
         # lam = exp(log_lam): dLoss/dlog_lam = dLoss/dlam * conj(lam) (torch's complex-gradient convention)
         dlog = torch.view_as_complex(dlam.contiguous()) * torch.view_as_complex(lam_pairs).conj()
         return dz.to(ctx.z_dtype), torch.view_as_real(dlog).to(ctx.log_lam_dtype), None, None, None
@@ -594,7 +605,9 @@ def _scan(z, log_lam, starts, state0, backend: str, chunk: int, kernel_chunk: in
         return scan_reference(z, log_lam, starts, state0, chunk)
     if z.is_cuda:
         check_same_device(z)
+    B, _, G, K, _ = z.shape
     starts_u8 = (torch.zeros(z.shape[:2], dtype=torch.uint8, device=z.device) if starts is None
                  else starts.to(torch.uint8).contiguous())
-    state = None if state0 is None else state0.detach().float()
+    state = (torch.zeros(B, G, K, 2, dtype=torch.float32, device=z.device) if state0 is None
+             else state0.detach().float().contiguous())
     return ResonanceScanFunction.apply(z, log_lam, starts_u8, state, kernel_chunk)

@@ -120,7 +120,13 @@ def training_flops(tier: Tier, vocab_size: int, tokens, attention_pairs):
 #         kernel's share is per row, so this is exact at batch 1 and slightly over at larger batches);
 #   scan  ceil(log2 chunk) Hillis-Steele steps of a complex multiply-add (8) and a multiply (6), then the
 #         incoming chunk state (8): 14 ceil(log2 chunk) + 8 per channel; the scan across chunks is O(T / chunk).
-# Training is 3x forward, as for matmuls. Both terms grow like log T, not like T: this is the point of the family.
+#         This is the torch reference (CPU, or LONGTRAIN_KERNELS=reference).
+#   kernel the Numba scan of cuda_ops/resonance_scan.py, counted as executed: forward 14 (reduce: the state's
+#         complex multiply-add and the chunk product's complex multiply) + 8 (apply: the multiply-add) = 22;
+#         backward 12 (reduce: two conjugate multiplies) + 26 (apply: adjoint add, conj(z) Q and Q's update,
+#         the carry multiply) = 38; 60 for training, independent of T and of the chunk length.
+# Training is 3x forward, as for matmuls, except the kernel's executed 60. The FFT grows like log T, the scans not
+# at all with T: this is the point of the family.
 
 
 def resonance_matmul_params(tier: ResonanceTier, vocab_size: int) -> int:
@@ -130,8 +136,11 @@ def resonance_matmul_params(tier: ResonanceTier, vocab_size: int) -> int:
     return tier.n_layers * per_layer + vocab_size * d
 
 
+KERNEL_FORWARD_FLOPS, KERNEL_TRAINING_FLOPS = 22, 60  # per channel and token, see above
+
+
 def resonance_core_flops_per_token(tier: "ResonanceTier", seq_len: int, form: str) -> float:
-    """Forward FLOPs per token of the complex core (all layers) in the `fft` or `scan` form."""
+    """Forward FLOPs per token of the complex core (all layers) in the `fft`, `scan` or `kernel` form."""
     import math
 
     channels = tier.n_groups * tier.n_eigen
@@ -139,13 +148,20 @@ def resonance_core_flops_per_token(tier: "ResonanceTier", seq_len: int, form: st
         per_channel = 30 * math.log2(2 * seq_len) + 12
     elif form == "scan":
         per_channel = 14 * math.ceil(math.log2(max(2, tier.chunk_size))) + 8
+    elif form == "kernel":
+        per_channel = KERNEL_FORWARD_FLOPS
     else:
-        raise ValueError(f"form={form!r}: choose fft or scan")
+        raise ValueError(f"form={form!r}: choose fft, scan or kernel")
     return float(tier.n_layers * channels * per_channel)
 
 
-def resonance_flops_per_token(tier: "ResonanceTier", seq_len: int, vocab_size: int, doc_masking: bool = True) -> float:
-    """Training FLOPs per token of a resonance model: the scan form with document masking, FFT without (the
-    forms the model runs in training)."""
-    form = "scan" if doc_masking else "fft"
-    return float(6 * resonance_matmul_params(tier, vocab_size) + 3 * resonance_core_flops_per_token(tier, seq_len, form))
+def resonance_flops_per_token(tier: "ResonanceTier", seq_len: int, vocab_size: int, doc_masking: bool = True,
+                              form: str | None = None) -> float:
+    """Training FLOPs per token of a resonance model. form: what the core runs (ResonanceLM.training_form:
+    fft, scan or kernel); None means the reference's choice, the scan with document masking and the FFT without."""
+    form = form or ("scan" if doc_masking else "fft")
+    if form == "kernel":
+        core = tier.n_layers * tier.n_groups * tier.n_eigen * KERNEL_TRAINING_FLOPS
+    else:
+        core = 3 * resonance_core_flops_per_token(tier, seq_len, form)
+    return float(6 * resonance_matmul_params(tier, vocab_size) + core)

@@ -22,7 +22,8 @@ Re(c . s) another, (B, T, G, 2K) @ (G, 2K, P); both run in the autocast dtype (b
 between them keeps fp32 (cuda_ops/resonance_scan.py; the FFT below). The three forms compute exactly the same s:
 
   fft        s = causal convolution of z with lambda^t by FFT of length 2T  -- O(T log T); whole rows with no
-             document resets. A custom autograd Function keeps only z for backward and recomputes the rest.
+             document resets. A custom autograd Function keeps only s (which the output projection keeps anyway)
+             and gets both gradients from it and the incoming one, with no 2T-long spectrum on the tape.
   scan       s(t) = a(t) s(t-1) + z(t), a(t) = 0 at a document start, so no document sees its neighbour -- O(T).
              cuda_ops.resonance_scan: on CUDA the Numba kernel (each thread walks one channel's chunk with the
              state in registers, plus a carry across chunks; backward the reverse recurrence); elsewhere a
@@ -58,9 +59,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from cuda_ops.dispatch import resolve_backend
-from cuda_ops.resonance_scan import resonance_scan, sequential_scan
+from cuda_ops.resonance_scan import like, resonance_scan, sequential_scan
 from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
 from model.resonance_state import ResonanceState, decode_step
+from model.resonance_state import decode_compute as state_decode_compute
 from model.tiers import ResonanceTier, get_mixer_tier
 
 MIN_DECAY = 1e-5  # |lambda| <= exp(-1e-5): memory up to ~100k tokens, yet strictly inside the unit circle
@@ -110,42 +112,47 @@ def _fft_states(z: torch.Tensor, log_lam: torch.Tensor, state0: torch.Tensor | N
 
 
 class FFTConv(torch.autograd.Function):
-    """The FFT form without its complex intermediates on the tape: forward saves z, log_lam (and state0) only;
-    backward recomputes s by FFT, gets dLoss/dz(u) = sum_{t>=u} conj(lambda)^(t-u) gs(t) by the same FFT on the
-    time-reversed gradient, and dLoss/dlambda = sum_t r(t) conj(s(t-1)) (cuda_ops/resonance_scan.py's algebra)."""
+    """The FFT form without its complex intermediates on the tape: forward saves only its output s (which the
+    output projection keeps anyway), log_lam and state0. Backward gets dLoss/dz(u) = sum_{t>=u} conj(lambda)^(t-u)
+    gs(t) by an FFT of the time-reversed gradient, and dLoss/dlambda = sum_t r(t) conj(s(t-1)) from the saved s
+    (the algebra of cuda_ops/resonance_scan.py); the 2T-long spectra of forward are never kept."""
 
     @staticmethod
     def forward(ctx, z, log_lam, state0):
         s, _, _ = _fft_states(z, log_lam, state0)
-        ctx.save_for_backward(z, log_lam, state0)
+        out = like(z, torch.view_as_real(s))
         last = torch.view_as_real(s[:, -1]).contiguous()
+        ctx.save_for_backward(out, log_lam, state0)
         ctx.mark_non_differentiable(last)
-        return torch.view_as_real(s).to(z.dtype), last
+        return out, last
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gs, _glast):
-        z, log_lam, state0 = ctx.saved_tensors
-        s, llc, kernel = _fft_states(z, log_lam, state0)  # (B, T, G, K) recomputed
-        T = z.shape[1]
-        g = torch.view_as_complex(gs.to(s.real.dtype).contiguous())  # (B, T, G, K)
-        r = _causal_conv(g.flip(1), torch.fft.fft(kernel.conj(), n=2 * T, dim=0), T).flip(1)  # dLoss/dz
-        prev = torch.cat([torch.zeros_like(s[:, :1]) if state0 is None else
-                          torch.view_as_complex(state0.to(s.real.dtype).contiguous())[:, None], s[:, :-1]], dim=1)
-        dlam = (r * prev.conj()).sum(dim=(0, 1))  # (G, K)
+        out, log_lam, state0 = ctx.saved_tensors
+        work = torch.float64 if out.dtype == torch.float64 else torch.float32
+        B, T = out.shape[:2]
+        llc = torch.view_as_complex(log_lam.to(work).contiguous())  # (G, K)
+        g = torch.view_as_complex(gs.to(work).contiguous())  # (B, T, G, K)
+        kernel_f = torch.fft.fft(powers(llc, T).conj(), n=2 * T, dim=0)
+        r = _causal_conv(g.flip(1), kernel_f, T).flip(1)  # dLoss/dz
+        s = torch.view_as_complex(out.to(work).contiguous())
+        first = torch.zeros_like(s[:, :1]) if state0 is None else torch.view_as_complex(
+            state0.to(work).contiguous())[:, None]
+        dlam = (r * torch.cat([first, s[:, :-1]], dim=1).conj()).sum(dim=(0, 1))  # (G, K)
         dlog = dlam * torch.exp(llc).conj()  # lambda = exp(log lambda)
-        return torch.view_as_real(r).to(z.dtype), torch.view_as_real(dlog).to(log_lam.dtype), None
+        return torch.view_as_real(r).to(out.dtype), torch.view_as_real(dlog).to(log_lam.dtype), None
 
 
 def fft_conv(z: torch.Tensor, log_lam: torch.Tensor, state0: torch.Tensor | None = None, *,
-             recompute: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+             plain_autograd: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The FFT form: z (B, T, G, K, 2), log_lam (G, K, 2) -> (s like z, last (B, G, K, 2) in the work dtype).
-    recompute=False runs the same ops under plain autograd, which keeps every complex intermediate (the memory
-    comparison of bench/mixer.py and the gradient oracle of the tests)."""
-    if recompute and torch.is_grad_enabled() and (z.requires_grad or log_lam.requires_grad):
+    plain_autograd=True runs the same ops under autograd, which keeps every complex intermediate on the tape (the
+    memory comparison of bench/mixer.py and the gradient oracle of the tests)."""
+    if not plain_autograd and torch.is_grad_enabled() and (z.requires_grad or log_lam.requires_grad):
         return FFTConv.apply(z, log_lam, state0)
     s, _, _ = _fft_states(z, log_lam, state0)
-    return torch.view_as_real(s).to(z.dtype), torch.view_as_real(s[:, -1])
+    return like(z, torch.view_as_real(s)), torch.view_as_real(s[:, -1])
 
 
 def core_form(device: torch.device | str, doc_masked: bool) -> str:
@@ -233,20 +240,23 @@ class ResonanceMixer(nn.Module):
 
     def forward(self, u: torch.Tensor, *, form: str = "fft", starts: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None, state: torch.Tensor | None = None):
-        """u (B, T, D) -> (y (B, T, D) in u's dtype, final state (B, G, K, 2) fp32 (re, im)).
+        """u (B, T, D) -> (y (B, T, G, P) in u's dtype, final state (B, G, K, 2) fp32 (re, im)).
 
         form: fft | scan | recurrent. starts (B, T) bool: document starts (scan, recurrent). valid (B, T) bool: False
         zeroes the input there (left padding). state (B, G, K, 2): the state before token 0 (generation), None = 0."""
         B, T, D = u.shape
         G, K, P = self.G, self.K, self.P
         log_lam, dt = self.eigen(self.work_dtype)  # (G, K): fp32 even for bf16 weights
-        # the projection runs in the autocast dtype (bf16 tensor cores) like any nn.Linear
-        z = torch.einsum("btgp,gpn->btgn", u.view(B, T, G, P), self.in_weight(dt)).unflatten(-1, (K, 2))
+        # One batched matmul per group in the autocast dtype (bf16 tensor cores), like any nn.Linear. The (G, B*T, .)
+        # layout is the matmuls' own: u is read through a strided view, and z, s stay in it (the kernel and the FFT
+        # take strided tensors), so neither projection copies its input and autograd keeps no second copy of s.
+        z = torch.bmm(u.reshape(B * T, G, P).transpose(0, 1), self.in_weight(dt))  # (G, B*T, 2K)
+        z = z.view(G, B, T, K, 2).permute(1, 2, 0, 3, 4)  # (B, T, G, K, 2) view
         if valid is not None:
-            z = z * valid[:, :, None, None, None].to(z.dtype)  # (B, T, G, K, 2)
-        s, last = mixer_core(form, z, torch.view_as_real(log_lam), starts, state, self.chunk_size)
-        y = torch.einsum("btgn,gnp->btgp", s.flatten(-2), self.out_weight())  # (B, T, G, P)
-        return y.reshape(B, T, D).to(u.dtype), last
+            z = z * valid[:, :, None, None, None].to(z.dtype)
+        s, last = mixer_core(form, z, torch.view_as_real(log_lam), starts, state, self.chunk_size)  # s: z's layout
+        y = torch.bmm(s.permute(2, 0, 1, 3, 4).reshape(G, B * T, 2 * K), self.out_weight())  # (G, B*T, P)
+        return y.view(G, B, T, P).permute(1, 2, 0, 3).to(u.dtype), last  # (B, T, G, P) view
 
 
 class ResonanceBlock(nn.Module):
@@ -269,9 +279,9 @@ class ResonanceBlock(nn.Module):
 
     def finish(self, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The per-token rest of the block (shared with the decode step): x + W_out(GroupRMSNorm(y) * silu(gate)),
-        then the MLP. x, y, gate (B, T, D) -> (B, T, D)."""
+        then the MLP. x, gate (B, T, D), y (B, T, G, P) -> (B, T, D)."""
         B, T, D = x.shape
-        y = self.group_norm(y.view(B, T, self.mixer.G, self.mixer.P)).view(B, T, D)
+        y = self.group_norm(y).reshape(B, T, D)
         x = x + self.w_out(y * F.silu(gate))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -318,6 +328,11 @@ class ResonanceLM(TokenModel):
         """tok (B,) int64, one new token per row -> hidden (B, D): the fixed-shape recurrent step
         (what `self(tok[:, None], kv_cache=cache)` runs, without the sequence axis)."""
         return decode_step(self, tok, kv_cache)
+
+    def decode_compute(self, tok: torch.Tensor, kv_cache: ResonanceState) -> torch.Tensor:
+        """decode_step's graph-safe part (device state only, fixed shapes): what generate.py captures in a CUDA
+        graph. It advances kv_cache.pos, not kv_cache.length."""
+        return state_decode_compute(self, tok, kv_cache)
 
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 kv_cache: ResonanceState | None = None) -> torch.Tensor:

@@ -116,9 +116,9 @@ class Engine:
         self.module = LossModule(decoder, cfg.train.ce_chunk_size)
         self.model = wrap(self.module) if wrap is not None else self.module
         self.n_params = sum(p.numel() for p in decoder.parameters())
-        if cfg.model.mixer == "resonance":  # FFT or chunked-scan core, as the model runs it (model/flops.py)
+        if cfg.model.mixer == "resonance":  # FFT, reference scan or scan kernel, as the model runs it (model/flops.py)
             self.flops_per_token = resonance_flops_per_token(tier, cfg.data.seq_len, vocab_size,
-                                                             doc_masking=cfg.model.doc_masking)
+                                                             form=decoder.training_form(self.device))
         else:
             self.flops_per_token = flops_per_token(tier, cfg.data.seq_len, vocab_size,
                                                    tie_embeddings=cfg.model.tie_embeddings)

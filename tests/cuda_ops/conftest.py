@@ -1,12 +1,13 @@
-"""Fixtures of the cuda_ops tests: the two CUDA-simulator runs, started together in the background.
+"""Fixtures of the cuda_ops tests: the CUDA-simulator runs, started together in the background.
 
 NUMBA_ENABLE_CUDASIM must be set before numba is first imported, so each simulator script
-(cudasim_cross_entropy.py, cudasim_sampling.py) runs in a subprocess of its own. Both are single-threaded
-Python (the simulator runs every GPU thread as a Python thread), ~13 s and ~36 s on 2 cores, and used to run one
-after the other, each when its test module started, while the second core idled. They now start as soon as the
+(cudasim_cross_entropy.py, cudasim_sampling.py, cudasim_resonance_scan.py, and ptx_resonance_scan.py, which compiles
+the resonance kernels with the real compiler instead) runs in a subprocess of its own. The first two are single-threaded
+Python (the simulator runs every GPU thread as a Python thread), ~13 s and ~36 s on 2 cores (the resonance ones
+~4 s each), and used to run one after the other, each when its test module started, while the second core idled. They now start as soon as the
 first test of this package runs (when the session has collected their tests), side by side with each other and
 with the other cuda_ops tests, and each module's fixture waits for its own result: the package takes ~40 s
-instead of ~67 s. The assertions are unchanged, in test_cross_entropy_cudasim.py and test_sampling_cudasim.py.
+instead of ~67 s. The assertions are in test_cross_entropy_cudasim.py, test_sampling_cudasim.py and test_resonance_scan_cudasim.py.
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 # test module -> the simulator script whose output it checks
 SCRIPTS = {"test_cross_entropy_cudasim.py": HERE / "cudasim_cross_entropy.py",
-           "test_sampling_cudasim.py": HERE / "cudasim_sampling.py"}
+           "test_sampling_cudasim.py": HERE / "cudasim_sampling.py",
+           "test_resonance_scan_cudasim.py": HERE / "cudasim_resonance_scan.py"}
+# scripts that run beside a module's simulator script: the real compiler's check (it unsets the simulator itself)
+COMPANIONS = {"test_resonance_scan_cudasim.py": [HERE / "ptx_resonance_scan.py"]}
 TIMEOUT_S = 300  # a bound for a hang, from the moment a test waits for the run
 
 
@@ -75,4 +79,5 @@ def _start_simulator_runs_early(request, cudasim_runs):
     if importlib.util.find_spec("numba") is not None:  # without numba those modules are skipped
         wanted = {item.path.name for item in request.session.items} & set(SCRIPTS)
         for name in sorted(wanted):
-            cudasim_runs.start(SCRIPTS[name])
+            for script in [SCRIPTS[name], *COMPANIONS.get(name, [])]:
+                cudasim_runs.start(script)
