@@ -5,6 +5,7 @@ scan kernel's bytes-moved model, and the activation bytes each family keeps for 
     python bench/mixer.py                                   # tier B at 8,192 ... 262,144, one document (a GPU)
     python bench/mixer.py --doc-masking                     # rows of 4 documents, masked (resonance: the scan)
     python bench/mixer.py --find-max-seq --seq-lens 32768   # also: the longest row each family trains at batch 1
+    python bench/mixer.py --activation-checkpointing mixer  # resonance recomputes its mixer halves (attention: none)
     python bench/mixer.py --tier nano --seq-lens 1024 4096 --steps 3 --gen-tokens 16   # what a CPU manages
     python bench/mixer.py --smoke                           # seconds, on CPU (the test suite runs this)
 
@@ -72,10 +73,13 @@ class Setup:
     """One model of one family on the device, its optimizer, and random data of one shape."""
 
     def __init__(self, mixer: str, tier: str, vocab: int, seq_len: int, batch: int, device: torch.device,
-                 doc_masking: bool, compile_blocks: bool):
+                 doc_masking: bool, compile_blocks: bool, activation_checkpointing: str = "none"):
         torch.manual_seed(0)
         self.device, self.seq_len, self.batch = device, seq_len, batch
-        self.model = build_model(tier, vocab, mixer=mixer, doc_masking=doc_masking).to(device)
+        if activation_checkpointing == "mixer" and mixer != "resonance":
+            activation_checkpointing = "none"  # the resonance family's own option; attention keeps everything
+        self.model = build_model(tier, vocab, mixer=mixer, doc_masking=doc_masking,
+                                 activation_checkpointing=activation_checkpointing).to(device)
         if compile_blocks:
             self.model.compile_blocks()  # as pipeline/train/engine.py does
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -130,7 +134,8 @@ def measure(mixer: str, args, seq_len: int, device: torch.device) -> dict:
     row = {"mixer": mixer, "seq_len": seq_len, "batch": args.batch_size}
     setup = None
     try:
-        setup = Setup(mixer, args.tier, args.vocab, seq_len, args.batch_size, device, args.doc_masking, args.compile)
+        setup = Setup(mixer, args.tier, args.vocab, seq_len, args.batch_size, device, args.doc_masking, args.compile,
+                      args.activation_checkpointing)
         row["params"] = setup.model.num_params()
         t0 = time.perf_counter()
         setup.train_step()  # warm-up: compilation, optimizer state, kernels, allocator
@@ -162,7 +167,8 @@ def max_trainable_seq(mixer: str, args, device: torch.device, start: int = 8192,
     while seq <= limit:
         setup = None
         try:
-            setup = Setup(mixer, args.tier, args.vocab, seq, 1, device, args.doc_masking, args.compile)
+            setup = Setup(mixer, args.tier, args.vocab, seq, 1, device, args.doc_masking, args.compile,
+                          args.activation_checkpointing)
             setup.train_step()
             _sync(device)
             best = seq
@@ -198,19 +204,20 @@ def saved_bytes(tier_name: str, seq_len: int, device: torch.device, compile_bloc
     """Bytes per token per layer that autograd keeps from a forward (bf16 autocast), on one-layer models of the
     tier's width: attention (one document), the resonance FFT form through its autograd Function and through plain
     autograd (the same ops: what the form kept before), and the resonance scan (4 documents; the kernel on CUDA,
-    the reference scan elsewhere). Per token = the growth from seq_len to 2 seq_len tokens over
+    the reference scan elsewhere), and the resonance model with activation_checkpointing="mixer". Per token = the growth from seq_len to 2 seq_len tokens over
     seq_len, so what does not grow with the row (autocast's bf16 copies of the weights) is left out."""
     scan = "kernel" if resonance.core_form(device, True) == "scan" and device.type == "cuda" else "reference"
     plain_autograd = functools.partial(resonance.fft_conv, plain_autograd=True)
-    runs = {"attention": ("attention", False, None), "resonance fft": ("resonance", False, None),
-            "resonance fft, plain autograd": ("resonance", False, plain_autograd),
-            f"resonance scan ({scan}), 4 docs": ("resonance", True, None)}
+    runs = {"attention": ("attention", False, None, "none"), "resonance fft": ("resonance", False, None, "none"),
+            "resonance fft, plain autograd": ("resonance", False, plain_autograd, "none"),
+            f"resonance scan ({scan}), 4 docs": ("resonance", True, None, "none"),
+            "resonance, mixer recomputed": ("resonance", False, None, "mixer")}
     out = {}
-    for name, (mixer, docs, patch) in runs.items():
+    for name, (mixer, docs, patch, ac) in runs.items():
         torch.manual_seed(0)
         one_layer = dataclasses.replace(get_mixer_tier(tier_name, mixer), n_layers=1)
         model = (Decoder(one_layer, 1000) if mixer == "attention"
-                 else resonance.ResonanceLM(one_layer, 1000)).to(device)
+                 else resonance.ResonanceLM(one_layer, 1000, activation_checkpointing=ac)).to(device)
         if compile_blocks:  # what the compiled block keeps (its partitioner recomputes cheap elementwise work)
             model.compile_blocks()
         total = []
@@ -252,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-masking", action="store_true", help="rows of 4 documents, masked (default: one document)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="compile every block as the engine does (auto: on CUDA)")
+    p.add_argument("--activation-checkpointing", default="none",
+                   help="none | all | every_<k> for both families; mixer: the resonance blocks' mixer halves only")
     p.add_argument("--find-max-seq", action="store_true", help="also search the longest row that trains at batch 1")
     p.add_argument("--saved-seq-len", type=int, default=1024, help="row lengths (this and twice this) of the "
                    "saved-bytes measurement")
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     model_tier = args.tier
     if args.smoke:
         args.tier, args.seq_lens, args.steps, args.gen_tokens, args.vocab = "nano", [64, 128], 1, 4, 300
-        args.saved_seq_len = 256
+        args.saved_seq_len = 256  # a multiple of the reference scan's chunk: its own tensors grow with T too
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     args.compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     if args.find_max_seq and device.type != "cuda":
@@ -276,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device_name = device_info().get("gpu", "cpu")
     print(f"tier {args.tier}, batch {args.batch_size}, {'doc-masked' if args.doc_masking else 'one document'}, "
-          f"blocks {'compiled' if args.compile else 'eager'}, {device_name}; load: {load}")
+          f"blocks {'compiled' if args.compile else 'eager'}, activation checkpointing {args.activation_checkpointing}, "
+          f"{device_name}; load: {load}")
     print(" | ".join(["seq_len", "mixer", "train tok/s", "train GiB", "decode tok/s", "gen GiB", "status"]))
     for r in rows:
         print(" | ".join([str(r["seq_len"]), r["mixer"], _fmt(r.get("train_tokens_per_s")),
@@ -308,10 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     name = "mixer" if args.smoke or args.tier == "B" else f"mixer_{args.tier}"
     if args.doc_masking:
         name += "_docmasked"
+    if args.activation_checkpointing != "none":
+        name += f"_ac-{args.activation_checkpointing}"
+    if args.find_max_seq:
+        name += "_maxseq"
     path = write_result(name, {"smoke": args.smoke, "load": load, "shapes": {
         "tier": args.tier, "seq_lens": args.seq_lens, "batch": args.batch_size, "vocab": args.vocab,
         "steps": args.steps, "gen_tokens": args.gen_tokens, "doc_masking": args.doc_masking,
-        "compiled_blocks": args.compile}, "rows": rows, "ratios": ratios, "max_trainable_seq": max_seq,
+        "compiled_blocks": args.compile, "activation_checkpointing": args.activation_checkpointing}, "rows": rows, "ratios": ratios, "max_trainable_seq": max_seq,
         "kernel_model": {"tier": model_tier, "bandwidth": BANDWIDTH, "rows": kernel_rows},
         "saved_bytes_per_token_layer": {"tier": model_tier, "seq_len": args.saved_seq_len, **saved},
         "command": "python bench/mixer.py " + " ".join(argv if argv is not None else sys.argv[1:])}, args.out)

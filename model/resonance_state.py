@@ -103,7 +103,8 @@ def decode_compute(model, tok: torch.Tensor, cache: ResonanceState) -> torch.Ten
         s = torch.view_as_complex(cache.state[i])  # (B, G, K) complex view of the static buffer
         s.mul_(cache.lam[i]).add_(torch.view_as_complex(z.contiguous()))  # s = lambda s + z, in place
         y = torch.bmm(cache.state[i].flatten(-2).transpose(0, 1).to(cache.w_out.dtype), cache.w_out[i])  # (G, B, P)
-        x = block.finish(x, y.transpose(0, 1)[:, None].to(u.dtype), gate)  # (B, 1, G, P), as the mixer returns y
+        x = x + block.gated_out(y.transpose(0, 1)[:, None].to(u.dtype), gate)  # y (B, 1, G, P) as the mixer's
+        x = x + block.mlp(block.mlp_norm(x))
     cache.pos += 1
     return model.norm(x)[:, 0]  # (B, D)
 

@@ -30,7 +30,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     doc_masking: bool = True  # no attention across document boundaries; positions restart per document
     compile: str = "auto"  # auto (on for CUDA) | on | off: regional torch.compile, one block at a time
-    activation_checkpointing: str = "none"  # none | all | every_<k> (checkpoint every k-th block)
+    activation_checkpointing: str = "none"  # none | all | every_<k> (every k-th block) | mixer (resonance only)
     attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
     mixer: str = "attention"  # attention (Llama-style decoder) | resonance (model/resonance.py); same tier names
 
@@ -242,9 +242,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.attention=cudnn runs plain causal attention; add --model.doc_masking=false, or "
                           "choose model.attention=varlen or flex for document masking")
     ac = m.activation_checkpointing
-    if not (ac in ("none", "all") or (ac.startswith("every_") and ac[6:].isdigit() and int(ac[6:]) >= 1)):
+    if ac == "mixer" and m.mixer != "resonance":
+        raise ConfigError("model.activation_checkpointing=mixer recomputes the resonance mixer; set "
+                          "model.mixer=resonance, or choose none, all or every_<k> (k >= 1)")
+    if not (ac in ("none", "all", "mixer") or (ac.startswith("every_") and ac[6:].isdigit() and int(ac[6:]) >= 1)):
         raise ConfigError(
-            f"model.activation_checkpointing={ac!r} is not allowed; choose none, all or every_<k> (k >= 1)"
+            f"model.activation_checkpointing={ac!r} is not allowed; choose none, all, every_<k> (k >= 1) or "
+            "mixer (model.mixer=resonance)"
         )
     _one_of("data.source", d.source, ("builtin", "files", "hf"))
     if d.source == "files" and not d.path:

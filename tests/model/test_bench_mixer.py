@@ -1,5 +1,6 @@
-"""bench/mixer.py at its --smoke size on CPU: both families measured at every length, the JSON it promises.
-Only structure and sanity are asserted; timings never are."""
+"""bench/mixer.py at its --smoke size on CPU: both families measured at every length, the scan kernel's
+bytes-moved model and the saved-for-backward bytes, the JSON it promises. Only structure and sanity are asserted;
+timings never are."""
 from __future__ import annotations
 
 import json
@@ -26,3 +27,12 @@ def test_mixer_bench_smoke(tmp_path):
             assert row[key] > 0, (row, key)
     assert [r["seq_len"] for r in rec["ratios"]] == [64, 128]
     assert "ratio resonance/attention at 128" in proc.stdout
+    model = rec["kernel_model"]  # tier B on the H100's launch plan: 7 passes over a bf16 (T, 6, 64) tensor a layer
+    assert model["tier"] == "B" and [r["seq_len"] for r in model["rows"]] == [8192, 32768, 131072, 262144]
+    at_32k = model["rows"][1]
+    assert at_32k["chunk"] * at_32k["n_chunks"] == 32768 and len(at_32k["passes"]) == 6
+    assert 7 * 32768 * 384 * 4 <= at_32k["layer_bytes"] < 8 * 32768 * 384 * 4
+    assert "fwd apply  read" in proc.stdout and "ms per step" in proc.stdout
+    saved = rec["saved_bytes_per_token_layer"]
+    assert saved["attention"] > 0 and 0 < saved["resonance fft"] < saved["resonance fft, plain autograd"]
+    assert "its autograd Function / plain autograd" in proc.stdout

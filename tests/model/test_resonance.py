@@ -233,12 +233,18 @@ def test_generate_ids_runs_the_resonance_model():
 def test_activation_checkpointing_and_compile_keep_the_numbers():
     tokens = torch.randint(0, VOCAB, (2, 12))
     doc_ids = torch.tensor([[0] * 5 + [1] * 7] * 2, dtype=torch.int32)
+    from bench.common import saved_tensor_bytes
+
     ref = tiny_model().train()
-    ckpt = tiny_model(activation_checkpointing="all").train()
     ref(tokens, doc_ids).square().sum().backward()
-    ckpt(tokens, doc_ids).square().sum().backward()
-    for (n, a), b in zip(ref.named_parameters(), ckpt.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=n)
+    saved = {"none": saved_tensor_bytes(lambda: ref(tokens, doc_ids), list(ref.parameters()))}
+    for spec in ("all", "mixer"):  # whole blocks; only each block's mixer half (resonance's own option)
+        ckpt = tiny_model(activation_checkpointing=spec).train()
+        ckpt(tokens, doc_ids).square().sum().backward()
+        for (n, a), b in zip(ref.named_parameters(), ckpt.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=f"{spec} {n}")
+        saved[spec] = saved_tensor_bytes(lambda: ckpt(tokens, doc_ids), list(ckpt.parameters()))
+    assert saved["all"] < saved["mixer"] < 0.7 * saved["none"], saved
     compiled = tiny_model().float().compile_blocks(backend="eager")
     plain = tiny_model().float()
     with torch.no_grad():
@@ -329,6 +335,9 @@ def test_model_mixer_is_a_validated_config_field():
         load_config("cpu", ["--model.mixer=rnn"])
     with pytest.raises(ConfigError, match=r"model.tier='small_32k' is not allowed; choose one of: nano, A, B, C, D$"):
         load_config("cpu", ["--model.tier=small_32k"])
+    assert load_config("cpu", ["--model.mixer=resonance", "--model.activation_checkpointing=mixer"])
+    with pytest.raises(ConfigError, match="activation_checkpointing=mixer recomputes the resonance mixer"):
+        load_config("cpu", ["--model.activation_checkpointing=mixer"])
     with pytest.raises(ConfigError, match="allowed 8..131072"):  # resonance tiers are configured up to 131k
         load_config("cpu", ["--model.mixer=resonance", "--model.tier=B", "--data.seq_len=262144"])
 
