@@ -4,7 +4,7 @@ scan kernel's bytes-moved model, and the activation bytes each family keeps for 
 
     python bench/mixer.py                                   # tier B at 8,192 ... 262,144, one document (a GPU)
     python bench/mixer.py --doc-masking                     # rows of 4 documents, masked (resonance: the scan)
-    python bench/mixer.py --find-max-seq --seq-lens 32768   # also: the longest row each family trains at batch 1
+    python bench/mixer.py --find-max-seq --seq-lens 65536   # also: the longest row each family trains at batch 1
     python bench/mixer.py --activation-checkpointing mixer  # resonance recomputes its mixer halves (attention: none)
     python bench/mixer.py --tier nano --seq-lens 1024 4096 --steps 3 --gen-tokens 16   # what a CPU manages
     python bench/mixer.py --smoke                           # seconds, on CPU (the test suite runs this)
@@ -69,6 +69,16 @@ def _free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def _fresh_compile(model) -> None:
+    """model.compile_blocks(), as pipeline/train/engine.py does, after dropping what earlier models compiled: every
+    row builds a new model of the same block classes, and past torch._dynamo's recompile limit (8 per code object)
+    a block would silently run eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model.compile_blocks()
+
+
 class Setup:
     """One model of one family on the device, its optimizer, and random data of one shape."""
 
@@ -81,7 +91,7 @@ class Setup:
         self.model = build_model(tier, vocab, mixer=mixer, doc_masking=doc_masking,
                                  activation_checkpointing=activation_checkpointing).to(device)
         if compile_blocks:
-            self.model.compile_blocks()  # as pipeline/train/engine.py does
+            _fresh_compile(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
         self.tokens = torch.randint(0, vocab, (batch, seq_len + 1), device=device)
         # documents of 1/4 row each when doc masking is on (what packing gives for long documents)
@@ -162,7 +172,7 @@ def measure(mixer: str, args, seq_len: int, device: torch.device) -> dict:
 
 
 def max_trainable_seq(mixer: str, args, device: torch.device, start: int = 8192, limit: int = 2**21) -> int:
-    """The longest power-of-two row (from `start`) whose training step fits at batch 1; 0 if none."""
+    """The longest row start * 2^k whose training step fits at batch 1; 0 if none."""
     best, seq = 0, start
     while seq <= limit:
         setup = None
@@ -219,7 +229,7 @@ def saved_bytes(tier_name: str, seq_len: int, device: torch.device, compile_bloc
         model = (Decoder(one_layer, 1000) if mixer == "attention"
                  else resonance.ResonanceLM(one_layer, 1000, activation_checkpointing=ac)).to(device)
         if compile_blocks:  # what the compiled block keeps (its partitioner recomputes cheap elementwise work)
-            model.compile_blocks()
+            _fresh_compile(model)
         total = []
         for T in (seq_len, 2 * seq_len):
             tokens = torch.randint(0, 1000, (1, T), device=device)
@@ -259,11 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-masking", action="store_true", help="rows of 4 documents, masked (default: one document)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="compile every block as the engine does (auto: on CUDA)")
+    p.add_argument("--mixers", nargs="+", choices=MIXERS, default=list(MIXERS), help="the families to run")
     p.add_argument("--activation-checkpointing", default="none",
                    help="none | all | every_<k> for both families; mixer: the resonance blocks' mixer halves only")
-    p.add_argument("--find-max-seq", action="store_true", help="also search the longest row that trains at batch 1")
+    p.add_argument("--find-max-seq", action="store_true", help="also search the longest row that trains at batch 1 "
+                   "(doubling from the shortest --seq-lens)")
     p.add_argument("--saved-seq-len", type=int, default=1024, help="row lengths (this and twice this) of the "
-                   "saved-bytes measurement")
+                   "saved-bytes measurement; 0 skips it (on CUDA it compiles five one-layer models)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, seconds")
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
@@ -277,11 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--find-max-seq needs a GPU (a CPU would only stop when the host runs out of memory)")
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
-    rows = [measure(m, args, T, device) for T in args.seq_lens for m in MIXERS]
-    max_seq = {m: max_trainable_seq(m, args, device) for m in MIXERS} if args.find_max_seq else {}
+    rows = [measure(m, args, T, device) for T in args.seq_lens for m in args.mixers]
+    start = min(args.seq_lens)  # the search doubles from the shortest row asked for
+    max_seq = {m: max_trainable_seq(m, args, device, start) for m in args.mixers} if args.find_max_seq else {}
     # the cost model and the saved bytes are for the tier asked for (B by default) even in a smoke run
     kernel_rows = kernel_model(model_tier, [8192, 32768, 131072, 262144], 1, device)
-    saved = saved_bytes(model_tier, args.saved_seq_len, device, args.compile)
+    saved = saved_bytes(model_tier, args.saved_seq_len, device, args.compile) if args.saved_seq_len else {}
 
     device_name = device_info().get("gpu", "cpu")
     print(f"tier {args.tier}, batch {args.batch_size}, {'doc-masked' if args.doc_masking else 'one document'}, "
@@ -293,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                           _fmt(r.get("train_peak_gib"), ".3f"), _fmt(r.get("decode_tokens_per_s")),
                           _fmt(r.get("gen_peak_gib"), ".3f"), r["status"]]))
     ratios = []
-    for T in args.seq_lens:
+    for T in args.seq_lens if len(args.mixers) == 2 else []:
         att, res = (next(r for r in rows if r["seq_len"] == T and r["mixer"] == m) for m in MIXERS)
         if att["status"] == res["status"] == "ok":
             ratio = {"seq_len": T}
@@ -308,13 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     for m, T in max_seq.items():
         print(f"longest row that trains at batch 1 ({m}): {T:,}")
     _print_kernel_model(kernel_rows, model_tier, device_name if device.type == "cuda" else "H100")
-    print(f"\nsaved for backward, bytes per token per layer (tier {model_tier} width, rows of {args.saved_seq_len} "
-          f"and {2 * args.saved_seq_len} tokens, bf16 autocast, blocks {'compiled' if args.compile else 'eager'}, "
-          f"{device.type}):")
-    for name, value in saved.items():
-        print(f"  {name:<34} {value:10,.0f}   {value / saved['attention']:.2f}x attention")
-    print(f"  FFT form, its autograd Function / plain autograd: "
-          f"{saved['resonance fft'] / saved['resonance fft, plain autograd']:.2f}x")
+    if saved:
+        print(f"\nsaved for backward, bytes per token per layer (tier {model_tier} width, rows of "
+              f"{args.saved_seq_len} and {2 * args.saved_seq_len} tokens, bf16 autocast, blocks "
+              f"{'compiled' if args.compile else 'eager'}, {device.type}):")
+        for name, value in saved.items():
+            print(f"  {name:<34} {value:10,.0f}   {value / saved['attention']:.2f}x attention")
+        print(f"  FFT form, its autograd Function / plain autograd: "
+              f"{saved['resonance fft'] / saved['resonance fft, plain autograd']:.2f}x")
     name = "mixer" if args.smoke or args.tier == "B" else f"mixer_{args.tier}"
     if args.doc_masking:
         name += "_docmasked"
@@ -322,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         name += f"_ac-{args.activation_checkpointing}"
     if args.find_max_seq:
         name += "_maxseq"
+    if len(args.mixers) == 1:
+        name += f"_{args.mixers[0]}"
     path = write_result(name, {"smoke": args.smoke, "load": load, "shapes": {
         "tier": args.tier, "seq_lens": args.seq_lens, "batch": args.batch_size, "vocab": args.vocab,
-        "steps": args.steps, "gen_tokens": args.gen_tokens, "doc_masking": args.doc_masking,
+        "steps": args.steps, "gen_tokens": args.gen_tokens, "doc_masking": args.doc_masking, "mixers": args.mixers,
         "compiled_blocks": args.compile, "activation_checkpointing": args.activation_checkpointing}, "rows": rows, "ratios": ratios, "max_trainable_seq": max_seq,
         "kernel_model": {"tier": model_tier, "bandwidth": BANDWIDTH, "rows": kernel_rows},
         "saved_bytes_per_token_layer": {"tier": model_tier, "seq_len": args.saved_seq_len, **saved},
