@@ -42,6 +42,7 @@ order 2^-9 in the sum's terms, far below what the bf16 matmuls around it add.)
 
 Layout of this file: (a) reference (pure torch: the CPU path; `sequential_scan` is the definition the tests run in
 fp64) (b) the Numba kernels (c) launch configuration and the bytes-moved model (d) autograd Function, public API.
+It is longer than the other kernel files because one scan is six kernels: three passes each way.
 """
 from __future__ import annotations
 
@@ -231,16 +232,25 @@ def _kernels(io: str) -> dict:
         def store(x, b, t, g, k, re, im):
             x[b, t, g, k] = wrap32((to_bf16_bits(im) << 16) | to_bf16_bits(re))
 
+    @cuda.jit(device=True)
+    def chunk_thread(i, NC, G, K):
+        """Global thread index -> (b, j, g, k), k fastest: a warp covers 32 neighbouring channels of one token."""
+        return i // (K * G * NC), (i // (K * G)) % NC, (i // K) % G, i % K
+
+    @cuda.jit(device=True)
+    def store4(x, b, j, g, k, v0, v1, v2, v3):
+        x[b, j, g, k, 0] = v0
+        x[b, j, g, k, 1] = v1
+        x[b, j, g, k, 2] = v2
+        x[b, j, g, k, 3] = v3
+
     @cuda.jit
     def fwd_reduce(z, lam, starts, L, AS):
         B, NC, G, K = AS.shape[0], AS.shape[1], AS.shape[2], AS.shape[3]
         i = cuda.grid(1)
         if i >= B * NC * G * K:
             return
-        k = i % K
-        g = (i // K) % G
-        j = (i // (K * G)) % NC
-        b = i // (K * G * NC)
+        b, j, g, k = chunk_thread(i, NC, G, K)
         lr, li = lam[g, k, 0], lam[g, k, 1]
         ar, ai = float32(1.0), float32(0.0)  # A: product of a(t) so far
         sr, si = float32(0.0), float32(0.0)  # S: the state from zero
@@ -251,10 +261,7 @@ def _kernels(io: str) -> dict:
             else:
                 sr, si = lr * sr - li * si + zr, lr * si + li * sr + zi
                 ar, ai = lr * ar - li * ai, lr * ai + li * ar
-        AS[b, j, g, k, 0] = ar
-        AS[b, j, g, k, 1] = ai
-        AS[b, j, g, k, 2] = sr
-        AS[b, j, g, k, 3] = si
+        store4(AS, b, j, g, k, ar, ai, sr, si)
 
     @cuda.jit
     def fwd_carry(AS, H):
@@ -263,9 +270,7 @@ def _kernels(io: str) -> dict:
         i = cuda.grid(1)
         if i >= B * G * K:
             return
-        k = i % K
-        g = (i // K) % G
-        b = i // (K * G)
+        b, _, g, k = chunk_thread(i, 1, G, K)  # one thread per channel
         hr, hi = H[b, 0, g, k, 0], H[b, 0, g, k, 1]
         for j in range(NC - 1):
             ar, ai, sr, si = AS[b, j, g, k, 0], AS[b, j, g, k, 1], AS[b, j, g, k, 2], AS[b, j, g, k, 3]
@@ -279,10 +284,7 @@ def _kernels(io: str) -> dict:
         i = cuda.grid(1)
         if i >= B * NC * G * K:
             return
-        k = i % K
-        g = (i // K) % G
-        j = (i // (K * G)) % NC
-        b = i // (K * G * NC)
+        b, j, g, k = chunk_thread(i, NC, G, K)
         lr, li = lam[g, k, 0], lam[g, k, 1]
         sr, si = H[b, j, g, k, 0], H[b, j, g, k, 1]
         for t in range(j * L, min(j * L + L, starts.shape[1])):
@@ -302,10 +304,7 @@ def _kernels(io: str) -> dict:
         i = cuda.grid(1)
         if i >= B * NC * G * K:
             return
-        k = i % K
-        g = (i // K) % G
-        j = (i // (K * G)) % NC
-        b = i // (K * G * NC)
+        b, j, g, k = chunk_thread(i, NC, G, K)
         lr, li = lam[g, k, 0], lam[g, k, 1]
         cr, ci = float32(0.0), float32(0.0)  # conj(a(t+1)) r_local(t+1): what flows into token t from the right
         yr, yi = float32(1.0), float32(0.0)  # Y: product of conj(a(t)) over the tokens walked
@@ -318,10 +317,7 @@ def _kernels(io: str) -> dict:
             else:
                 cr, ci = lr * rr + li * ri, lr * ri - li * rr
                 yr, yi = lr * yr + li * yi, lr * yi - li * yr
-        XY[b, j, g, k, 0] = cr  # X_j = conj(a(t0)) r_local(t0)
-        XY[b, j, g, k, 1] = ci
-        XY[b, j, g, k, 2] = yr
-        XY[b, j, g, k, 3] = yi
+        store4(XY, b, j, g, k, cr, ci, yr, yi)  # X_j = conj(a(t0)) r_local(t0), Y_j
 
     @cuda.jit
     def bwd_carry(XY, E):
@@ -330,9 +326,7 @@ def _kernels(io: str) -> dict:
         i = cuda.grid(1)
         if i >= B * G * K:
             return
-        k = i % K
-        g = (i // K) % G
-        b = i // (K * G)
+        b, _, g, k = chunk_thread(i, 1, G, K)  # one thread per channel
         er, ei = float32(0.0), float32(0.0)
         E[b, NC - 1, g, k, 0] = er
         E[b, NC - 1, g, k, 1] = ei
@@ -348,10 +342,7 @@ def _kernels(io: str) -> dict:
         i = cuda.grid(1)
         if i >= B * NC * G * K:
             return
-        k = i % K
-        g = (i // K) % G
-        j = (i // (K * G)) % NC
-        b = i // (K * G * NC)
+        b, j, g, k = chunk_thread(i, NC, G, K)
         lr, li = lam[g, k, 0], lam[g, k, 1]
         cr, ci = E[b, j, g, k, 0], E[b, j, g, k, 1]  # conj(a(t+1)) r(t+1), E_j at the chunk's last token
         accr, acci = float32(0.0), float32(0.0)  # this chunk's share of dLoss/dlam
