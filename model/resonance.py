@@ -97,10 +97,9 @@ def _causal_conv(x: torch.Tensor, kernel_f: torch.Tensor, T: int) -> torch.Tenso
     return torch.fft.ifft(torch.fft.fft(x, n=2 * T, dim=1) * kernel_f, dim=1)[:, :T]
 
 
-def _fft_states(z: torch.Tensor, log_lam: torch.Tensor, state0: torch.Tensor | None):
-    """z (B, T, G, K, 2), log_lam (G, K, 2), state0 (B, G, K, 2) | None -> (s (B, T, G, K) complex in the work
-    dtype, log lambda complex (G, K), the kernel lambda^t (T, G, K)): s(t) = sum_{u<=t} lambda^(t-u) z(u)
-    (+ lambda^(t+1) state0)."""
+def _fft_states(z: torch.Tensor, log_lam: torch.Tensor, state0: torch.Tensor | None) -> torch.Tensor:
+    """z (B, T, G, K, 2), log_lam (G, K, 2), state0 (B, G, K, 2) | None -> s (B, T, G, K) complex in the work dtype:
+    s(t) = sum_{u<=t} lambda^(t-u) z(u) (+ lambda^(t+1) state0)."""
     work = torch.float64 if z.dtype == torch.float64 else torch.float32
     T = z.shape[1]
     llc = torch.view_as_complex(log_lam.to(work).contiguous())  # (G, K)
@@ -108,7 +107,7 @@ def _fft_states(z: torch.Tensor, log_lam: torch.Tensor, state0: torch.Tensor | N
     s = _causal_conv(torch.view_as_complex(z.to(work).contiguous()), torch.fft.fft(kernel, n=2 * T, dim=0), T)
     if state0 is not None:
         s = s + powers(llc, T, offset=1) * torch.view_as_complex(state0.to(work).contiguous())[:, None]
-    return s, llc, kernel
+    return s
 
 
 class FFTConv(torch.autograd.Function):
@@ -119,7 +118,7 @@ class FFTConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, log_lam, state0):
-        s, _, _ = _fft_states(z, log_lam, state0)
+        s = _fft_states(z, log_lam, state0)
         out = like(z, torch.view_as_real(s))
         last = torch.view_as_real(s[:, -1]).contiguous()
         ctx.save_for_backward(out, log_lam, state0)
@@ -151,7 +150,7 @@ def fft_conv(z: torch.Tensor, log_lam: torch.Tensor, state0: torch.Tensor | None
     memory comparison of bench/mixer.py and the gradient oracle of the tests)."""
     if not plain_autograd and torch.is_grad_enabled() and (z.requires_grad or log_lam.requires_grad):
         return FFTConv.apply(z, log_lam, state0)
-    s, _, _ = _fft_states(z, log_lam, state0)
+    s = _fft_states(z, log_lam, state0)
     return like(z, torch.view_as_real(s)), torch.view_as_real(s[:, -1])
 
 
@@ -261,9 +260,9 @@ class ResonanceMixer(nn.Module):
 
 class ResonanceBlock(nn.Module):
     """x + mixer half, then x + MLP half. recompute_mixer: the mixer half (norm, projections, core, group norm,
-    gate, W_out) is recomputed in backward instead of kept (activation_checkpointing="mixer"): ~40% of a block's
-    saved activations for ~7% more FLOPs, since the core is a few cheap passes and its matmuls are a third of
-    the block's; attention has no such cheap half at long context."""
+    gate, W_out) is recomputed in backward instead of kept (activation_checkpointing="mixer"): a quarter to a third
+    of a block's saved activations for ~7% more FLOPs (tier B), since the core is a few cheap passes and its
+    matmuls are a quarter of the block's; attention has no such cheap half at long context."""
 
     def __init__(self, tier: ResonanceTier, recompute_mixer: bool = False):
         super().__init__()
