@@ -15,7 +15,8 @@ them (`model.compile_blocks()`, --compile), so both families get the same compil
 --doc-masking (attention then uses flex/varlen as the engine would). The resonance core runs the form the
 engine's model picks: on CUDA the Numba scan kernel (cuda_ops/resonance_scan.py) for every row, on CPU the FFT
 (one document) or the reference scan. Generation: a prompt of seq_len - gen_tokens tokens (prefill, timed apart),
-then gen_tokens greedy decode steps, each the family's static decode step (KV cache / recurrent state), eager.
+then gen_tokens greedy decode steps, each the family's static decode step (KV cache / recurrent state), eager; again
+at each of --gen-batch-sizes (1 and 64) after the same prompt length.
 Peak memory: torch.cuda.max_memory_allocated on CUDA; on a CPU every live tensor is counted by
 pipeline/train/memory_limit.py in a separate, untimed pass. A length that runs out of memory is recorded as
 "oom". Ratios printed: resonance / attention (tokens/s; memory).
@@ -109,12 +110,14 @@ class Setup:
         self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def generate(self, n_new: int) -> float:
-        """Prefill seq_len - n_new tokens, then n_new greedy steps; returns the decode seconds."""
+    def generate(self, n_new: int, batch: int | None = None) -> float:
+        """Prefill seq_len - n_new tokens in each of `batch` rows (default: the training batch; extra rows repeat
+        the data's), then n_new greedy steps; returns the decode seconds."""
         self.model.eval()
-        prompt = self.tokens[:, : self.seq_len - n_new]
+        batch = batch or self.batch
+        prompt = self.tokens[:, : self.seq_len - n_new].repeat(-(-batch // self.batch), 1)[:batch]
         with self.amp:
-            cache = self.model.new_kv_cache(batch_size=self.batch, max_len=self.seq_len)
+            cache = self.model.new_kv_cache(batch_size=batch, max_len=self.seq_len)
             h = self.model(prompt, kv_cache=cache)[:, -1]
             nxt = self.model.logits(h).argmax(-1)
             _sync(self.device)
@@ -162,6 +165,14 @@ def measure(mixer: str, args, seq_len: int, device: torch.device) -> dict:
         row["gen_tokens"] = n_new
         row["decode_tokens_per_s"] = n_new * args.batch_size / setup.generate(n_new)
         row["gen_peak_gib"] = _peak_gib(setup, lambda: setup.generate(n_new))
+        row["decode_tokens_per_s_by_batch"] = {}
+        for b in args.gen_batch_sizes:  # after the same prompt length; OOM (a KV cache of b rows) is recorded
+            try:
+                setup.generate(2, b)
+                row["decode_tokens_per_s_by_batch"][b] = n_new * b / setup.generate(n_new, b)
+            except torch.OutOfMemoryError:
+                row["decode_tokens_per_s_by_batch"][b] = "oom"
+                _free(device)
         row["status"] = "ok"
     except torch.OutOfMemoryError as exc:
         row.update(status="oom", reason=str(exc).splitlines()[0][:200])
@@ -265,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--steps", type=int, default=5, help="timed training steps per length (after one warm-up)")
     p.add_argument("--gen-tokens", type=int, default=64, help="timed decode steps per length")
+    p.add_argument("--gen-batch-sizes", type=int, nargs="*", default=[1, 64],
+                   help="decode tokens/s also at these batch sizes (prompt: the row length minus --gen-tokens)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--doc-masking", action="store_true", help="rows of 4 documents, masked (default: one document)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
@@ -282,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     model_tier = args.tier
     if args.smoke:
         args.tier, args.seq_lens, args.steps, args.gen_tokens, args.vocab = "nano", [64, 128], 1, 4, 300
+        args.gen_batch_sizes = [1, 4]
         args.saved_seq_len = 256  # a multiple of the reference scan's chunk: its own tensors grow with T too
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     args.compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
@@ -302,9 +316,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{device_name}; load: {load}")
     print(" | ".join(["seq_len", "mixer", "train tok/s", "train GiB", "decode tok/s", "gen GiB", "status"]))
     for r in rows:
+        by_batch = ", ".join(f"batch {b}: {v if isinstance(v, str) else format(v, ',.0f')}"
+                             for b, v in r.get("decode_tokens_per_s_by_batch", {}).items())
         print(" | ".join([str(r["seq_len"]), r["mixer"], _fmt(r.get("train_tokens_per_s")),
                           _fmt(r.get("train_peak_gib"), ".3f"), _fmt(r.get("decode_tokens_per_s")),
-                          _fmt(r.get("gen_peak_gib"), ".3f"), r["status"]]))
+                          _fmt(r.get("gen_peak_gib"), ".3f"), r["status"]]) + (f" | decode {by_batch}" if by_batch else ""))
     ratios = []
     for T in args.seq_lens if len(args.mixers) == 2 else []:
         att, res = (next(r for r in rows if r["seq_len"] == T and r["mixer"] == m) for m in MIXERS)
@@ -340,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         name += f"_{args.mixers[0]}"
     path = write_result(name, {"smoke": args.smoke, "load": load, "shapes": {
         "tier": args.tier, "seq_lens": args.seq_lens, "batch": args.batch_size, "vocab": args.vocab,
-        "steps": args.steps, "gen_tokens": args.gen_tokens, "doc_masking": args.doc_masking, "mixers": args.mixers,
+        "steps": args.steps, "gen_tokens": args.gen_tokens, "gen_batch_sizes": args.gen_batch_sizes,
+        "doc_masking": args.doc_masking, "mixers": args.mixers,
         "compiled_blocks": args.compile, "activation_checkpointing": args.activation_checkpointing}, "rows": rows, "ratios": ratios, "max_trainable_seq": max_seq,
         "kernel_model": {"tier": model_tier, "bandwidth": BANDWIDTH, "rows": kernel_rows},
         "saved_bytes_per_token_layer": {"tier": model_tier, "seq_len": args.saved_seq_len, **saved},

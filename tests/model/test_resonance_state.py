@@ -88,3 +88,15 @@ def test_left_padded_decode_keeps_pad_states_at_zero():
             out.append(model.decode_step(tok, cache))
         alone = model(torch.cat([prompts[1], torch.tensor([8, 8, 8])])[None])[0]  # row 1's prompt, then its 8s
     torch.testing.assert_close(torch.stack(out, 1)[1], alone[1:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_at_batch_1_and_64_equals_the_full_forward(batch):
+    model = tiny_model().float()
+    tokens = torch.randint(0, VOCAB, (batch, 9), generator=torch.Generator().manual_seed(batch))
+    with torch.no_grad():
+        cache = model.new_kv_cache(batch_size=batch, max_len=9)
+        steps = [model(tokens[:, :5], kv_cache=cache)[:, -1]]
+        steps += [model.decode_step(tokens[:, t], cache) for t in range(5, 9)]
+        full = model(tokens)[:, 4:]
+    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=0, atol=1e-5)
