@@ -344,9 +344,11 @@ class ResonanceLM(TokenModel):
         (what `self(tok[:, None], kv_cache=cache)` runs, without the sequence axis)."""
         return decode_step(self, tok, kv_cache)
 
-    def decode_compute(self, tok: torch.Tensor, kv_cache: ResonanceState) -> torch.Tensor:
-        """decode_step's graph-safe part (device state only, fixed shapes): what generate.py captures in a CUDA
-        graph. It advances kv_cache.pos, not kv_cache.length."""
+    def decode_compute(self, tok: torch.Tensor, kv_cache: ResonanceState, span: int | None = None) -> torch.Tensor:
+        """decode_step's graph-safe part (device state only, fixed shapes): what generate.py compiles and captures
+        in a CUDA graph. It advances kv_cache.pos, not kv_cache.length. span: the generation loop's attention-span
+        argument; a recurrent state has none (its step is the same at any length), so it is ignored."""
+        del span
         return state_decode_compute(self, tok, kv_cache)
 
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,

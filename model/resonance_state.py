@@ -3,15 +3,17 @@
     cache = model.new_kv_cache(batch_size=B, max_len=P + N, left_pad=pad)   # every buffer allocated here, once
     h = model(prompt, kv_cache=cache)            # prefill (B, P): the scan kernel on CUDA, the FFT form on CPU
     h = model.decode_step(tok, cache)            # tok (B,) -> (B, D); the same as model(tok[:, None], kv_cache=cache)
+    h = model.decode_compute(tok, cache)         # the graph-safe part generate.py compiles and captures
 
 O(1) per token whatever the prompt length: a layer's whole memory of the past is its state, G x K complex numbers
 per row, and a decode step is s = lambda s + b . u(t) on it plus the block's per-token work, the same number of
 operations after 10 tokens or 100,000.
 
-Static, like the attention family's KV cache, so the step can be captured once in a CUDA graph and replayed
-(pipeline/train/generate.py): the states (n_layers, B, G, K, 2) are fp32 buffers allocated zeroed here and updated
-in place; the position `pos` is a (1,) int64 device tensor; the left pads (B,) live on the device. Fixed for one
-generation, and so computed here once from the weights rather than at every step (a dozen small kernels per layer):
+Static, like the attention family's KV cache, so the step can be compiled and captured once in a CUDA graph with
+the sampler, and replayed (pipeline/train/generate.py): the states (n_layers, B, G, K, 2) are fp32 buffers allocated
+zeroed here and updated in place with real arithmetic (no complex dtype, which inductor does not fuse); the
+position `pos` is a (1,) int64 device tensor; the left pads (B,) live on the device. There is no attention span:
+the step is the same at every length, so one graph serves the whole generation. Fixed for one generation, and so computed here once from the weights rather than at every step (a dozen small kernels per layer):
 lambda per layer (exponentiated in float64 and rounded once, as the scan kernel does) and the mixer's folded
 projections (G, P, 2K) and (G, 2K, P), in the decode dtype (bf16 under autocast: a step reads them once per token).
 A model whose weights change after the state was made (training) needs a new state: generate.py makes one per call.
@@ -31,8 +33,9 @@ class ResonanceState:
     """The resonance model's generation "cache": one (B, G, K, 2) fp32 state per layer, O(1) in the prompt length.
 
     Same constructor protocol as model/kv_cache.py's KVCache (max_len only bounds `length`: the state never grows).
-    state (n_layers, B, G, K, 2) fp32 (fp64 for an fp64 model); lam (n_layers, G, K) complex; w_in (n_layers, G,
-    P, 2K) and w_out (n_layers, G, 2K, P) in `dtype`; pos (1,) int64; pad (B,) int64 (zeros without left_pad)."""
+    state (n_layers, B, G, K, 2) fp32 (fp64 for an fp64 model); lam (n_layers, G, K, 2) (re, im) in the state's
+    dtype; w_in (n_layers, G, P, 2K) and w_out (n_layers, G, 2K, P) in `dtype`; pos (1,) int64; pad (B,) int64
+    (zeros without left_pad)."""
 
     def __init__(self, model, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
                  dtype: torch.dtype | None = None):
@@ -55,7 +58,8 @@ class ResonanceState:
                                                                                 device=device)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             eigen = [mixer.eigen(mixer.work_dtype) for mixer in mixers]  # (log lambda, dt) per layer
-            self.lam = torch.stack([lambdas(torch.view_as_real(log_lam)) for log_lam, _ in eigen])  # (L, G, K)
+            self.lam = torch.stack([torch.view_as_real(lambdas(torch.view_as_real(log_lam)))
+                                    for log_lam, _ in eigen])  # (L, G, K, 2) (re, im)
             self.w_in = torch.stack([mx.in_weight(dt) for mx, (_, dt) in zip(mixers, eigen)]).to(dtype)
             self.w_out = torch.stack([mx.out_weight() for mx in mixers]).to(dtype)
 
@@ -100,8 +104,10 @@ def decode_compute(model, tok: torch.Tensor, cache: ResonanceState) -> torch.Ten
         u, gate = block.w_in(block.mix_norm(x)).chunk(2, dim=-1)  # (B, 1, D) each; the submodules, eager
         z = torch.bmm(u.view(B, G, P).transpose(0, 1).to(cache.w_in.dtype), cache.w_in[i])  # (G, B, 2K)
         z = z.transpose(0, 1).unflatten(-1, (K, 2)).to(cache.state.dtype) * keep  # (B, G, K, 2)
-        s = torch.view_as_complex(cache.state[i])  # (B, G, K) complex view of the static buffer
-        s.mul_(cache.lam[i]).add_(torch.view_as_complex(z.contiguous()))  # s = lambda s + z, in place
+        s, lam = cache.state[i], cache.lam[i]  # (B, G, K, 2), (G, K, 2): real pairs, so torch.compile fuses it
+        s_re = lam[..., 0] * s[..., 0] - lam[..., 1] * s[..., 1] + z[..., 0]  # s = lambda s + z
+        s_im = lam[..., 0] * s[..., 1] + lam[..., 1] * s[..., 0] + z[..., 1]
+        s.copy_(torch.stack([s_re, s_im], dim=-1))  # in place: the static buffer
         y = torch.bmm(cache.state[i].flatten(-2).transpose(0, 1).to(cache.w_out.dtype), cache.w_out[i])  # (G, B, P)
         x = x + block.gated_out(y.transpose(0, 1)[:, None].to(u.dtype), gate)  # y (B, 1, G, P) as the mixer's
         x = x + block.mlp(block.mlp_norm(x))
