@@ -186,11 +186,12 @@ def decode_compute(decoder, tok: torch.Tensor, cache: KVCache, span: int | None 
     return decoder.norm(x)[:, 0]  # (B, D)
 
 
-def decode_step(decoder, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """tok (B,) int64, one new token per row -> hidden (B, D); checks capacity and advances the cache."""
+def decode_step(decoder, tok: torch.Tensor, cache) -> torch.Tensor:
+    """tok (B,) int64, one new token per row -> hidden (B, D); checks capacity and advances the cache. Any model
+    with a graph-safe `decoder.decode_compute(tok, cache)` (both families) and a cache with check() and length."""
     if tok.dim() != 1:
         raise ValueError(f"decode_step takes one token per row, shape (B,), got {tuple(tok.shape)}")
     cache.check(tok.shape[0], 1)
-    hidden = decode_compute(decoder, tok, cache)
+    hidden = decoder.decode_compute(tok, cache)
     cache.length += 1
     return hidden

@@ -19,8 +19,9 @@ projections (G, P, 2K) and (G, 2K, P), in the decode dtype (bf16 under autocast:
 A model whose weights change after the state was made (training) needs a new state: generate.py makes one per call.
 The state itself never drops to bf16: it accumulates 1e5 tokens of inputs with decays as slow as 1e-5 a token.
 
-`length` (host int) and `pos` both count the tokens seen, pads included. Eager calls (prefill, `decode_step`)
-advance both; `decode_compute`, the graph-safe part, advances only `pos`, and whoever replays it keeps `length`.
+`length` (host int) and `pos` both count the tokens seen, pads included. Eager calls (prefill, `decode_step`, which
+is model/kv_cache.py's for both families) advance both; `decode_compute`, the graph-safe part, advances only `pos`,
+and whoever replays it keeps `length`.
 """
 from __future__ import annotations
 
@@ -113,14 +114,3 @@ def decode_compute(model, tok: torch.Tensor, cache: ResonanceState) -> torch.Ten
         x = x + block.mlp(block.mlp_norm(x))
     cache.pos += 1
     return model.norm(x)[:, 0]  # (B, D)
-
-
-def decode_step(model, tok: torch.Tensor, cache: ResonanceState) -> torch.Tensor:
-    """tok (B,) int64, one new token per row -> hidden (B, D); checks capacity and advances the state."""
-    if tok.dim() != 1:
-        raise ValueError(f"decode_step takes one token per row, shape (B,), got {tuple(tok.shape)}")
-    cache.check(tok.shape[0], 1)
-    hidden = decode_compute(model, tok, cache)
-    cache.length += 1
-    return hidden
-
