@@ -12,10 +12,8 @@ kernel on the storage the kernel backend holds for bf16 / fp16 training.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
@@ -23,6 +21,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
+from case_runner import report_cases  # noqa: E402  (this script's folder is on sys.path)
 
 import cuda_ops.cross_entropy as ce  # noqa: E402
 
@@ -189,12 +188,4 @@ def case_end_to_end_bf16():
 
 
 if __name__ == "__main__":
-    report = {}
-    for name, fn in sorted(globals().items()):
-        if name.startswith("case_"):
-            try:
-                fn()
-                report[name] = "ok"
-            except Exception:  # report every case; the pytest side fails each one separately
-                report[name] = traceback.format_exc()
-    print(json.dumps(report))
+    report_cases(globals())

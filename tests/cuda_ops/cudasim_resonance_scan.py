@@ -11,10 +11,8 @@ shapes are tiny (2 rows x 13 tokens x 2 groups x 3 eigenvalues) and the block is
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
@@ -22,6 +20,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
+from case_runner import report_cases  # noqa: E402  (this script's folder is on sys.path)
 
 import cuda_ops.resonance_scan as rs  # noqa: E402
 from model.resonance import fft_conv  # noqa: E402
@@ -138,12 +137,4 @@ def case_nan_stays_nan_in_bf16():
 
 
 if __name__ == "__main__":
-    report = {}
-    for name, fn in sorted(globals().items()):
-        if name.startswith("case_"):
-            try:
-                fn()
-                report[name] = "ok"
-            except Exception:  # report every case; the pytest side fails each one separately
-                report[name] = traceback.format_exc()
-    print(json.dumps(report))
+    report_cases(globals())
