@@ -8,6 +8,7 @@ scan kernel's bytes-moved model, and the activation bytes each family keeps for 
     python bench/mixer.py --activation-checkpointing mixer  # resonance recomputes its mixer halves (attention: none)
     python bench/mixer.py --tier nano --seq-lens 1024 4096 --steps 3 --gen-tokens 16   # what a CPU manages
     python bench/mixer.py --smoke                           # seconds, on CPU (the test suite runs this)
+    python bench/mixer.py --smoke --compile on --tier B     # CPU: the saved bytes of tier B's width, compiled blocks
 
 Training: forward, backward (the fused cross-entropy of cuda_ops, as the engine runs it) and an AdamW step on
 random tokens, batch --batch-size, bf16 autocast on CUDA, every block compiled on CUDA as the engine compiles
@@ -271,7 +272,7 @@ def _print_kernel_model(rows: list[dict], tier: str, device_name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python bench/mixer.py", description=__doc__.splitlines()[0])
-    p.add_argument("--tier", default="B")
+    p.add_argument("--tier", default=None, help="default B (--smoke: nano rows and saved bytes, B's kernel model)")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 65536, 131072, 262144])
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--steps", type=int, default=5, help="timed training steps per length (after one warm-up)")
@@ -292,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, seconds")
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
-    model_tier = args.tier
+    model_tier = args.tier or "B"  # the kernel model's tier; the saved bytes' unless --smoke runs without --tier
+    saved_tier = args.tier or ("nano" if args.smoke else "B")
+    args.tier = args.tier or "B"
     if args.smoke:
         args.tier, args.seq_lens, args.steps, args.gen_tokens, args.vocab = "nano", [64, 128], 1, 4, 300
         args.gen_batch_sizes = [1, 4]
@@ -306,9 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(m, args, T, device) for T in args.seq_lens for m in args.mixers]
     start = min(args.seq_lens)  # the search doubles from the shortest row asked for
     max_seq = {m: max_trainable_seq(m, args, device, start) for m in args.mixers} if args.find_max_seq else {}
-    # the cost model and the saved bytes are for the tier asked for (B by default) even in a smoke run
     kernel_rows = kernel_model(model_tier, [8192, 32768, 131072, 262144], 1, device)
-    saved = saved_bytes(model_tier, args.saved_seq_len, device, args.compile) if args.saved_seq_len else {}
+    saved = saved_bytes(saved_tier, args.saved_seq_len, device, args.compile) if args.saved_seq_len else {}
 
     device_name = device_info().get("gpu", "cpu")
     print(f"tier {args.tier}, batch {args.batch_size}, {'doc-masked' if args.doc_masking else 'one document'}, "
@@ -338,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"longest row that trains at batch 1 ({m}): {T:,}")
     _print_kernel_model(kernel_rows, model_tier, device_name if device.type == "cuda" else "H100")
     if saved:
-        print(f"\nsaved for backward, bytes per token per layer (tier {model_tier} width, rows of "
+        print(f"\nsaved for backward, bytes per token per layer (tier {saved_tier} width, rows of "
               f"{args.saved_seq_len} and {2 * args.saved_seq_len} tokens, bf16 autocast, blocks "
               f"{'compiled' if args.compile else 'eager'}, {device.type}):")
         for name, value in saved.items():
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "doc_masking": args.doc_masking, "mixers": args.mixers,
         "compiled_blocks": args.compile, "activation_checkpointing": args.activation_checkpointing}, "rows": rows, "ratios": ratios, "max_trainable_seq": max_seq,
         "kernel_model": {"tier": model_tier, "bandwidth": BANDWIDTH, "rows": kernel_rows},
-        "saved_bytes_per_token_layer": {"tier": model_tier, "seq_len": args.saved_seq_len, **saved},
+        "saved_bytes_per_token_layer": {"tier": saved_tier, "seq_len": args.saved_seq_len, **saved},
         "command": "python bench/mixer.py " + " ".join(argv if argv is not None else sys.argv[1:])}, args.out)
     print(f"wrote {path}")
     return 0
