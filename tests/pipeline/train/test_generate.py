@@ -56,7 +56,7 @@ def test_seeded_sampling_repeats_and_eos_stops_rows():
 
 class CacheProtocolOnly(torch.nn.Module):
     """A model that keeps only the generic generation protocol (new_kv_cache + model(ids, kv_cache=cache),
-    logits, output_weight) and no decode_step (any model from outside this project): the loop must run it eagerly."""
+    logits, output_weight) and no decode_compute (any model from outside this project): the loop runs it eagerly."""
 
     def __init__(self, decoder):
         super().__init__()
