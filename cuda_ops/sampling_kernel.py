@@ -499,6 +499,8 @@ class SamplingPlan:
         from numba.cuda.core.errors import NumbaPerformanceWarning  # numba-cuda's own class, not numba.core's
 
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU under-utilization",
+            # ".*": numba may wrap the message in terminal highlighting (an ANSI escape before "Grid"), and the filter
+            # matches from the message's start.
+            warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization",
                                     category=NumbaPerformanceWarning)
             return build_kernel(self.block, self.nb)[(self.S, self.B), self.block, stream]
