@@ -1,8 +1,11 @@
-"""Named model sizes, from a CPU test size up to ~760M parameters.
+"""Named model sizes, from a CPU test size up to ~3B parameters.
 
 Head dim is 128 wherever the width allows (the fast attention kernels on Hopper are tuned for it);
 `nano` is too narrow for that and uses 16. RoPE base 500,000 keeps positions distinguishable out to
-32k tokens and beyond (the base Llama 3 uses for long context).
+32k tokens and beyond (the base Llama 3 uses for long context). Tiers E (~1.5B) and F (~2.9B) do not fit
+one 80 GB GPU with their AdamW state and 32k activations at batch 1 together; they train sharded
+(train.parallel=fsdp, docs/scaling.md), and `python -m pipeline.train.max_batch --tier F --seq-len 32768
+--workers 8 --memory-limit-gib 80` prints the plan.
 
     python -m model          # prints every tier with its exact parameter count
 """
@@ -36,6 +39,8 @@ TIERS: dict[str, Tier] = {
         Tier("B", d_model=768, n_layers=12, n_heads=6, n_kv_heads=6, d_ff=2048, max_seq_len=32768),
         Tier("C", d_model=1024, n_layers=24, n_heads=8, n_kv_heads=8, d_ff=2816, max_seq_len=32768),
         Tier("D", d_model=1536, n_layers=24, n_heads=12, n_kv_heads=12, d_ff=4352, max_seq_len=32768),
+        Tier("E", d_model=2048, n_layers=28, n_heads=16, n_kv_heads=16, d_ff=5632, max_seq_len=32768),
+        Tier("F", d_model=2560, n_layers=36, n_heads=20, n_kv_heads=20, d_ff=6912, max_seq_len=32768),
     )
 }
 
@@ -50,7 +55,8 @@ def get_tier(name: str) -> Tier:
 
 # ----------------------------------------------------------------------------------------------
 # Resonance tiers (model.mixer=resonance, model/resonance.py): the same names as the attention tiers, with
-# d_ff chosen so that each tier's parameter count is within ~2% of the attention tier of that name (the
+# d_ff chosen so that each tier's parameter count is within 1% of the attention tier of that name (at vocab
+# 32,000) (the
 # resonance mixer has 3 d_model^2 projection weights where attention has 4). Channel groups play the role of
 # heads (128 channels each from tier A up); each group has `n_eigen` learned complex eigenvalues, so the
 # recurrent generation state is n_groups x n_eigen complex numbers per layer. `small_32k` is the shape the
@@ -90,6 +96,10 @@ RESONANCE_TIERS: dict[str, ResonanceTier] = {
         ResonanceTier("C", d_model=1024, n_layers=24, n_groups=8, n_eigen=64, d_ff=3072, chunk_size=256,
                       max_seq_len=131072),
         ResonanceTier("D", d_model=1536, n_layers=24, n_groups=12, n_eigen=64, d_ff=4800, chunk_size=256,
+                      max_seq_len=131072),
+        ResonanceTier("E", d_model=2048, n_layers=28, n_groups=16, n_eigen=64, d_ff=6208, chunk_size=256,
+                      max_seq_len=131072),
+        ResonanceTier("F", d_model=2560, n_layers=36, n_groups=20, n_eigen=64, d_ff=7680, chunk_size=256,
                       max_seq_len=131072),
         ResonanceTier("small_32k", d_model=1024, n_layers=8, n_groups=8, n_eigen=16, d_ff=2688, chunk_size=256,
                       max_seq_len=131072),
