@@ -88,6 +88,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     sample_tokens: int = 48  # tokens generated per prompt at evaluation (0 = off)
     memory_limit_gib: float = 0.0  # > 0: train as on a device of this many GiB (OOM above it); 0 = the real device
+    # How Ray Train workers share the model (pipeline/train/parallel.py): ddp = a full copy each, gradients
+    # all-reduced; fsdp = FSDP2, parameters, gradients and AdamW state sharded across the workers; auto = fsdp when
+    # a full copy with its gradients, optimizer state and activations would not fit one worker's memory.
+    parallel: str = "auto"
 
 
 @dataclass
@@ -285,6 +289,7 @@ def validate(cfg: Config) -> None:
         if not 0.0 <= beta < 1.0:
             raise ConfigError(f"{key}={beta} is invalid; it must be in [0, 1)")
     _one_of("train.precision", t.precision, ("auto", "bf16", "fp32"))
+    _one_of("train.parallel", t.parallel, ("auto", "ddp", "fsdp"))
     _positive("ray.num_workers", r.num_workers)
     _positive("ray.cpus_per_worker", r.cpus_per_worker, zero_ok=True)
     _positive("ray.max_failures", r.max_failures, zero_ok=True)

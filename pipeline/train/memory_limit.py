@@ -13,7 +13,8 @@ CUDA: the caching allocator itself is capped (`torch.cuda.set_per_process_memory
 OOM comes from the allocator exactly as on a device of that size, fragmentation included.
 
 CPU: torch keeps no allocation counter, so every tensor an operator creates during the step is seen
-through a TorchDispatchMode (below autograd, so the backward pass's tensors are seen too). Each distinct
+through a TorchDispatchMode (below autograd, so the backward pass's tensors are seen too; under FSDP also the
+all-gathered parameters and reduce-scatter buffers, and a sharded tensor counts its local shard). Each distinct
 storage counts its bytes while it is alive (a weak reference tells when it is freed); the parameters,
 their gradients and the optimizer state that exist when the step starts count from the start. When the
 live total would exceed the limit the mode raises torch.OutOfMemoryError, like the allocator would.
@@ -52,7 +53,9 @@ class _LiveStorages:
         self.total = 0
 
     def add(self, t: torch.Tensor) -> bool:
-        """Count t's storage if it is not counted yet; True if the total grew."""
+        """Count t's storage if it is not counted yet; True if the total grew. A DTensor (FSDP's sharded
+        parameters, gradients and optimizer state) counts its local shard."""
+        t = getattr(t, "_local_tensor", t)
         storage = t.untyped_storage()
         ref = StorageWeakRef(storage)
         old = self.refs.get(ref.cdata)

@@ -1,0 +1,351 @@
+"""The memory model: what one training worker holds at its peak for a tier, a sequence length, a micro-batch,
+activation checkpointing, a worker count and DDP or FSDP -- computed, not run, so it answers for tier F on 64
+GPUs from a laptop.
+
+    python -m pipeline.train.max_batch --tier F --seq-len 32768 --workers 8 --memory-limit-gib 80   # the plan
+    from pipeline.train.memory_plan import estimate, plan
+    est = estimate(cfg, 32000, workers=8, parallel="fsdp", device_type="cuda")   # est.total, est.parts()
+    p = plan(cfg, 32000, workers=8, limit_gib=80, device_type="cuda")          # p.choice, p.rows
+
+Terms, in bytes per worker (P parameters, W workers; P_w = P / W under FSDP, P under DDP or one process; N = B x T
+tokens of the micro-batch; d, d_ff, q = heads x head_dim, kv = kv_heads x head_dim; V vocabulary):
+
+  state        fp32 master weights 4 P_w and AdamW's two moments 8 P_w; gradients 4 P_w from backward to the
+               optimizer step (DDP keeps them in its buckets, gradient_as_bucket_view: 4 P for the whole run).
+  activations  what backward needs, per token and block (the saved-tensor lists of one block, traced with
+               torch.autograd.graph.saved_tensors_hooks: `python bench/activation_bytes.py` prints them):
+                 fp32, eager (CPU)            24 d + 12 q + 12 kv + 16 d_ff + 4 heads + 8
+                 bf16 autocast, eager         20 d +  6 q +  6 kv +  8 d_ff + 4 heads + 8
+                 bf16 autocast, compiled       8 d +  8 q +  6 kv +  6 d_ff + 4 heads + 8   (inductor recomputes
+                                              the norms and the SiLU instead of saving them)
+               plus, for a dense attention mask, the mask SDPA converts to floats in every block (T per token, in
+               the compute dtype) and once per forward the boolean mask (T bytes per token). A checkpointed block
+               keeps only its input (4 d per token) and one block is recomputed at a time in backward. The
+               resonance mixer's own tensors are measured by running one mixer on a short row (`_mixer_bytes`).
+  head         the fused cross-entropy computes its gradients in forward: grad_weight (V, d) fp32 and grad_hidden
+               (N, d), one logits chunk (chunk x V fp32, + a bf16 copy under autocast), and the final norm's
+               saved tensors; tied embeddings add the embedding's dense gradient and its sum in backward.
+  working      FSDP: the root's parameters (embedding, final norm; kept fp32) unsharded for the whole step, two
+               blocks' gathered parameters (one running, one prefetched) and, in a block's backward, its unsharded
+               gradients, its fp32 reduce-scatter input and a third block's parameters; bf16 autocast without FSDP: the bf16 weight copies autocast keeps for backward
+               (2 bytes per matmul parameter).
+  optimizer    CUDA: fused AdamW, no temporaries; CPU: AdamW's per-tensor path, two temporaries of the largest
+               (local) parameter.
+
+The peak is the largest of three moments: the start of backward (state without gradients, working, every saved
+activation, the head's gradients), the end of backward (all gradients, the tied embedding's extra copies) and the
+optimizer step. On CPU the model is checked against the counted tensor storage of real steps
+(tests/pipeline/train/test_memory_plan.py); on CUDA its compiled-bf16 activation term matches the H100 peaks of
+tiers C and D at 32,768 tokens to within 2% (docs/scaling.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any
+
+GIB = 2**30
+AC_OPTIONS = ("none", "every_4", "every_2", "all")  # from the least recompute to the most
+TOKEN_BYTES = 28  # per token: int64 tokens and shifted targets, int32 doc ids, fp32 loss and int32 correct rows
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the model needs to know about one training configuration."""
+    mixer: str
+    tier: Any  # model/tiers.py Tier or ResonanceTier
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    activation_checkpointing: str
+    tie_embeddings: bool
+    ce_chunk_size: int
+    device_type: str  # cuda | cpu
+    bf16: bool  # bf16 autocast (CUDA with train.precision auto|bf16)
+    compiled: bool  # regional torch.compile of the blocks
+    attention: str  # the backend a training forward runs (model/decoder.py resolve_attention)
+    doc_masking: bool
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per worker at the peak, by part (see the module docstring). `total` is the peak itself."""
+    params: int
+    optimizer_state: int
+    grads: int
+    activations: int
+    head: int
+    working: int
+    optimizer_temp: int
+    total: int
+    moment: str  # which moment is the peak: backward start | backward end | optimizer step
+    parallel: str
+    workers: int
+    batch_size: int
+    activation_checkpointing: str
+
+    def gib(self, name: str = "total") -> float:
+        return getattr(self, name) / GIB
+
+    def parts(self) -> dict[str, float]:
+        """GiB by part, for printing: state (params + grads + AdamW), working, activations, head."""
+        return {"state": (self.params + self.optimizer_state + self.grads) / GIB, "working": self.working / GIB,
+                "activations": self.activations / GIB, "head": self.head / GIB, "total": self.total / GIB}
+
+
+def shape_of(cfg, vocab_size: int, device_type: str, *, batch_size: int | None = None,
+             activation_checkpointing: str | None = None) -> Shape:
+    """The Shape of `cfg` (pipeline/config.py Config) trained on a `device_type` device."""
+    from model.decoder import resolve_attention
+    from model.tiers import get_mixer_tier
+
+    m, t = cfg.model, cfg.train
+    bf16 = device_type == "cuda" and t.precision != "fp32"
+    compiled = m.compile == "on" or (m.compile == "auto" and device_type == "cuda")
+    attention = resolve_attention(m.attention, device_type, m.doc_masking) if m.mixer == "attention" else "none"
+    return Shape(m.mixer, get_mixer_tier(m.tier, m.mixer), vocab_size, cfg.data.seq_len,
+                 batch_size or t.batch_size, activation_checkpointing or m.activation_checkpointing,
+                 m.tie_embeddings, t.ce_chunk_size, device_type, bf16, compiled, attention, m.doc_masking)
+
+
+# ------------------------------------------------------------------------------------------- the terms
+def _param_split(s: Shape) -> tuple[int, int, int]:
+    """(total, root, per block): the root holds the embedding, the final norm and an untied output weight."""
+    from model.flops import param_count
+
+    total = param_count(s.tier, s.vocab_size, s.tie_embeddings)
+    d = s.tier.d_model
+    root = s.vocab_size * d * (1 if s.tie_embeddings else 2) + d
+    return total, root, (total - root) // s.tier.n_layers
+
+
+def _largest_param(s: Shape) -> int:
+    t = s.tier
+    d = t.d_model
+    if s.mixer == "attention":
+        block = max(d * (t.n_heads + 2 * t.n_kv_heads) * t.head_dim, 2 * d * t.d_ff)
+    else:
+        block = max(2 * d * d, 2 * d * t.d_ff)
+    return max(block, s.vocab_size * d)
+
+
+def block_bytes_per_token(s: Shape) -> float:
+    """Bytes one block saves for backward per token of the micro-batch (module docstring)."""
+    t = s.tier
+    d, dff = t.d_model, t.d_ff
+    if s.mixer == "attention":
+        q, kv, heads = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim, t.n_heads
+        if not s.bf16:
+            core = 24 * d + 12 * q + 12 * kv + 16 * dff + 4 * heads + 8
+        elif s.compiled:
+            core = 8 * d + 8 * q + 6 * kv + 6 * dff + 4 * heads + 8
+        else:
+            core = 20 * d + 6 * q + 6 * kv + 8 * dff + 4 * heads + 8
+        if s.attention == "dense":  # SDPA turns the boolean mask into a float mask in every block and saves it
+            core += s.seq_len * (2 if s.bf16 else 4)
+        return core
+    # resonance: the norms (the group norm's included), the input projection's (u, gate) output, the gate, the
+    # output projection and the SwiGLU MLP, traced as above; under autocast also the mixer's fp32 copy of u
+    if not s.bf16:
+        rest = 52 * d + 16 * dff + 16
+    elif s.compiled:
+        rest = 22 * d + 6 * dff + 16
+    else:
+        rest = 42 * d + 8 * dff + 16
+    form = "scan" if s.doc_masking else "fft"
+    return rest + _mixer_bytes(d, t.n_groups, t.n_eigen, t.chunk_size, form)
+
+
+@lru_cache(maxsize=64)
+def _mixer_bytes(d_model: int, n_groups: int, n_eigen: int, chunk: int, form: str) -> float:
+    """Bytes per token one resonance mixer saves for backward, measured: the mixer (its parameters are small:
+    G x K x P complex weights) runs forward on a row of four chunks with a saved-tensors hook counting every
+    distinct storage. Its tensors are (B, T, G, K) complex or (B, T, D) real, so bytes per token do not depend on
+    the row length (the FFT form's length-2T transforms included)."""
+    import torch
+
+    from model.resonance import ResonanceMixer
+
+    T = 4 * chunk
+    with torch.random.fork_rng(devices=[]):
+        mixer = ResonanceMixer(d_model, n_groups, n_eigen, chunk)
+    params = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
+    u = torch.zeros(1, T, d_model, requires_grad=True)
+    starts = torch.zeros(1, T, dtype=torch.bool) if form == "scan" else None
+    seen: dict[int, int] = {}
+
+    def pack(x):
+        st = x.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        mixer(u, form=form, starts=starts)
+    seen.pop(u.untyped_storage().data_ptr(), None)  # the block's own term counts its input
+    return sum(seen.values()) / T
+
+
+def _shared_per_token(s: Shape) -> int:
+    """Bytes per token held once per forward, not per block: the batch itself, the boolean mask, RoPE tables."""
+    shared = TOKEN_BYTES
+    if s.attention == "dense":
+        shared += s.seq_len  # the boolean (B, 1, T, T) mask
+    if s.mixer == "attention":
+        shared += 4 * s.tier.head_dim  # RoPE cos and sin, (B, T, 1, head_dim / 2) fp32 each
+    return shared
+
+
+def _head(s: Shape) -> tuple[int, int]:
+    """(at the start of backward, extra at the end of backward) for the fused cross-entropy head and the root."""
+    d, V = s.tier.d_model, s.vocab_size
+    n = s.batch_size * s.seq_len
+    rows = min(s.ce_chunk_size, n)
+    final_norm = n * (8 * d + 4)  # its input and normalised input, fp32
+    grad_hidden = 4 * n * d
+    grad_weight = 4 * V * d
+    # forward: the hidden states and one logits chunk (fp32, + its bf16 copy) while the loop runs; backward
+    # start: the weight gradient copied into .grad beside the saved one
+    transient = max(4 * n * d + rows * V * (6 if s.bf16 else 4), grad_weight)
+    start = final_norm + grad_hidden + grad_weight + transient
+    end = 8 * V * d if s.tie_embeddings else 0  # the embedding's dense gradient and the sum with the head's
+    return int(start), int(end)
+
+
+def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", device_type: str = "cuda",
+             batch_size: int | None = None, activation_checkpointing: str | None = None) -> MemoryEstimate:
+    """Peak bytes per worker of a training step of `cfg` with `workers` workers under `parallel` (ddp | fsdp;
+    ddp with one worker is the one-process run) on a `device_type` device.
+
+    Backward is followed block by block: block i's backward holds the activations of the blocks below it, its
+    own (saved, or recomputed when checkpointed), the residual stream's gradient in and out, and the gradients
+    of its own weights and of the blocks above it, so both ends of backward and every block between are candidates for the peak."""
+    from model.layers import checkpointed_layers
+
+    if parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
+    s = shape_of(cfg, vocab_size, device_type, batch_size=batch_size,
+                 activation_checkpointing=activation_checkpointing)
+    total_p, root_p, block_p = _param_split(s)
+    L, d = s.tier.n_layers, s.tier.d_model
+    n = s.batch_size * s.seq_len
+    fsdp = parallel == "fsdp"
+    shard = workers if fsdp else 1
+    local = math.ceil(total_p / shard)
+    params, adam, grads = 4 * local, 8 * local, 4 * local
+    buckets = grads if (not fsdp and workers > 1) else 0  # DDP: gradients live in its buckets all run long
+    grow = 0 if buckets else 1  # gradients appear during backward unless the buckets already hold them
+    if fsdp:  # the root unsharded, two blocks gathered (one running, one prefetched); in a block's backward also
+        p_bytes = 2 if s.bf16 else 4  # its unsharded gradients, its fp32 reduce-scatter input and a third block's
+        working = 4 * root_p + 2 * p_bytes * block_p  # parameters (the next one gathers before the last is freed)
+        block_working = (2 * p_bytes + 4) * block_p
+    else:
+        working = 2 * (total_p - root_p + vocab_size * d) if s.bf16 else 0  # autocast's bf16 weight copies
+        block_working = 0
+    opt_temp = 0 if device_type == "cuda" else 2 * 4 * math.ceil(_largest_param(s) / shard)
+
+    full = block_bytes_per_token(s) * n
+    kept = 4 * d * n  # a checkpointed block keeps its input
+    ckpt = checkpointed_layers(s.activation_checkpointing, L)
+    saved = [kept if i in ckpt else full for i in range(L)]
+    base = params + adam + buckets + working + _shared_per_token(s) * n
+    head_start, head_end = _head(s)
+    # the root's gradient after the head's backward: the output weight's, unsharded until the end under FSDP
+    root_grad = 4 * vocab_size * d if fsdp else grow * 4 * vocab_size * d
+    moments = {"backward start": (base + sum(saved) + head_start, sum(saved))}
+    for i in reversed(range(L)):
+        acts = sum(saved[:i]) + full
+        live = (base + block_working + acts + 8 * d * n + root_grad
+                + grow * (L - i) * math.ceil(4 * block_p / shard))
+        if live > moments.get("backward, block", (0,))[0]:
+            moments["backward, block"] = (live, acts)
+    # the end: every gradient; FSDP still holds the root unsharded and reduce-scatters its gradient into a new
+    # shard, DDP copies the head's gradient into a bucket
+    moments["backward end"] = (params + adam + grads + head_end + (4 * root_p + math.ceil(4 * root_p / shard) if fsdp
+                                                                   else 0) + (4 * vocab_size * d if buckets else 0), 0)
+    moments["optimizer step"] = (params + adam + grads + opt_temp, 0)
+    moment = max(moments, key=lambda k: moments[k][0])
+    peak, acts = moments[moment]
+    return MemoryEstimate(params, adam, grads if moment in ("backward end", "optimizer step") else buckets, int(acts),
+                          head_start if moment == "backward start" else 0, working,
+                          opt_temp if moment == "optimizer step" else 0, int(peak), moment, parallel, workers,
+                          s.batch_size, s.activation_checkpointing)
+
+
+# ------------------------------------------------------------------------------------------- the plan
+@dataclass
+class PlanRow:
+    parallel: str
+    activation_checkpointing: str
+    max_batch: int  # 0: not even one sequence fits
+    gib_at_max: float  # the peak at max_batch (at batch 1 when nothing fits)
+
+
+@dataclass
+class Plan:
+    tier: str
+    mixer: str
+    seq_len: int
+    workers: int
+    limit_gib: float
+    device_type: str
+    rows: list[PlanRow] = field(default_factory=list)
+    choice: PlanRow | None = None  # the least recompute that fits one sequence; DDP before FSDP at equal recompute
+
+    @property
+    def fits(self) -> bool:
+        return self.choice is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def max_batch_by_model(cfg, vocab_size: int, *, limit_bytes: float, upper: int = 1024, **kw) -> tuple[int, float]:
+    """(largest micro-batch in 1..upper whose estimate fits limit_bytes, its peak GiB); (0, GiB at batch 1)."""
+    def gib(b: int) -> float:
+        return estimate(cfg, vocab_size, batch_size=b, **kw).total / GIB
+
+    if gib(1) * GIB > limit_bytes:
+        return 0, gib(1)
+    lo, hi = 1, 2
+    while hi <= upper and gib(hi) * GIB <= limit_bytes:
+        lo, hi = hi, hi * 2
+    hi = min(hi, upper + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if gib(mid) * GIB <= limit_bytes else (lo, mid)
+    return lo, gib(lo)
+
+
+def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str = "cuda",
+         upper: int = 1024) -> Plan:
+    """Every (parallel, activation checkpointing) with its largest micro-batch by the model, and the choice."""
+    out = Plan(cfg.model.tier, cfg.model.mixer, cfg.data.seq_len, workers, limit_gib, device_type)
+    modes = ("ddp", "fsdp") if workers > 1 else ("ddp",)
+    for ac in AC_OPTIONS:
+        for mode in modes:
+            b, gib = max_batch_by_model(cfg, vocab_size, limit_bytes=limit_gib * GIB, upper=upper, workers=workers,
+                                        parallel=mode, device_type=device_type, activation_checkpointing=ac)
+            row = PlanRow(mode, ac, b, round(gib, 3))
+            out.rows.append(row)
+            if out.choice is None and b >= 1:
+                out.choice = row
+    return out
+
+
+def choose_parallel(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str) -> tuple[str, str]:
+    """train.parallel=auto: ("ddp" | "fsdp", why). FSDP when a full copy with its gradients, AdamW state and the
+    configured micro-batch's activations would not fit `limit_gib`; one worker has nothing to shard across."""
+    ddp = estimate(cfg, vocab_size, workers=workers, parallel="ddp", device_type=device_type)
+    if workers == 1:
+        return "ddp", "one worker: nothing to shard across"
+    need = f"{ddp.total / GIB:.1f} GiB per worker"
+    if ddp.total <= limit_gib * GIB:
+        return "ddp", (f"a full copy fits: {need} (state {ddp.parts()['state']:.1f}, activations "
+                       f"{ddp.activations / GIB:.1f}) of {limit_gib:.1f} GiB")
+    fsdp = estimate(cfg, vocab_size, workers=workers, parallel="fsdp", device_type=device_type)
+    tail = "" if fsdp.total <= limit_gib * GIB else (f"; even sharded it needs {fsdp.total / GIB:.1f} GiB: see "
+                                                     f"`python -m pipeline.train.max_batch --workers {workers}`")
+    return "fsdp", (f"a full copy needs {need} > {limit_gib:.1f} GiB; sharded over {workers} workers: "
+                    f"{fsdp.total / GIB:.1f} GiB{tail}")
