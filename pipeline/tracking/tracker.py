@@ -31,7 +31,10 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `train/lr`                 | learning rate at the step                                      |
 | metric | `train/grad_norm`          | global gradient L2 norm before clipping                        |
 | metric | `train/tokens_per_s`       | training tokens per second, all workers together               |
-| metric | `train/mfu`                | model FLOPs utilisation, fraction of peak (0..1)               |
+| metric | `train/tokens_per_s_per_gpu` | the same per worker (train/tokens_per_s / world_size)        |
+| metric | `train/mfu`                | model FLOPs utilisation, fraction of peak (0..1), per GPU: executed FLOPs over world_size x peak |
+| metric | `train/hfu`                | train/mfu plus the forward activation checkpointing recomputes (hardware FLOPs) |
+| metric | `train/tflops_per_gpu`     | executed model FLOPs per second per worker (TFLOP/s; also on a CPU) |
 | metric | `train/peak_mem_gib`       | peak accelerator memory on rank 0 (GiB)                        |
 | metric | `train/tokens_seen`        | training tokens consumed so far, all workers together          |
 | metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
@@ -41,6 +44,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
 | metric | `eval/loss`, `eval/ppl`, `eval/accuracy` | the `eval` stage on the whole validation split, at the checkpoint's step |
 | metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
+| tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
 | input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py) |
 
 Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
@@ -79,7 +83,10 @@ TRAIN_PPL = "train/ppl"
 TRAIN_LR = "train/lr"
 TRAIN_GRAD_NORM = "train/grad_norm"
 TRAIN_TOKENS_PER_S = "train/tokens_per_s"
+TRAIN_TOKENS_PER_S_PER_GPU = "train/tokens_per_s_per_gpu"
 TRAIN_MFU = "train/mfu"  # FLOPs executed (attention within documents under doc masking) over the peak
+TRAIN_HFU = "train/hfu"  # + the forward recomputed by activation checkpointing
+TRAIN_TFLOPS_PER_GPU = "train/tflops_per_gpu"
 TRAIN_MFU_CAUSAL_EQUIV = "train/mfu_causal_equiv"  # whole-row causal attention counted, as other tools do
 TRAIN_EXECUTED_FLOPS_PER_TOKEN = "train/executed_flops_per_token"
 TRAIN_PEAK_MEM_GIB = "train/peak_mem_gib"  # the largest of any worker since the run's engine started
@@ -94,10 +101,12 @@ TRAIN_BAD_STEPS = "train/bad_steps"
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
-METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_MFU_CAUSAL_EQUIV,
-           TRAIN_EXECUTED_FLOPS_PER_TOKEN, TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS,
-           TRAIN_STEADY_TOKENS_PER_S, TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_PER_S_PER_GPU,
+           TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
+           TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
+           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
+PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
 LOCAL_DB_NAME = "mlflow.db"

@@ -7,24 +7,23 @@ and the benchmarks (bench/engine_throughput.py) both drive this same code.
     outcome = engine.train_step([batch])          # one optimizer step over grad_accum micro-batches
     engine.save("ckpt/step_00050"); engine.load("ckpt/step_00050")
 
-The loop that feeds it (epochs, cursor, logging, evaluation, checkpoints) is pipeline/train/loop.py.
+Under a process group (Ray Train workers, or torch.distributed in tests and benchmarks) the engine shares the
+model across the workers by DDP or FSDP2 (train.parallel; pipeline/train/parallel.py); without one it is the
+plain one-process engine. Checkpoint layouts and loaders: pipeline/train/checkpoint.py. The loop that feeds it
+(epochs, cursor, logging, evaluation, checkpoints) is pipeline/train/loop.py.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_model, save_model
 
 from cuda_ops.cross_entropy import linear_cross_entropy
 from cuda_ops.metrics import TokenMetrics
@@ -32,12 +31,16 @@ from model.decoder import build_model
 from model.flops import (attention_flops_per_pair, causal_pairs, matmul_flops_per_token,
                          within_document_causal_pairs)
 from model.flops import flops_per_token, resonance_flops_per_token
+from model.layers import checkpointed_layers
 from model.tiers import get_mixer_tier
 from pipeline.config import Config
+from pipeline.train import checkpoint
+from pipeline.train.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, check_checkpoint_fits,  # noqa: F401
+                                       read_checkpoint_meta)
 from pipeline.train.hardware import autocast_dtype, configure_cuda_math, default_device, peak_flops, peak_memory_gib
 from pipeline.train.memory_limit import MemoryLimit
+from pipeline.train.parallel import resolve_parallel, shard_model
 
-CHECKPOINT_FORMAT = 1
 # Steady state: train/steady_tokens_per_s and train/steady_mfu leave out the first optimizer steps an Engine takes
 # in its process (torch.compile of every block, the allocator's and autotuners' first shapes) and count only the
 # time inside optimizer steps (not the data waits between them, evaluation, checkpoints or logging).
@@ -47,10 +50,6 @@ IGNORE_INDEX = -100  # linear_cross_entropy's default: targets of padding rows
 
 class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or does not fit the configured model."""
 
 
 class LossModule(nn.Module):
@@ -95,12 +94,13 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 class Engine:
     """Owns one worker's model, optimizer, scheduler and counters.
 
-    `wrap` lets a distributed launcher wrap the LossModule (Ray Train's prepare_model -> DDP); the
-    engine keeps a handle to the unwrapped module for saving and evaluation.
+    `parallel` (none | ddp | fsdp) overrides what train.parallel and the process group decide
+    (pipeline/train/parallel.py). `module` is the LossModule itself (sharded in place under FSDP), `model` what
+    a training forward calls (the DDP wrapper under DDP); saving and evaluation use `module`.
     """
 
     def __init__(self, cfg: Config, vocab_size: int, device: torch.device | None = None, *, rank: int = 0,
-                 world_size: int = 1, wrap=None):
+                 world_size: int = 1, parallel: str | None = None):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.device = device or default_device()
         self.rank, self.world_size = rank, world_size
@@ -112,10 +112,16 @@ class Engine:
                               attention=cfg.model.attention, activation_checkpointing=cfg.model.activation_checkpointing)
         decoder.to(self.device)
         if cfg.model.compile == "on" or (cfg.model.compile == "auto" and self.device.type == "cuda"):
-            decoder.compile_blocks()
-        self.module = LossModule(decoder, cfg.train.ce_chunk_size)
-        self.model = wrap(self.module) if wrap is not None else self.module
+            decoder.compile_blocks()  # before sharding: FSDP's hooks stay outside the compiled graphs
         self.n_params = sum(p.numel() for p in decoder.parameters())
+        self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
+        self.module = LossModule(decoder, cfg.train.ce_chunk_size)
+        if parallel is None:
+            self.parallel, self.parallel_reason = resolve_parallel(cfg, vocab_size, self.device)
+        else:
+            self.parallel, self.parallel_reason = parallel, "set by the caller"
+        self.model = shard_model(self.module, self.parallel, self.device, self.amp_dtype)
+        self.sharded = self.parallel == "fsdp"
         if cfg.model.mixer == "resonance":  # FFT, reference scan or scan kernel, as the model runs it (model/flops.py)
             self.flops_per_token = resonance_flops_per_token(tier, cfg.data.seq_len, vocab_size,
                                                              form=decoder.training_form(self.device))
@@ -130,15 +136,22 @@ class Engine:
         self.attention_flops_per_pair = attention_flops_per_pair(tier) if counts_pairs else 0
         self.matmul_flops_per_token = (matmul_flops_per_token(tier, vocab_size) if counts_pairs
                                        else self.flops_per_token)
+        # train/hfu also counts the forward that activation checkpointing runs again in backward: one more forward
+        # (a third of the training FLOPs) of each checkpointed block's share of the matmuls and attention
+        n_ckpt = len(checkpointed_layers(cfg.model.activation_checkpointing, tier.n_layers))
+        self.recompute_fraction = n_ckpt / tier.n_layers / 3
         self._interval_attention_pairs = torch.zeros((), dtype=torch.int64, device=self.device)
         self._interval_steady_pairs = torch.zeros((), dtype=torch.int64, device=self.device)  # STEADY_AFTER_STEPS
-        self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
         # train.memory_limit_gib > 0: steps fail with torch.OutOfMemoryError as on a device of that size.
         self.memory_limit = MemoryLimit.for_device(cfg.train.memory_limit_gib, self.device)
 
-        # Weight decay on matrices only: norms' gains stay free.
-        decay = [p for p in self.module.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.module.parameters() if p.ndim < 2]
+        # Weight decay on matrices only: norms' gains stay free. param_names lists the optimizer's parameters in
+        # its own order (train_state.pt numbers them by position; checkpoint.py names them).
+        named = list(self.module.named_parameters())
+        decay = [(n, p) for n, p in named if p.ndim >= 2]
+        no_decay = [(n, p) for n, p in named if p.ndim < 2]
+        self.param_names = [n for n, _ in decay + no_decay]
+        decay, no_decay = [p for _, p in decay], [p for _, p in no_decay]
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -222,6 +235,8 @@ class Engine:
             toks += tokens.shape[0] * (tokens.shape[1] - 1)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over the shards
+            grad_norm = grad_norm.full_tensor()
         finite = bool(torch.isfinite(loss_total) & torch.isfinite(grad_norm))  # the step's one sync
         if finite:
             self.optimizer.step()
@@ -296,14 +311,17 @@ class Engine:
         out = {
             "train/loss": m["loss"], "train/ppl": m["ppl"], "train/accuracy": m["accuracy"],
             "train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": grad_norm,
-            "train/tokens_per_s": tokens_per_s, "train/tokens_seen": float(self.tokens_seen),
+            "train/tokens_per_s": tokens_per_s, "train/tokens_per_s_per_gpu": tokens_per_s / self.world_size,
+            "train/tokens_seen": float(self.tokens_seen),
             "train/peak_mem_gib": peak_gib, "train/bad_steps": float(self.bad_steps_total),
         }
         executed = (self.matmul_flops_per_token * self._interval_tokens
                     + self.attention_flops_per_pair * attention_pairs)  # FLOPs computed in the interval
         out["train/executed_flops_per_token"] = executed / max(self._interval_tokens, 1)
+        out["train/tflops_per_gpu"] = executed / elapsed / self.world_size / 1e12
         if self.peak_flops:  # MFU only where the device's peak is known (not on a CPU)
             out["train/mfu"] = executed / elapsed / (self.peak_flops * self.world_size)
+            out["train/hfu"] = out["train/mfu"] * (1 + self.recompute_fraction)
             out["train/mfu_causal_equiv"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
         st = self._steady
         if st["steps"]:
@@ -342,89 +360,30 @@ class Engine:
                 "phase": self.phase}
 
     def save(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-        """Write the full training state to `directory` atomically (temp dir + rename).
-
-        model.safetensors (weights), train_state.pt (optimizer, scheduler, RNG; tensors and plain
-        types only, so it loads with weights_only=True), meta.json (counters, tier, vocab, config).
-        """
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        try:
-            save_model(self.module.decoder, str(tmp / "model.safetensors"))
-            rng = {"torch": torch.get_rng_state()}
-            if self.device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state(self.device)
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "rng": rng}, tmp / "train_state.pt")
-            meta = {"format": CHECKPOINT_FORMAT, "tier": self.cfg.model.tier, "vocab_size": self.vocab_size,
-                    "seq_len": self.cfg.data.seq_len, "tie_embeddings": self.cfg.model.tie_embeddings,
-                    "world_size": self.world_size, "counters": self.counters(), "config": self.cfg.to_dict(),
-                    **(extra or {})}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-            if directory.exists():
-                shutil.rmtree(directory)
-            os.replace(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return directory
+        """Write the full training state to `directory` atomically: the full layout (model.safetensors,
+        train_state.pt, meta.json; rank 0 writes it) or, under FSDP, the sharded layout (every worker writes its
+        shards; all must call). pipeline/train/checkpoint.py describes both."""
+        return checkpoint.save(self, directory, extra)
 
     def load(self, directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
-        """Restore the state written by save(); returns meta.json. Checks tier and vocab first."""
-        meta = read_checkpoint_meta(directory)
-        check_checkpoint_fits(meta, self.cfg.model.tier, self.vocab_size, directory, mixer=self.cfg.model.mixer)
-        directory = Path(directory)
-        missing, unexpected = load_model(self.module.decoder, str(directory / "model.safetensors"), strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint {directory} does not match the model: missing {missing[:3]}, "
-                                  f"unexpected {unexpected[:3]}; was it written by another model version?")
-        if weights_only_model:
-            return meta
-        state = torch.load(directory / "train_state.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        if self.device.type == "cuda" and "cuda" in state["rng"]:
-            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), self.device)
-        c = meta["counters"]
-        self.step, self.epoch, self.cursor = c["step"], c["epoch"], c["cursor"]
-        self.tokens_seen, self.phase = c["tokens_seen"], c.get("phase", 0)
-        self.bad_steps_in_row, self.bad_steps_total = c["bad_steps_in_row"], c["bad_steps_total"]
-        # The cursor counts global sequences, so a resume with another world size stays exact.
-        return meta
+        """Restore the state written by save(), from either layout and any worker count; returns meta.json.
+        Checks tier, vocabulary and model family first."""
+        return checkpoint.load(self, directory, weights_only_model)
 
+    @contextlib.contextmanager
+    def full_model(self) -> Iterator[nn.Module]:
+        """The decoder with whole (unsharded) parameters inside the block, for generation at evaluation steps.
+        Under FSDP every worker must enter it (the parameters are all-gathered on entry and freed on exit)."""
+        if not self.sharded:
+            yield self.module.decoder
+            return
+        from torch.distributed.fsdp import FSDPModule
 
-def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    directory = Path(directory)
-    meta_path = directory / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); pass a checkpoint directory "
-                              f"written by longtrain, e.g. runs/<run>/checkpoints/step_000100")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{meta_path} is corrupt ({exc.msg}); use an earlier checkpoint") from None
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{directory} has checkpoint format {meta.get('format')!r}; this version reads "
-                              f"format {CHECKPOINT_FORMAT}")
-    for name in ("model.safetensors", "train_state.pt"):
-        if not (directory / name).is_file():
-            raise CheckpointError(f"checkpoint {directory} lacks {name}; it is incomplete, use an earlier one")
-    return meta
-
-
-def check_checkpoint_fits(meta: dict[str, Any], tier: str, vocab_size: int, where: Any,
-                          mixer: str | None = None) -> None:
-    """A checkpoint from another tier, vocabulary or model family (mixer, when given) gets one clear error,
-    before any weight is touched."""
-    ckpt_mixer = meta.get("config", {}).get("model", {}).get("mixer", "attention")
-    if mixer is not None and ckpt_mixer != mixer:
-        raise CheckpointError(f"checkpoint {where} is a {ckpt_mixer} model but model.mixer is {mixer!r}; "
-                              f"set --model.mixer={ckpt_mixer} or start a new run")
-    if meta["tier"] != tier:
-        raise CheckpointError(f"checkpoint {where} is tier {meta['tier']!r} but model.tier is {tier!r}; "
-                              f"set --model.tier={meta['tier']} or start a new run")
-    if meta["vocab_size"] != vocab_size:
-        raise CheckpointError(f"checkpoint {where} has vocab {meta['vocab_size']} but the dataset's tokenizer "
-                              f"has {vocab_size}; use the dataset and tokenizer the checkpoint was trained with")
+        units = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield self.module.decoder
+        finally:
+            for unit in units:
+                unit.reshard()

@@ -1,0 +1,356 @@
+"""Checkpoints: the engine's whole training state on disk in one of two layouts, and loaders that read both.
+
+    engine.save("ckpt/step_000050")              # the layout follows the engine: full, or sharded under FSDP
+    engine.load("ckpt/step_000050")              # either layout, on any number of workers
+    state = load_model_state("ckpt/step_000050")  # eval, generate, export: the decoder's full weights, one process
+
+Layouts (meta.json `layout`):
+  full     model.safetensors (the decoder's weights), train_state.pt (AdamW, scheduler, RNG; tensors and plain types,
+           loaded with torch.load(weights_only=True)) and meta.json. Rank 0 writes it alone: one process and DDP
+           workers each hold the whole state.
+  sharded  sharded/ in torch.distributed.checkpoint (DCP) form: `.metadata` plus one `__<rank>_0.distcp` per worker
+           holding that worker's shards of the weights and AdamW moments (FQN keys, so any number of workers can
+           read them back: DCP reshards on load), and meta.json (counters, the scheduler's state, config). Every
+           FSDP worker writes its own files; Ray Train merges the workers' directories into one checkpoint
+           (every rank reports its directory; the checkpoint is registered once all have).
+meta.json `format` 2; format 1 (written before sharded checkpoints existed) is the full layout and still loads.
+
+Loading either layout into either kind of engine: full -> one process or DDP (as always); full -> FSDP (every
+worker reads the full weights and keeps its shards: `set_model_state_dict(full_state_dict=True)`); sharded -> FSDP
+on the same or another worker count, and sharded -> one process or DDP (DCP assembles whole tensors without a
+process group). `load_model_state` consolidates a sharded checkpoint in one process, sized from its metadata, with
+no manual step: eval, generate and export read FSDP checkpoints as they read full ones.
+
+Atomic: a checkpoint is written to a temporary sibling directory and renamed into place; under FSDP every worker
+writes into a directory of the same name (shared storage: the same one; Ray Train: each its own), a barrier
+follows, then rank 0 renames and, after a second barrier, a worker whose own temporary directory is still there
+(it was not shared) renames that. A crash leaves at most a temporary directory, never a half checkpoint.
+
+Safety: DCP's `.metadata` is a pickle. It is read with an unpickler that builds only DCP's metadata classes,
+torch sizes, dtypes and layouts (SafeReader); tensors are read with weights_only loading, and a checkpoint whose
+metadata declares pickled objects (this project never writes any) is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from pipeline.train.engine import Engine
+
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)  # 1: the full layout, before sharded checkpoints
+FULL, SHARDED = "full", "sharded"
+SHARDED_DIR = "sharded"  # the DCP directory inside a sharded checkpoint
+MODEL_PREFIX = "decoder."  # LossModule's name for the decoder: checkpoint keys are the engine module's FQNs
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not fit the configured model."""
+
+
+# ------------------------------------------------------------------------------------------ reading DCP safely
+_DCP_METADATA = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "ChunkStorageMetadata",
+                                              "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in _DCP_METADATA.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+def _safe_reader(path: Path):
+    """A DCP FileSystemReader whose metadata is unpickled by _MetadataUnpickler (module docstring)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):  # FileSystemReader's, with the safe unpickler
+            meta_path = Path(self._get_metadata_path(kwargs.get("rank")))
+            try:
+                with self.fs.create_stream(meta_path, "rb") as f:
+                    md = _MetadataUnpickler(f).load()
+            except FileNotFoundError:
+                raise CheckpointError(f"{meta_path.parent} has no .metadata; the sharded checkpoint is incomplete, "
+                                      f"use an earlier one") from None
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+                raise CheckpointError(f"{meta_path} is not DCP metadata this version reads ({exc}); use an "
+                                      f"earlier checkpoint") from None
+            if any(isinstance(v, BytesStorageMetadata) for v in md.state_dict_metadata.values()):
+                raise CheckpointError(f"{meta_path.parent} holds pickled objects, which longtrain never writes and "
+                                      f"does not load; it was not written by longtrain")
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeReader(str(path))
+
+
+def _shard_files(directory: Path) -> set[str]:
+    """The files a sharded checkpoint's metadata says hold its tensors."""
+    md = _safe_reader(directory / SHARDED_DIR).read_metadata()
+    return {info.relative_path for info in md.storage_data.values()}
+
+
+# ------------------------------------------------------------------------------------------ meta.json
+def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of a checkpoint, after checking that the files of its layout are all there."""
+    directory = Path(directory)
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); pass a checkpoint directory "
+                              f"written by longtrain, e.g. runs/<run>/checkpoints/step_000100")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{meta_path} is corrupt ({exc.msg}); use an earlier checkpoint") from None
+    if meta.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"{directory} has checkpoint format {meta.get('format')!r}; this version reads "
+                              f"formats {', '.join(map(str, READABLE_FORMATS))}")
+    layout = meta.setdefault("layout", FULL)
+    if layout == FULL:
+        needed = ["model.safetensors", "train_state.pt"]
+    elif layout == SHARDED:
+        needed = [f"{SHARDED_DIR}/{name}" for name in sorted(_shard_files(directory))]
+    else:
+        raise CheckpointError(f"{directory} has checkpoint layout {layout!r}; this version reads {FULL} and {SHARDED}")
+    for name in needed:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"checkpoint {directory} lacks {name}; it is incomplete, use an earlier one")
+    return meta
+
+
+def check_checkpoint_fits(meta: dict[str, Any], tier: str, vocab_size: int, where: Any,
+                          mixer: str | None = None) -> None:
+    """A checkpoint from another tier, vocabulary or model family (mixer, when given) gets one clear error,
+    before any weight is touched."""
+    ckpt_mixer = meta.get("config", {}).get("model", {}).get("mixer", "attention")
+    if mixer is not None and ckpt_mixer != mixer:
+        raise CheckpointError(f"checkpoint {where} is a {ckpt_mixer} model but model.mixer is {mixer!r}; "
+                              f"set --model.mixer={ckpt_mixer} or start a new run")
+    if meta["tier"] != tier:
+        raise CheckpointError(f"checkpoint {where} is tier {meta['tier']!r} but model.tier is {tier!r}; "
+                              f"set --model.tier={meta['tier']} or start a new run")
+    if meta["vocab_size"] != vocab_size:
+        raise CheckpointError(f"checkpoint {where} has vocab {meta['vocab_size']} but the dataset's tokenizer "
+                              f"has {vocab_size}; use the dataset and tokenizer the checkpoint was trained with")
+
+
+# ------------------------------------------------------------------------------------------ saving
+def _meta(engine: "Engine", layout: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = engine.cfg
+    return {"format": CHECKPOINT_FORMAT, "layout": layout, "tier": cfg.model.tier, "vocab_size": engine.vocab_size,
+            "seq_len": cfg.data.seq_len, "tie_embeddings": cfg.model.tie_embeddings, "world_size": engine.world_size,
+            "parallel": engine.parallel, "counters": engine.counters(), "config": cfg.to_dict(), **(extra or {})}
+
+
+def _rng_state(engine: "Engine") -> dict[str, torch.Tensor]:
+    rng = {"torch": torch.get_rng_state()}
+    if engine.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(engine.device)
+    return rng
+
+
+def _set_rng_state(engine: "Engine", rng: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rng["torch"].cpu())
+    if engine.device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"].cpu(), engine.device)
+
+
+def _publish(tmp: Path, directory: Path) -> None:
+    if directory.exists():
+        shutil.rmtree(directory)
+    os.replace(tmp, directory)
+
+
+def save(engine: "Engine", directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+    """Write the engine's training state to `directory` atomically (module docstring); sharded under FSDP, where
+    every worker must call it, else full (callers have rank 0 call it)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    if engine.sharded:
+        return _save_sharded(engine, directory, extra)
+    from safetensors.torch import save_model
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        save_model(engine.module.decoder, str(tmp / "model.safetensors"))
+        torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.scheduler.state_dict(),
+                    "rng": _rng_state(engine)}, tmp / "train_state.pt")
+        (tmp / "meta.json").write_text(json.dumps(_meta(engine, FULL, extra), indent=2, sort_keys=True))
+        _publish(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _save_sharded(engine: "Engine", directory: Path, extra: dict[str, Any] | None) -> Path:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    token = [uuid.uuid4().hex[:8] if engine.rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)  # one temporary name for all: shared storage sees one directory
+    tmp = directory.parent / f".{directory.name}.tmp-{token[0]}"
+    try:
+        model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
+        state = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
+                 "rng": _rng_state(engine)}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDED_DIR)))
+        if engine.rank == 0:
+            meta = _meta(engine, SHARDED, extra)
+            meta["scheduler"] = engine.scheduler.state_dict()  # plain numbers and lists: JSON, not a pickle
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        dist.barrier()
+        if engine.rank == 0:
+            _publish(tmp, directory)
+        dist.barrier()
+        if engine.rank != 0 and tmp.exists():  # this worker's own directory (not shared storage): publish it too
+            _publish(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+# ------------------------------------------------------------------------------------------ loading
+def load(engine: "Engine", directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
+    """Restore what save() wrote, from either layout into either kind of engine; returns meta.json. Checks tier,
+    vocabulary and model family first. Under FSDP every worker must call it."""
+    meta = read_checkpoint_meta(directory)
+    check_checkpoint_fits(meta, engine.cfg.model.tier, engine.vocab_size, directory, mixer=engine.cfg.model.mixer)
+    directory = Path(directory)
+    if meta["layout"] == SHARDED:
+        _load_sharded(engine, directory, meta, weights_only_model)
+    elif engine.sharded:
+        _load_full_into_sharded(engine, directory, weights_only_model)
+    else:
+        _load_full(engine, directory, weights_only_model)
+    if not weights_only_model:
+        c = meta["counters"]
+        engine.step, engine.epoch, engine.cursor = c["step"], c["epoch"], c["cursor"]
+        engine.tokens_seen, engine.phase = c["tokens_seen"], c.get("phase", 0)
+        engine.bad_steps_in_row, engine.bad_steps_total = c["bad_steps_in_row"], c["bad_steps_total"]
+        # The cursor counts global sequences, so a resume on another worker count stays exact.
+    return meta
+
+
+def _check_keys(missing, unexpected, directory: Path) -> None:
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {directory} does not match the model: missing {list(missing)[:3]}, "
+                              f"unexpected {list(unexpected)[:3]}; was it written by another model version?")
+
+
+def _load_full(engine: "Engine", directory: Path, weights_only_model: bool) -> None:
+    from safetensors.torch import load_model
+
+    missing, unexpected = load_model(engine.module.decoder, str(directory / "model.safetensors"), strict=False)
+    _check_keys(missing, unexpected, directory)
+    if weights_only_model:
+        return
+    state = torch.load(directory / "train_state.pt", map_location=engine.device, weights_only=True)
+    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(engine, state["rng"])
+
+
+def _load_full_into_sharded(engine: "Engine", directory: Path, weights_only_model: bool) -> None:
+    """A one-process or DDP checkpoint resumed under FSDP: every worker reads the whole state and keeps its shards.
+    train_state.pt numbers AdamW's tensors by position; the engine's parameter order names them."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    weights = {MODEL_PREFIX + k: v for k, v in load_file(str(directory / "model.safetensors")).items()}
+    _check_keys(*set_model_state_dict(engine.module, weights, options=full), directory)
+    if weights_only_model:
+        return
+    state = torch.load(directory / "train_state.pt", map_location="cpu", weights_only=True)
+    names, saved = engine.param_names, state["optimizer"]
+    optim = {"state": {names[i]: s for i, s in saved["state"].items()},
+             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    set_optimizer_state_dict(engine.module, engine.optimizer, optim, options=full)
+    engine.scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(engine, state["rng"])
+
+
+def _load_sharded(engine: "Engine", directory: Path, meta: dict[str, Any], weights_only_model: bool) -> None:
+    """DCP fills templates shaped like this engine's own state (sharded under FSDP, whole tensors otherwise), so
+    the worker count that wrote the checkpoint does not matter."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
+
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)
+    reader = _safe_reader(directory / SHARDED_DIR)
+    if weights_only_model:
+        model_sd = get_model_state_dict(engine.module)
+        dcp.load({"model": model_sd}, storage_reader=reader, no_dist=not engine.sharded)
+        _check_keys(*engine.module.load_state_dict(model_sd, strict=False), directory)
+        return
+    # For a fresh optimizer get_state_dict first creates AdamW's state (one step with zero gradients at lr 0,
+    # which leaves the weights as they are), so there are tensors to read the saved moments into.
+    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer, options=opts)
+    state = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
+             "rng": _rng_state(engine)}
+    dcp.load(state, storage_reader=reader, no_dist=not engine.sharded)
+    set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
+                   optim_state_dict={**optim_sd, **state["optim"]}, options=opts)
+    engine.scheduler.load_state_dict(meta["scheduler"])
+    for group, lr in zip(engine.optimizer.param_groups, engine.scheduler.get_last_lr()):
+        group["lr"] = lr  # what the last scheduler step set (the template's groups start at the base lr)
+    _set_rng_state(engine, state["rng"])
+
+
+def load_model_state(directory: str | os.PathLike, meta: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The decoder's whole state dict (CPU tensors, the names model.safetensors uses) from a checkpoint of either
+    layout, in this process without a process group: a sharded checkpoint is consolidated on load, its tensors
+    sized from its metadata."""
+    directory = Path(directory)
+    meta = meta or read_checkpoint_meta(directory)
+    if meta["layout"] == FULL:
+        from safetensors.torch import load_file
+
+        return load_file(str(directory / "model.safetensors"))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _safe_reader(directory / SHARDED_DIR)
+    prefix = f"model.{MODEL_PREFIX}"
+    template = {fqn[len("model."):]: torch.empty(md.size, dtype=md.properties.dtype)
+                for fqn, md in reader.read_metadata().state_dict_metadata.items()
+                if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    if not template:
+        raise CheckpointError(f"checkpoint {directory} holds no model weights; use another checkpoint")
+    dcp.load({"model": template}, storage_reader=reader, no_dist=True)
+    return {k[len(MODEL_PREFIX):]: v for k, v in template.items()}
+
+
+def load_decoder_weights(decoder: torch.nn.Module, directory: str | os.PathLike,
+                         meta: dict[str, Any] | None = None) -> None:
+    """Load a checkpoint's weights (either layout) into a plain, unsharded decoder; CheckpointError on a mismatch."""
+    state = load_model_state(directory, meta)
+    _check_keys(*decoder.load_state_dict(state, strict=False), Path(directory))
