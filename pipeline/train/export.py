@@ -5,7 +5,7 @@
     python pipeline/run.py export --resume runs/<run> --out hf/x --register my-model    # + MLflow Model Registry
 
     from pipeline.train.export import export_checkpoint
-    result = export_checkpoint("runs/<run>/checkpoints/phase0/step_000200", "hf/x")
+    result = export_checkpoint("runs/<run>/checkpoints/phase0/step_000200", "hf/x")   # full or sharded (FSDP)
     # then, anywhere with transformers:  AutoModelForCausalLM.from_pretrained("hf/x"), AutoTokenizer...
 
 What the directory holds: config.json (LlamaForCausalLM), model.safetensors, generation_config.json,
@@ -285,10 +285,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
 
     Raises ExportError (or CheckpointError) with one line: not a checkpoint, a model without a Hugging Face
     equivalent, `out_dir` exists without overwrite, tokenizer missing."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from model.tiers import get_tier
-    from pipeline.train.engine import read_checkpoint_meta
+    from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
 
     checkpoint, out = Path(checkpoint), Path(out_dir).resolve()
     if (out.exists() or out.is_symlink()) and not overwrite:  # before any work
@@ -314,7 +314,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
                           float(metrics["val/loss"]) if "val/loss" in metrics else None,
                           manifest.get("settings_hash"), commit)
 
-    state = load_file(str(checkpoint / "model.safetensors"))
+    state = load_model_state(checkpoint, meta)  # either layout: a sharded (FSDP) checkpoint is consolidated here
     weights = hf_state_dict(state, tier, tie)
     dtype = state["tok_emb.weight"].dtype
     out.parent.mkdir(parents=True, exist_ok=True)

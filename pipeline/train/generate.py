@@ -319,13 +319,12 @@ def generate_texts(decoder, tokenizer, prompts: list[str], *, max_new_tokens: in
 
 
 def load_for_generation(checkpoint: str | Path, device: torch.device | None = None):
-    """(decoder in eval mode, Tokenizer) from a checkpoint directory and its dataset's tokenizer."""
+    """(decoder in eval mode, Tokenizer) from a checkpoint directory (full or sharded) and its dataset's tokenizer."""
     from model.decoder import build_model
     from pipeline.config import from_dict
-    from pipeline.train.engine import CheckpointError, read_checkpoint_meta
+    from pipeline.train.checkpoint import CheckpointError, load_decoder_weights, read_checkpoint_meta
     from pipeline.train.hardware import default_device
     from pipeline.data.tokenizer import Tokenizer
-    from safetensors.torch import load_model
 
     meta = read_checkpoint_meta(checkpoint)
     cfg = from_dict(meta["config"])
@@ -337,7 +336,7 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
     device = device or default_device()
     decoder = build_model(cfg.model.tier, meta["vocab_size"], mixer=cfg.model.mixer,
                           tie_embeddings=cfg.model.tie_embeddings)
-    load_model(decoder, str(Path(checkpoint) / "model.safetensors"))
+    load_decoder_weights(decoder, checkpoint, meta)  # either layout: a sharded checkpoint is consolidated here
     return prepare_for_generation(decoder, device), tokenizer
 
 

@@ -11,6 +11,12 @@ global order is a seeded permutation of the split, so after any restart each wor
 exact next sequence. The checkpoint is the engine's full state (weights, optimizer, scheduler, RNG,
 counters) reported through `ray.train.report`; Ray keeps the newest K by validation loss plus the
 latest, and FailureConfig restarts the worker group from the latest after a worker dies.
+
+Parallelism (train.parallel; pipeline/train/parallel.py): the engine shares the model across the workers by DDP or
+FSDP2 and rank 0 prints which and why. Under FSDP every worker writes its own shards of the checkpoint into its
+own directory and reports it; Ray Train merges the reported directories into one checkpoint directory in storage
+and registers it only once every worker has reported (pipeline/train/checkpoint.py, sharded layout). A run resumed
+with another ray.num_workers reads that checkpoint resharded.
 """
 from __future__ import annotations
 
@@ -77,17 +83,19 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    engine = Engine(cfg, lc["vocab_size"], device, rank=rank, world_size=world,
-                    wrap=lambda m: ray.train.torch.prepare_model(m, move_to_device=False))
+    engine = Engine(cfg, lc["vocab_size"], device, rank=rank, world_size=world)
     restored = ray.train.get_checkpoint()
+    meta = None
     if restored is not None:
         with restored.as_directory() as d:
-            engine.load(d)
+            meta = engine.load(d)
     elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
-        engine.load(lc["init_from"])
+        meta = engine.load(lc["init_from"])
         engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
     run_dir = Path(lc["run_dir"])
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
+    if rank == 0:
+        _announce_parallel(engine, meta, tracker)
     t = cfg.train
     dataset_dir = lc["dataset_dir"]
 
@@ -112,7 +120,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     required = lc.get("required_metric")
 
     def on_checkpoint(e, metrics) -> None:
-        # Every worker reports (Ray Train synchronises on it); rank 0 attaches the one copy of the state.
+        # Every worker reports (Ray Train synchronises on it). Rank 0 attaches the one copy of a full checkpoint;
+        # under FSDP every worker attaches its own shards, which Ray merges into one directory.
         if "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
             metrics = {**metrics, **e.evaluate(val_batches(), max_batches=t.eval_batches)}
         if required and required not in metrics:  # a sweep's trial: Tune cannot rank a report without it
@@ -122,20 +131,55 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics,
                   PLACEMENT_GROUP_KEY: ray.get_runtime_context().get_placement_group_id() or ""}
         with tempfile.TemporaryDirectory() as tmp:
-            if rank == 0:
+            if rank == 0 or e.sharded:
                 path = e.save(Path(tmp) / "state", extra={**extra, "metrics": metrics})
                 ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
             else:
                 ray.train.report(report)
 
+    samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens) if rank == 0 else None
+    if engine.sharded and lc.get("mlflow_run_id") and t.sample_tokens > 0:
+        samples = _gathered(samples)  # every worker gathers the weights; rank 0 generates
+
     try:
-        samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens) if rank == 0 else None
         fit(engine, train_batches, val_batches,
             standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
             progress=rank == 0, stop=StopRequest(run_dir / STOP_FILE))
     finally:
         if audit is not None:
             audit.close()
+
+
+def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
+    """Rank 0: which parallel mode runs and why; on a resume with another worker count, what became of the global
+    batch (the data cursor counts global sequences, so the resume stays exact either way)."""
+    print(f"parallel: {engine.parallel} over {engine.world_size} worker(s) ({engine.parallel_reason})", flush=True)
+    if tracker is not None:
+        from pipeline.tracking.tracker import PARALLEL_TAG
+
+        tracker.set_tags({PARALLEL_TAG: f"{engine.parallel}: {engine.parallel_reason}"})
+    before = (meta or {}).get("world_size")
+    if before and before != engine.world_size:
+        old_cfg = meta.get("config", {}).get("train", {})
+        t = engine.cfg.train
+        old_global = old_cfg.get("batch_size", t.batch_size) * old_cfg.get("grad_accum", t.grad_accum) * before
+        new_global = t.batch_size * t.grad_accum * engine.world_size
+        note = "" if old_global == new_global else (f"; the global batch changes from {old_global} to {new_global} "
+                                                    f"sequences per step (train.batch_size x train.grad_accum x "
+                                                    f"workers): set them to keep {old_global}")
+        print(f"resume: checkpoint written by {before} worker(s) ({meta.get('layout', 'full')} layout), resumed on "
+              f"{engine.world_size}{note}", flush=True)
+
+
+def _gathered(samples):
+    """The eval-samples hook under FSDP: generation needs whole weights, so every worker enters the gather and
+    rank 0 (the one with a hook) generates inside it."""
+    def hook(engine, metrics) -> None:
+        with engine.full_model():
+            if samples is not None:
+                samples(engine, metrics)
+
+    return hook
 
 
 # ------------------------------------------------------------------------------------------ driver
