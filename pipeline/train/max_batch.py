@@ -1,10 +1,22 @@
 """The max-batch finder: the largest micro-batch (sequences per worker per forward) of a tier at a
-sequence length that trains without running out of device memory.
+sequence length that trains without running out of device memory -- measured on this machine, or planned from
+the memory model for any GPU size and worker count.
 
     python -m pipeline.train.max_batch --tier B --seq-len 32768                    # on this machine's device
     python -m pipeline.train.max_batch --tier A --seq-len 4096 --memory-limit-gib 24    # as on a 24 GiB device
     python -m pipeline.train.max_batch --tier nano --seq-len 256 --preset cpu --json max_batch.json
     python -m pipeline.train.max_batch --tier B --seq-len 131072 --model.mixer=resonance   # the resonance family
+    python -m pipeline.train.max_batch --tier F --seq-len 32768 --workers 8 --memory-limit-gib 80   # the plan
+    python -m pipeline.train.max_batch --tier E --seq-len 32768 --workers 8 --measure    # plan, then run it here
+    python -m pipeline.train.max_batch --tier D E F --seq-len 32768 --workers 1 8 64 --memory-limit-gib 80  # table
+
+The plan (--workers N): pipeline/train/memory_plan.py's model of one worker's peak (parameters, gradients and
+AdamW state divided by N under FSDP, the FSDP working set, activations, the loss head) for DDP and FSDP under
+every activation-checkpointing setting, the largest micro-batch of each, and the choice: the least recompute
+that fits one sequence, DDP before FSDP. It runs nothing, so it answers for 64 GPUs on a laptop; --device
+(default cuda) and --memory-limit-gib say what the workers have. --measure then trains that choice for two
+steps on N local processes (NCCL on N GPUs, gloo on CPU with tensors counted) and prints each worker's
+measured peak beside the model's.
 
     from pipeline.train.max_batch import find_max_batch
     found = find_max_batch(cfg, tier="B", seq_len=32768)       # found.max_batch, found.tries
@@ -61,6 +73,7 @@ class MaxBatchResult:
     device: str
     upper: int  # the search stopped here even if larger batches fit
     tries: list[Try] = field(default_factory=list)
+    model_max_batch: int = -1  # what the memory model (pipeline/train/memory_plan.py) predicts for the same limit
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch
@@ -110,7 +123,11 @@ def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None 
                        "train.memory_limit_gib": limit if (simulated or device.type != "cuda") else 0.0})
     vocab = vocab_size or cfg.data.vocab_size
     result = MaxBatchResult(cfg.model.tier, cfg.data.seq_len, 0, round(limit, 4), simulated, str(device), upper)
-    engine = Engine(cfg, vocab, device)
+    from pipeline.train.memory_plan import max_batch_by_model, usable_bytes
+
+    result.model_max_batch = max_batch_by_model(cfg, vocab, limit_bytes=usable_bytes(limit, device.type),
+                                                upper=upper, device_type=device.type)[0]
+    engine = Engine(cfg, vocab, device, parallel="none")
 
     def step(bs: int) -> tuple[bool, float]:
         batch = next(synthetic_batches(n_sequences=bs, seq_len=cfg.data.seq_len, vocab_size=vocab, batch_size=bs,
@@ -166,20 +183,145 @@ def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None 
         _free_memory(device)
 
 
+# ------------------------------------------------------------------------------------------ the plan
+def _measure_worker(rank: int, world: int, flat: dict, vocab_size: int, parallel: str, steps: int) -> int:
+    """One worker of --measure: `steps` training steps at the configured micro-batch; its peak bytes."""
+    from pipeline.config import from_flat
+    from pipeline.train.engine import Engine
+    from pipeline.train.hardware import default_device
+
+    cfg = from_flat(flat)
+    device = default_device()
+    if device.type == "cpu":  # count every tensor, with room to spare: the measurement must not stop at a limit
+        cfg = cfg.replace({"train.memory_limit_gib": max(1.0, host_available_gib())})
+    mode = parallel if (world > 1 or parallel == "fsdp") else "none"
+    engine = Engine(cfg, vocab_size, device, rank=rank, world_size=world, parallel=mode)
+    b = cfg.train.batch_size
+    for i in range(steps):  # the first step creates AdamW's state; the last is the steady state
+        batch = next(synthetic_batches(n_sequences=b, seq_len=cfg.data.seq_len, vocab_size=vocab_size, batch_size=b,
+                                       seed=cfg.train.seed + rank + i))
+        if engine.memory_limit is not None:
+            engine.memory_limit.reset_peak()
+        elif device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        engine.train_step([batch])
+    if engine.memory_limit is not None:
+        return int(engine.memory_limit.peak_bytes)
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def measure_peaks(cfg: Config, vocab_size: int, workers: int, parallel: str, steps: int = 2) -> list[int]:
+    """Each worker's peak bytes over `steps` steps of cfg (its micro-batch and checkpointing) on `workers` local
+    processes (pipeline/train/process_group.py)."""
+    from pipeline.train.process_group import run_workers
+
+    return run_workers(_measure_worker, workers, cfg.flat(), vocab_size, parallel, steps)
+
+
+def print_plan(p, cfg: Config) -> None:
+    from pipeline.train.memory_plan import size_text
+
+    dev = ("CUDA, " + ("fp32" if cfg.train.precision == "fp32" else "bf16") +
+           (", compiled blocks" if cfg.model.compile != "off" else "") if p.device_type == "cuda" else "CPU, fp32")
+    room = (f"{p.limit_gib:g} GiB each, {size_text(p.usable_bytes)} usable" if p.device_type == "cuda"
+            else f"{p.limit_gib:g} GiB each")
+    print(f"memory plan (the memory model, pipeline/train/memory_plan.py; not a measurement): {p.mixer} tier {p.tier}, "
+          f"seq_len {p.seq_len:,}, vocab {p.vocab_size:,}, {p.workers} worker(s) x {room} ({dev})")
+    print(f"  {'parallel':<9}{'checkpointing':<15}{'max micro-batch':>16}  peak per worker")
+    for r in p.rows:
+        at = f"{size_text(r.peak_bytes)}" + ("" if r.max_batch else " at batch 1")
+        print(f"  {r.parallel:<9}{r.activation_checkpointing:<15}{r.max_batch:>16}  {at}")
+    if p.choice is None:
+        worst = min(p.rows, key=lambda r: r.peak_bytes)
+        print(f"fits: no -- even {worst.parallel} with activation checkpointing {worst.activation_checkpointing} needs "
+              f"{size_text(worst.peak_bytes)} per worker at batch 1; add workers, shorten data.seq_len or pick a "
+              f"smaller tier")
+        return
+    c, parts = p.choice, p.choice.estimate.parts()
+    print(f"fits: yes -- --train.parallel={c.parallel} --model.activation_checkpointing={c.activation_checkpointing} "
+          f"--train.batch_size={c.max_batch} ({size_text(c.peak_bytes)} of {size_text(p.usable_bytes)} per worker: "
+          + ", ".join(f"{k} {size_text(v * GIB)}" for k, v in parts.items() if k != "total")
+          + f"; peak at the {c.estimate.moment})")
+
+
+def plan_main(args, rest: list[str]) -> int:
+    from pipeline.config import default_preset
+    from pipeline.train.memory_plan import plan, size_text
+
+    device_type = args.device or "cuda"
+    cfg = load_config(args.preset or ("gpu" if device_type == "cuda" else default_preset()), rest)
+    cfg = cfg.replace({k: v for k, v in (("model.tier", args.tier[0] if args.tier else None),
+                                         ("data.seq_len", args.seq_len)) if v})
+    vocab = args.vocab_size or cfg.data.vocab_size
+    limit = args.memory_limit_gib
+    if limit is None:
+        if device_type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError("a plan needs the memory of one worker: pass --memory-limit-gib (e.g. 80 for an 80 GB "
+                              "GPU)")
+        limit = torch.cuda.get_device_properties(0).total_memory / GIB
+    if min(args.workers) < 1:
+        raise ConfigError(f"--workers {' '.join(map(str, args.workers))}: every count must be at least 1")
+    if len(args.workers) > 1 or len(args.tier or []) > 1:  # the fit table
+        from pipeline.train.memory_plan import fit_table
+
+        print(f"fit table (the memory model, not a measurement): {cfg.model.mixer}, seq_len {cfg.data.seq_len:,}, "
+              f"vocab {vocab:,}, {device_type}; each cell: train.parallel, activation checkpointing, micro-batch "
+              f"(peak per worker)")
+        print(fit_table(cfg, vocab, args.tier or [cfg.model.tier], args.workers, limit_gib=limit,
+                        device_type=device_type))
+        return 0
+    p = plan(cfg, vocab, workers=args.workers[0], limit_gib=limit, device_type=device_type, upper=args.upper)
+    print_plan(p, cfg)
+    result = {"plan": p.to_dict()}
+    if args.measure and p.choice is not None:
+        from pipeline.train.hardware import default_device
+
+        if default_device().type != device_type:
+            raise ConfigError(f"--measure runs the plan on this machine, which has no {device_type} device; "
+                              f"plan with --device {default_device().type}")
+        c = p.choice
+        run_cfg = cfg.replace({"train.batch_size": c.max_batch, "model.activation_checkpointing":
+                               c.activation_checkpointing, "train.parallel": c.parallel, "train.grad_accum": 1,
+                               "data.vocab_size": vocab})
+        print(f"measuring: 2 steps on {args.workers[0]} local worker(s) ...", flush=True)
+        peaks = measure_peaks(run_cfg, vocab, args.workers[0], c.parallel)
+        print(f"measured peak per worker: {', '.join(size_text(b) for b in peaks)}; the model said "
+              f"{size_text(c.peak_bytes)} ({max(peaks) / c.peak_bytes:.3f} of it); "
+              f"{'within' if max(peaks) <= p.usable_bytes else 'ABOVE'} the {size_text(p.usable_bytes)} usable")
+        result["measured_peak_bytes"] = peaks
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.train.max_batch", description=__doc__.split("\n")[0])
-    p.add_argument("--tier", help="model tier (default: the preset's model.tier)")
+    p.add_argument("--tier", nargs="+", help="model tier (default: the preset's model.tier); with --workers, "
+                                             "several tiers print the fit table")
     p.add_argument("--seq-len", type=int, help="tokens per row (default: the preset's data.seq_len)")
-    p.add_argument("--preset", help="cpu | gpu | test | a YAML preset (default: by hardware)")
+    p.add_argument("--preset", help="cpu | gpu | test | a YAML preset (default: by hardware; gpu for a CUDA plan)")
     p.add_argument("--vocab-size", type=int, help="default: the preset's data.vocab_size")
-    p.add_argument("--memory-limit-gib", type=float, help="simulate a device of this size (default: the real one)")
+    p.add_argument("--memory-limit-gib", type=float, help="simulate a device of this size (default: the real one); "
+                                                         "with --workers: each worker's memory")
     p.add_argument("--max", type=int, default=1024, dest="upper", help="largest batch to try (default 1024)")
+    p.add_argument("--workers", type=int, nargs="+", help="plan for this many workers from the memory model (runs "
+                                                           "nothing); several counts print the fit table")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="with --workers: the workers' device (default cuda)")
+    p.add_argument("--measure", action="store_true", help="with --workers: then train the plan's choice for two "
+                                                          "steps on that many local processes and print the peaks")
     p.add_argument("--json", help="also write the result here")
     args, rest = p.parse_known_args(argv)
     try:
+        if args.workers is not None:
+            return plan_main(args, rest)
+        if args.measure or args.device:
+            raise ConfigError("--measure and --device go with --workers N (the plan)")
+        if args.tier and len(args.tier) > 1:
+            raise ConfigError("several --tier values print the fit table, which needs --workers")
+        tier = args.tier[0] if args.tier else None
         cfg = load_config(args.preset, rest)
-        print(f"max-batch search: {cfg.model.mixer} tier {args.tier or cfg.model.tier}, seq_len {args.seq_len or cfg.data.seq_len}")
-        found = find_max_batch(cfg, tier=args.tier, seq_len=args.seq_len, vocab_size=args.vocab_size,
+        print(f"max-batch search: {cfg.model.mixer} tier {tier or cfg.model.tier}, seq_len {args.seq_len or cfg.data.seq_len}")
+        found = find_max_batch(cfg, tier=tier, seq_len=args.seq_len, vocab_size=args.vocab_size,
                                memory_limit_gib=args.memory_limit_gib, upper=args.upper, verbose=True)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -187,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = "simulated" if found.simulated else "available"
     print(f"largest micro-batch that fits: {found.max_batch} (tier {found.tier}, seq_len {found.seq_len}, "
           f"{found.limit_gib:.2f} GiB {kind} on {found.device}"
-          f"{', search capped at --max' if found.max_batch == found.upper else ''})")
+          f"{', search capped at --max' if found.max_batch == found.upper else ''}); the memory model says "
+          f"{found.model_max_batch}")
     if args.json:
         Path(args.json).write_text(found.to_json())
     return 0

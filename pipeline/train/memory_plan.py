@@ -246,6 +246,9 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     opt_temp = 0 if device_type == "cuda" else 2 * 4 * math.ceil(_largest_param(s) / shard)
 
     full = block_bytes_per_token(s) * n
+    # inside a block's backward: the residual stream's gradient in and out (8 d), and one d_ff-wide gradient in the
+    # compute dtype live beside the block's activations (the MLP's; fitted on CPU: checkpointed blocks within 5%)
+    grad_ff = s.tier.d_ff * (2 if s.bf16 else 4)
     kept = 4 * d * n  # a checkpointed block keeps its input
     ckpt = checkpointed_layers(s.activation_checkpointing, L)
     saved = [kept if i in ckpt else full for i in range(L)]
@@ -256,7 +259,7 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     moments = {"backward start": (base + sum(saved) + head_start, sum(saved))}
     for i in reversed(range(L)):
         acts = sum(saved[:i]) + full
-        live = (base + block_working + acts + 8 * d * n + root_grad
+        live = (base + block_working + acts + (8 * d + grad_ff) * n + root_grad
                 + grow * (L - i) * math.ceil(4 * block_p / shard))
         if live > moments.get("backward, block", (0,))[0]:
             moments["backward, block"] = (live, acts)
@@ -274,12 +277,26 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
 
 
 # ------------------------------------------------------------------------------------------- the plan
+CUDA_HEADROOM = 0.05  # of a GPU's memory kept free: the CUDA context, library workspaces, allocator fragmentation
+
+
+def usable_bytes(limit_gib: float, device_type: str) -> float:
+    """What the plan may fill of a `limit_gib` device: all of a CPU's simulated size (the count is exact), 95% of a
+    GPU (the model counts tensors; the device also holds the CUDA context and allocator slack)."""
+    return limit_gib * GIB * (1 - CUDA_HEADROOM if device_type == "cuda" else 1.0)
+
+
+def size_text(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 @dataclass
 class PlanRow:
     parallel: str
     activation_checkpointing: str
     max_batch: int  # 0: not even one sequence fits
-    gib_at_max: float  # the peak at max_batch (at batch 1 when nothing fits)
+    peak_bytes: int  # the estimated peak at max_batch (at batch 1 when nothing fits)
+    estimate: MemoryEstimate
 
 
 @dataclass
@@ -287,8 +304,10 @@ class Plan:
     tier: str
     mixer: str
     seq_len: int
+    vocab_size: int
     workers: int
     limit_gib: float
+    usable_bytes: float
     device_type: str
     rows: list[PlanRow] = field(default_factory=list)
     choice: PlanRow | None = None  # the least recompute that fits one sequence; DDP before FSDP at equal recompute
@@ -301,33 +320,36 @@ class Plan:
         return asdict(self)
 
 
-def max_batch_by_model(cfg, vocab_size: int, *, limit_bytes: float, upper: int = 1024, **kw) -> tuple[int, float]:
-    """(largest micro-batch in 1..upper whose estimate fits limit_bytes, its peak GiB); (0, GiB at batch 1)."""
-    def gib(b: int) -> float:
-        return estimate(cfg, vocab_size, batch_size=b, **kw).total / GIB
+def max_batch_by_model(cfg, vocab_size: int, *, limit_bytes: float, upper: int = 1024,
+                       **kw) -> tuple[int, MemoryEstimate]:
+    """(largest micro-batch in 1..upper whose estimate fits limit_bytes, its estimate); (0, estimate at batch 1)."""
+    def est(b: int) -> MemoryEstimate:
+        return estimate(cfg, vocab_size, batch_size=b, **kw)
 
-    if gib(1) * GIB > limit_bytes:
-        return 0, gib(1)
+    if est(1).total > limit_bytes:
+        return 0, est(1)
     lo, hi = 1, 2
-    while hi <= upper and gib(hi) * GIB <= limit_bytes:
+    while hi <= upper and est(hi).total <= limit_bytes:
         lo, hi = hi, hi * 2
     hi = min(hi, upper + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if gib(mid) * GIB <= limit_bytes else (lo, mid)
-    return lo, gib(lo)
+        lo, hi = (mid, hi) if est(mid).total <= limit_bytes else (lo, mid)
+    return lo, est(lo)
 
 
 def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str = "cuda",
          upper: int = 1024) -> Plan:
-    """Every (parallel, activation checkpointing) with its largest micro-batch by the model, and the choice."""
-    out = Plan(cfg.model.tier, cfg.model.mixer, cfg.data.seq_len, workers, limit_gib, device_type)
+    """Every (parallel, activation checkpointing) with its largest micro-batch by the model, and the choice: the
+    least recompute that fits one sequence, DDP before FSDP at equal recompute (one worker: DDP only)."""
+    usable = usable_bytes(limit_gib, device_type)
+    out = Plan(cfg.model.tier, cfg.model.mixer, cfg.data.seq_len, vocab_size, workers, limit_gib, usable, device_type)
     modes = ("ddp", "fsdp") if workers > 1 else ("ddp",)
     for ac in AC_OPTIONS:
         for mode in modes:
-            b, gib = max_batch_by_model(cfg, vocab_size, limit_bytes=limit_gib * GIB, upper=upper, workers=workers,
+            b, est = max_batch_by_model(cfg, vocab_size, limit_bytes=usable, upper=upper, workers=workers,
                                         parallel=mode, device_type=device_type, activation_checkpointing=ac)
-            row = PlanRow(mode, ac, b, round(gib, 3))
+            row = PlanRow(mode, ac, b, est.total, est)
             out.rows.append(row)
             if out.choice is None and b >= 1:
                 out.choice = row
@@ -337,15 +359,37 @@ def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: s
 def choose_parallel(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str) -> tuple[str, str]:
     """train.parallel=auto: ("ddp" | "fsdp", why). FSDP when a full copy with its gradients, AdamW state and the
     configured micro-batch's activations would not fit `limit_gib`; one worker has nothing to shard across."""
-    ddp = estimate(cfg, vocab_size, workers=workers, parallel="ddp", device_type=device_type)
     if workers == 1:
         return "ddp", "one worker: nothing to shard across"
-    need = f"{ddp.total / GIB:.1f} GiB per worker"
-    if ddp.total <= limit_gib * GIB:
-        return "ddp", (f"a full copy fits: {need} (state {ddp.parts()['state']:.1f}, activations "
-                       f"{ddp.activations / GIB:.1f}) of {limit_gib:.1f} GiB")
+    usable = usable_bytes(limit_gib, device_type)
+    ddp = estimate(cfg, vocab_size, workers=workers, parallel="ddp", device_type=device_type)
+    room = f"{size_text(usable)} usable per worker"
+    if ddp.total <= usable:
+        return "ddp", f"a full copy fits: {size_text(ddp.total)} by the memory model, {room}"
     fsdp = estimate(cfg, vocab_size, workers=workers, parallel="fsdp", device_type=device_type)
-    tail = "" if fsdp.total <= limit_gib * GIB else (f"; even sharded it needs {fsdp.total / GIB:.1f} GiB: see "
-                                                     f"`python -m pipeline.train.max_batch --workers {workers}`")
-    return "fsdp", (f"a full copy needs {need} > {limit_gib:.1f} GiB; sharded over {workers} workers: "
-                    f"{fsdp.total / GIB:.1f} GiB{tail}")
+    tail = "" if fsdp.total <= usable else (f", which does not fit either: see `python -m pipeline.train.max_batch "
+                                            f"--workers {workers}` for micro-batch and activation checkpointing")
+    return "fsdp", (f"a full copy needs {size_text(ddp.total)} by the memory model, {room}; sharded over {workers} "
+                    f"workers it needs {size_text(fsdp.total)}{tail}")
+
+
+def fit_table(cfg, vocab_size: int, tiers: list[str], workers: list[int], *, limit_gib: float,
+              device_type: str = "cuda") -> str:
+    """Markdown: for each tier (rows) and worker count (columns), the plan's choice -- parallel mode, activation
+    checkpointing, micro-batch and the peak per worker -- or "does not fit"."""
+    head = "| tier | params | " + " | ".join(f"{w} x {limit_gib:g} GiB" for w in workers) + " |"
+    lines = [head, "|" + "---|" * (2 + len(workers))]
+    from model.flops import param_count
+    from model.tiers import get_mixer_tier
+
+    for tier in tiers:
+        tcfg = cfg.replace({"model.tier": tier})
+        n = param_count(get_mixer_tier(tier, tcfg.model.mixer), vocab_size, tcfg.model.tie_embeddings)
+        cells = []
+        for w in workers:
+            c = plan(tcfg, vocab_size, workers=w, limit_gib=limit_gib, device_type=device_type, upper=64).choice
+            mode = "unsharded" if c is not None and w == 1 else getattr(c, "parallel", "")
+            cells.append("does not fit" if c is None else
+                         f"{mode}, AC {c.activation_checkpointing}, batch {c.max_batch} ({c.peak_bytes / GIB:.1f} GiB)")
+        lines.append(f"| {tier} | {n / 1e9:.2f}B | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -93,3 +93,28 @@ def test_python_m_model_prints_every_tier():
         assert cells[9] == f"{model.num_params(exclude_embedding=True):,}"
         assert cells[10] == f"{flops_per_token(tier, 4096, 32000) / 1e9:.3f}"
         assert cells[11] == f"{flops_per_token(tier, 32768, 32000) / 1e9:.3f}"
+
+
+@pytest.mark.parametrize("name", ["E", "F"])
+def test_tiers_e_and_f_on_the_meta_device_have_exact_counts_without_memory(name):
+    """Built on the meta device nothing is allocated (every parameter is a meta tensor), and the count is the
+    closed form: per block 4 d^2 (q, k, v, o) + 3 d d_ff (SwiGLU) + 2 d (norms), plus the tied (V, d) embedding and
+    the final norm. Resonance twins sit within 1% of it."""
+    t, V = TIERS[name], 32000
+    with torch.device("meta"):
+        model = Decoder(t, V)
+    assert all(p.is_meta for p in model.parameters())
+    d = t.d_model
+    closed = t.n_layers * (4 * d * d + 3 * d * t.d_ff + 2 * d) + V * d + d
+    assert model.num_params() == closed == param_count(t, V)
+    assert closed == {"E": 1_504_299_008, "F": 2_936_855_040}[name]
+    assert t.head_dim == 128 and t.max_seq_len == 32768
+    resonance = param_count(get_mixer_tier(name, "resonance"), V)
+    assert abs(resonance - closed) / closed < 0.01
+
+
+def test_every_resonance_tier_is_within_one_percent_of_its_attention_twin():
+    for name, tier in tiers_for("resonance").items():
+        if name in TIERS:
+            a, r = param_count(TIERS[name], 32000), param_count(tier, 32000)
+            assert abs(r - a) / a < 0.01, name

@@ -1,5 +1,6 @@
 """A small real-text dataset that `prepare` reuses as is (so training runs without Ray Data), a SentencePiece
-tokenizer trained the project's way, and the texts the tokenizer conversion is checked on.
+tokenizer trained the project's way, the texts the tokenizer conversion is checked on, and the check that an
+exported directory is the same model as its checkpoint in transformers (logits and greedy generation).
 
 The dataset is what `python pipeline/run.py prepare` would build for the returned config (same settings hash,
 same manifest fields), packed here with numpy instead of Ray Data to keep tests fast.
@@ -11,11 +12,13 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from pipeline.config import Config, load_config
 from pipeline.data.pack import dataset_settings, settings_hash
 from pipeline.data.shards import SCHEMA_VERSION, Manifest, shard_schema, windows_table, write_manifest, write_shard
 from pipeline.data.tokenizer import Tokenizer, file_sha256, train_tokenizer
+from pipeline.train.generate import generate_from_checkpoint, load_for_generation
 
 # ASCII, code, CJK, emoji (incl. ZWJ sequences), control characters, text with invalid UTF-8 replaced (U+FFFD),
 # and the special pieces' spellings, which SentencePiece encodes as plain characters.
@@ -83,3 +86,37 @@ def build_dataset(root: Path, *, vocab_size: int = 400, seq_len: int = 64, overr
         shards=shards)
     write_manifest(ds, manifest)
     return cfg, ds
+
+
+PROMPTS = ["The ", "In this module"]
+
+
+def load_hf(hf_dir: Path):
+    import transformers  # the dev extra installs it (pip install -e '.[dev]')
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return model, tok
+
+
+def hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
+    enc = tok(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=n, do_sample=False)
+    return out[0, enc["input_ids"].shape[1]:].tolist()  # stops after EOS, as generate_texts trims
+
+
+def assert_same_model(ckpt: Path, hf_dir: Path) -> None:
+    """transformers' logits and greedy generation from `hf_dir` equal those of the checkpoint it was exported from
+    (loaded the way `generate` loads it: a sharded checkpoint consolidated)."""
+    model, tok = load_hf(hf_dir)
+    decoder, sp = load_for_generation(ckpt, torch.device("cpu"))
+    ids = torch.tensor([[sp.bos_id] + sp.encode(" ".join(TOKENIZER_CHECK_TEXTS[:5]))])  # CJK and emoji too
+    with torch.no_grad():
+        ours, theirs = decoder.logits(decoder(ids)), model(ids).logits.float()
+    assert ours.shape == theirs.shape
+    rel = float((ours - theirs).abs().max() / ours.abs().max())
+    assert rel <= 1e-4, f"logits differ: max relative error {rel:.2e}"
+    for prompt in PROMPTS:
+        want = generate_from_checkpoint(ckpt, [prompt], max_new_tokens=32, temperature=0.0).token_ids[0]
+        assert hf_greedy(model, tok, prompt, 32) == want, prompt

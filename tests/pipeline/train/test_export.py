@@ -16,9 +16,9 @@ import transformers  # the dev extra installs it (pip install -e '.[dev]')
 
 from model.tiers import TIERS, Tier
 from pipeline.train.export import ExportError, export_checkpoint
-from pipeline.train.generate import generate_from_checkpoint, load_for_generation
+from pipeline.train.generate import generate_from_checkpoint
 from pipeline.train.local import train_local
-from tests.pipeline.train.hf_helpers import TOKENIZER_CHECK_TEXTS, build_dataset
+from tests.pipeline.train.hf_helpers import TOKENIZER_CHECK_TEXTS, assert_same_model, build_dataset, hf_greedy, load_hf
 
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -28,7 +28,6 @@ GQA_TIER = Tier("nano_gqa_test", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2
 VARIANTS = {"nano-tied": {"model.tier": "nano"},
             "nano-untied": {"model.tier": "nano", "model.tie_embeddings": False},
             "gqa-tied": {"model.tier": GQA_TIER.name}}
-PROMPTS = ["The ", "In this module"]
 
 
 @pytest.fixture(scope="module")
@@ -49,33 +48,6 @@ def trained(tmp_path_factory, gqa_tier):
         assert ckpt is not None and not stopped
         out[name] = (ckpt, export_checkpoint(ckpt, root / f"hf-{name}").out_dir)
     return out
-
-
-def load_hf(hf_dir: Path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    return model, tok
-
-
-def hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
-    enc = tok(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=n, do_sample=False)
-    return out[0, enc["input_ids"].shape[1]:].tolist()  # stops after EOS, as generate_texts trims
-
-
-def assert_same_model(ckpt: Path, hf_dir: Path) -> None:
-    model, tok = load_hf(hf_dir)
-    decoder, sp = load_for_generation(ckpt, torch.device("cpu"))
-    ids = torch.tensor([[sp.bos_id] + sp.encode(" ".join(TOKENIZER_CHECK_TEXTS[:5]))])  # CJK and emoji too
-    with torch.no_grad():
-        ours, theirs = decoder.logits(decoder(ids)), model(ids).logits.float()
-    assert ours.shape == theirs.shape
-    rel = float((ours - theirs).abs().max() / ours.abs().max())
-    assert rel <= 1e-4, f"logits differ: max relative error {rel:.2e}"
-    for prompt in PROMPTS:
-        want = generate_from_checkpoint(ckpt, [prompt], max_new_tokens=32, temperature=0.0).token_ids[0]
-        assert hf_greedy(model, tok, prompt, 32) == want, prompt
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

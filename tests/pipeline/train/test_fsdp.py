@@ -1,0 +1,195 @@
+"""FSDP2 against DDP and the one-process engine, exact resume and resharded resume, on CPU with gloo.
+
+The Ray-free engine and loop run under a real torch.distributed process group in two spawned worker processes
+(pipeline/train/process_group.py), reading the same shards with the same per-rank split as Ray Train's workers;
+tests/pipeline/train/test_fsdp_ray.py runs the same engine under Ray Train. One spawn runs every two-worker
+scenario; the one-worker runs happen in this process (one of them under a one-worker process group).
+
+Tolerance: a change of worker count or of DDP for FSDP changes only the order of floating-point sums (a
+two-worker mean of per-worker means, a reduce-scatter against one mean over the whole batch), so losses agree to
+rel 1e-5 and weights to 1e-5 absolute (weights of ~0.1; AdamW moves a weight by up to lr = 3e-3 per step, and
+where a gradient is nearly zero a reordered sum changes that step's size the most: 3e-6 at most here). The same
+worker count and the same checkpoint give bitwise the same run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.data.synthetic import write_synthetic_dataset
+
+SEQ, VOCAB, STEPS, SAVE_AT = 64, 512, 8, 4  # the `test` preset's shapes on nano
+TOL = dict(rel=1e-5, abs=1e-6)  # losses
+WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def cfg_for(**over):
+    base = {"model.tier": "nano", "data.seq_len": SEQ, "data.vocab_size": VOCAB, "train.batch_size": 4,
+            "train.max_steps": STEPS, "train.warmup_steps": 2, "train.log_every": 1, "model.compile": "off",
+            "train.sample_tokens": 0, "tracking.enabled": False}
+    return load_config("test", {**base, **over})
+
+
+def final_weights(module, path: str) -> str:
+    """The whole (gathered) weights written to `path` (safetensors, by rank 0); their sha256."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = {k: v.detach().contiguous() for k, v in sorted(
+        get_model_state_dict(module, options=StateDictOptions(full_state_dict=True)).items())}
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        save_file(sd, path)
+    return hashlib.sha256(b"".join(v.numpy().tobytes() for v in sd.values())).hexdigest()
+
+
+def load_weights(runs, name: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(runs["tmp"] / f"{name}.safetensors"))
+
+
+def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: str, *, load: str | None = None,
+          save_to: str | None = None) -> dict:
+    """Train to STEPS with the loop every launcher uses (saving at SAVE_AT when asked); losses per step, and the
+    final weights in <dataset>/../<name>.safetensors."""
+    from pipeline.data.shards import ShardReader
+    from pipeline.train.engine import Engine
+    from pipeline.train.loop import Hooks, fit
+
+    cfg = cfg_for(**over)
+    engine = Engine(cfg, VOCAB, torch.device("cpu"), rank=rank, world_size=world, parallel=parallel)
+    if load:
+        engine.load(load)
+    losses: list[float] = []
+
+    def on_checkpoint(e, metrics) -> None:
+        if save_to and e.step == SAVE_AT:
+            e.save(save_to, extra={"dataset_dir": dataset})
+
+    t = cfg.train
+    fit(engine, lambda epoch, start: ShardReader(dataset, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start,
+                                                 rank=rank, world_size=world),
+        None, Hooks(on_log=lambda e, m: losses.append(m["train/loss"]), on_checkpoint=on_checkpoint), progress=False)
+    digest = final_weights(engine.module, str(Path(dataset).parent / f"{name}.safetensors"))
+    return {"losses": losses, "digest": digest, "parallel": engine.parallel}
+
+
+def two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
+    """Every two-worker scenario, in the same two processes (one spawn)."""
+    resonance = {"model.mixer": "resonance", "model.tie_embeddings": False, "model.activation_checkpointing": "all"}
+    runs = {"ddp": ({}, "ddp", {}), "fsdp": ({}, "fsdp", {"save_to": f"{tmp}/fsdp2"}),
+            "fsdp_resumed": ({}, "fsdp", {"load": f"{tmp}/fsdp2"}), "from_fsdp1": ({}, "fsdp", {"load": f"{tmp}/fsdp1"}),
+            "from_full1": ({}, "fsdp", {"load": f"{tmp}/full1"}), "resonance_fsdp": (resonance, "fsdp", {})}
+    return {name: train(rank, world, dataset, name, over, mode, **kw) for name, (over, mode, kw) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from pipeline.train.process_group import process_group, run_workers
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    ds = str(tmp / "ds")
+    write_synthetic_dataset(ds, n_train=160, n_val=16, seq_len=SEQ, vocab_size=VOCAB, seed=3, rows_per_shard=48)
+    one = {"train.batch_size": 8}  # one worker with the global batch of two workers x 4
+    out = {"tmp": tmp, "one": train(0, 1, ds, "one", one, "none", save_to=f"{tmp}/full1")}
+    with process_group(0, 1):  # FSDP on a one-worker group, in this process
+        out["one_fsdp"] = train(0, 1, ds, "one_fsdp", one, "fsdp", save_to=f"{tmp}/fsdp1")
+    out["two"] = run_workers(two_workers, 2, ds, str(tmp))
+    out["two_to_one"] = train(0, 1, ds, "two_to_one", one, "none", load=f"{tmp}/fsdp2")
+    out["resonance_one"] = train(0, 1, ds, "resonance_one", {**one, "model.mixer": "resonance",
+                                                               "model.tie_embeddings": False}, "none")
+    return out
+
+
+def assert_same_weights(runs, got: str, want: str) -> None:
+    want_sd = load_weights(runs, want)
+    for name, tensor in load_weights(runs, got).items():
+        torch.testing.assert_close(tensor, want_sd[name], **WEIGHT_TOL, msg=lambda m: f"{got} vs {want}, {name}: {m}")
+
+
+def test_fsdp_losses_equal_ddp_over_8_steps(runs):
+    two = runs["two"][0]
+    assert (two["ddp"]["parallel"], two["fsdp"]["parallel"]) == ("ddp", "fsdp")
+    assert len(two["fsdp"]["losses"]) == STEPS
+    assert two["fsdp"]["losses"] == pytest.approx(two["ddp"]["losses"], **TOL)
+    assert_same_weights(runs, "fsdp", "ddp")
+    # the one-process engine with the same global batch, and FSDP on a one-worker group
+    assert two["fsdp"]["losses"] == pytest.approx(runs["one"]["losses"], **TOL)
+    assert runs["one_fsdp"]["losses"] == pytest.approx(runs["one"]["losses"], **TOL)
+    assert runs["two"][1]["fsdp"]["digest"] == two["fsdp"]["digest"]  # both workers gathered the same weights
+
+
+def test_fsdp_resume_is_bitwise(runs):
+    """Stopped at step 4, saved sharded, loaded by a fresh pair of workers: steps 5-8 and the final weights are
+    bit for bit those of the run that never stopped."""
+    two = runs["two"][0]
+    assert two["fsdp_resumed"]["losses"] == two["fsdp"]["losses"][SAVE_AT:]
+    assert two["fsdp_resumed"]["digest"] == two["fsdp"]["digest"]
+
+
+def test_resharded_resume_equals_an_uninterrupted_run(runs):
+    """2 -> 1: two workers' shards resumed in one process; 1 -> 2: one worker's checkpoint (sharded by a
+    one-worker FSDP group, or the full layout of the one-process engine) resumed by two FSDP workers."""
+    two, one = runs["two"][0], runs["one"]
+    assert runs["two_to_one"]["losses"] == pytest.approx(two["fsdp"]["losses"][SAVE_AT:], **TOL)
+    assert_same_weights(runs, "two_to_one", "fsdp")
+    for name in ("from_fsdp1", "from_full1"):
+        assert two[name]["losses"] == pytest.approx(one["losses"][SAVE_AT:], **TOL), name
+        assert_same_weights(runs, name, "one")
+    assert two["from_fsdp1"]["digest"] == two["from_full1"]["digest"]  # the two layouts hold the same state
+
+
+def test_fsdp_composes_with_resonance_untied_head_and_checkpointing(runs):
+    """The resonance family (its mixer an fp32 FSDP unit of its own), an untied output weight in the root and
+    activation checkpointing of every block, against the one-process engine."""
+    got, want = runs["two"][0]["resonance_fsdp"], runs["resonance_one"]
+    assert got["parallel"] == "fsdp" and len(got["losses"]) == STEPS
+    assert got["losses"] == pytest.approx(want["losses"], **TOL)
+    assert_same_weights(runs, "resonance_fsdp", "resonance_one")
+
+
+def test_sharded_checkpoint_on_disk(runs):
+    """Two shard files and metadata, meta.json naming the layout; nothing temporary left; the consolidated
+    weights are those the one-process engine resumed from."""
+    from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
+
+    ckpt = runs["tmp"] / "fsdp2"
+    meta = read_checkpoint_meta(ckpt)
+    assert (meta["format"], meta["layout"], meta["world_size"], meta["parallel"]) == (2, "sharded", 2, "fsdp")
+    assert meta["counters"]["step"] == SAVE_AT and meta["scheduler"]["last_epoch"] == SAVE_AT
+    assert sorted(p.name for p in (ckpt / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not [p for p in ckpt.parent.iterdir() if ".tmp-" in p.name]
+    state = load_model_state(ckpt)
+    assert set(state) == {k.removeprefix("decoder.") for k in load_weights(runs, "one")}
+    assert all(t.shape[0] > 0 and t.dtype == torch.float32 for t in state.values())
+
+
+def test_a_damaged_or_foreign_sharded_checkpoint_is_one_clear_error(runs, tmp_path):
+    """A missing shard file, and metadata that would run code when unpickled, are refused before anything loads."""
+    import shutil
+
+    from pipeline.train.checkpoint import CheckpointError, load_model_state, read_checkpoint_meta
+
+    good = runs["tmp"] / "fsdp2"
+    missing = tmp_path / "missing"
+    shutil.copytree(good, missing)
+    (missing / "sharded" / "__1_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match="lacks sharded/__1_0.distcp; it is incomplete"):
+        read_checkpoint_meta(missing)
+
+    class Exploit:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    evil = tmp_path / "evil"
+    shutil.copytree(good, evil)
+    (evil / "sharded" / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(CheckpointError, match="is not DCP metadata"):
+        load_model_state(evil, json.loads((evil / "meta.json").read_text()))
+    assert not (tmp_path / "pwned").exists()
