@@ -1,42 +1,61 @@
-"""A real Ray Train FSDP run: two workers shard the model and each reports its own shards, Ray merges them into
-one checkpoint; the run resumes on one worker from that checkpoint (resharded) and ends where a run that never
-stopped ends; the two workers' checkpoint exports to a Hugging Face directory transformers loads, with the
-model's logits. The exactness checks beside it (FSDP against DDP, bitwise resume, 1 -> 2) run the same engine
-without Ray in seconds: tests/pipeline/train/test_fsdp.py."""
+"""FSDP under Ray: a Ray Tune sweep whose trial trains on two Ray Train workers sharding the model (each worker
+reports its own shards, Ray merges them into one checkpoint; a batch size the memory model says cannot fit is
+recorded as oom without running), then the trial's run resumed on one worker from that checkpoint (resharded),
+ending where a run that never stopped ends; and the two workers' checkpoint exported to a Hugging Face directory
+that transformers loads, with the model's logits. The exactness checks beside it (FSDP against DDP, bitwise
+resume, 1 -> 2) run the same engine without Ray, in seconds: tests/pipeline/train/test_fsdp.py."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+import yaml
 
 from tests.pipeline.train.hf_helpers import assert_same_model, build_dataset
 from tests.pipeline.train.test_fsdp import WEIGHT_TOL
 
+SPACE = {
+    "metric": "val/loss", "mode": "min", "num_samples": 1, "max_concurrent_trials": 1, "skip_unfit_batch": True,
+    "scheduler": {"type": "fifo"},
+    "resources_per_trial": {"num_workers": 2, "cpus_per_worker": 1, "use_gpu": "false"},
+    "fixed": {"ray.max_failures": 0, "train.parallel": "fsdp", "train.memory_limit_gib": 0.05, "train.max_steps": 4,
+              "train.checkpoint_every": 4, "train.eval_every": 4, "train.log_every": 4},
+    "params": {"train.batch_size": {"grid": [4, 4096]}},
+}
 
-def test_two_fsdp_workers_checkpoint_resume_on_one_and_export(ray_session, tmp_path, capfd):
+
+def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, tmp_path, capfd):
     from pipeline.data.shards import ShardReader, load_manifest
+    from pipeline.sweep.report import OK, OOM
+    from pipeline.sweep.tune import run_sweep
     from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
     from pipeline.train.engine import Engine
     from pipeline.train.export import export_checkpoint
     from pipeline.train.loop import fit
     from pipeline.train.ray_train import run_training
 
-    cfg, ds = build_dataset(tmp_path / "data", overrides={
-        "train.parallel": "fsdp", "ray.num_workers": 2, "train.max_steps": 8, "train.checkpoint_every": 4,
-        "train.eval_every": 4, "train.log_every": 4, "tracking.enabled": False, "ray.max_failures": 0})
-    vocab = load_manifest(ds).vocab_size
-    run_dir = tmp_path / "run"
-    first = run_training(cfg, ds, run_dir, max_steps=4)
-    meta = read_checkpoint_meta(first.checkpoint)
+    cfg, ds = build_dataset(tmp_path / "data", overrides={"tracking.enabled": False, "run.name": "fsdp-sweep"})
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    sweep = run_sweep(cfg, space)
+    rows = {r.batch_size: r for r in sweep.rows}
+    assert rows[4096].status == OOM and "largest batch that fits" in rows[4096].reason  # by the memory model
+    trial = rows[4]
+    assert trial.status == OK and trial.steps == 4
+    run_dir = sweep.sweep_dir / "trials" / trial.trial_id
+    (ckpt,) = [p for p in (run_dir / "ray" / "phase0").glob("checkpoint_*") if p.is_dir()]
+    meta = read_checkpoint_meta(ckpt)
     assert (meta["layout"], meta["world_size"], meta["counters"]["step"]) == ("sharded", 2, 4)
-    shards = sorted(p.name for p in (first.checkpoint / "sharded").iterdir())
+    shards = sorted(p.name for p in (ckpt / "sharded").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], "Ray did not merge both workers' shards"
-    hf_dir = export_checkpoint(first.checkpoint, tmp_path / "hf").out_dir  # consolidated on load
+    hf_dir = export_checkpoint(ckpt, tmp_path / "hf").out_dir  # consolidated on load
 
-    # the same run on one worker with the same global batch: Ray Train restores it by name, resharded 2 -> 1
-    second = run_training(cfg.replace({"ray.num_workers": 1, "train.batch_size": 2 * cfg.train.batch_size}), ds,
-                          run_dir, max_steps=8)
+    # the trial's run continued to step 8 on one worker with the same global batch (its schedule still the trial's
+    # train.max_steps=4: the rate stays at its floor): Ray Train restores the run by name, resharded 2 -> 1
+    trial_cfg = cfg.replace({**yaml.safe_load(space.read_text())["fixed"], "ray.num_workers": 1,
+                             "ray.cpus_per_worker": 1, "ray.use_gpu": "false", "train.batch_size": 8})
+    second = run_training(trial_cfg, ds, run_dir, max_steps=8)
     out = capfd.readouterr().out
     assert "parallel: fsdp over 2 worker(s) (train.parallel=fsdp)" in out
     assert "resume: checkpoint written by 2 worker(s) (sharded layout), resumed on 1" in out
@@ -44,15 +63,15 @@ def test_two_fsdp_workers_checkpoint_resume_on_one_and_export(ray_session, tmp_p
     assert read_checkpoint_meta(second.checkpoint)["counters"]["step"] == 8 and second.metrics["step"] == 8
 
     # a run that never stopped: the one-process engine over the same rows
-    ref_cfg = cfg.replace({"train.batch_size": 2 * cfg.train.batch_size})
-    ref = Engine(ref_cfg, vocab, torch.device("cpu"))
+    ref_cfg = trial_cfg.replace({"train.memory_limit_gib": 0.0})
+    ref = Engine(ref_cfg, load_manifest(ds).vocab_size, torch.device("cpu"))
     t = ref_cfg.train
     last = fit(ref, lambda e, s: ShardReader(ds, "train", t.batch_size, seed=t.seed, epoch=e, start=s), None,
-               progress=False).last_train
+               max_steps=8, progress=False).last_train
     assert second.metrics["train/loss"] == pytest.approx(last["train/loss"], rel=1e-5)  # the mean over steps 5-8
     got = load_model_state(second.checkpoint)
     for name, want in ref.module.decoder.state_dict().items():
         torch.testing.assert_close(got[name], want, **WEIGHT_TOL, msg=name)
 
     assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-    assert_same_model(first.checkpoint, hf_dir)
+    assert_same_model(ckpt, hf_dir)
