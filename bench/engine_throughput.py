@@ -41,11 +41,25 @@ DEFAULT_DOC_LEN = "web"
 def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int, vocab_size: int = 32000,
             grad_accum: int = 1, compile_mode: str = "auto", doc_masking: bool = True,
             activation_checkpointing: str = "none", attention: str = "auto", doc_lengths: str = DEFAULT_DOC_LEN,
-            data_dir: Path | None = None, profile_dir: Path | None = None) -> dict:
+            data_dir: Path | None = None, profile_dir: Path | None = None, parallel: str = "none",
+            rank: int = 0, world_size: int = 1) -> dict:
     """Train `warmup` + `steps` optimizer steps and time the last `steps`. Returns one result row.
 
-    doc_lengths: the synthetic rows' document-length spec (ignored when data_dir already holds a dataset)."""
-    dist = parse_doc_lengths(doc_lengths)
+    doc_lengths: the synthetic rows' document-length spec (ignored when data_dir already holds a dataset).
+    parallel: none (the one-process engine), ddp or fsdp (pipeline/train/parallel.py); under a process group of
+    world_size workers each reads its rank's rows (bench/fsdp.py starts them), and fsdp without one runs in a
+    one-worker group in this process. Figures: tokens/s of all workers, MFU per GPU, peak memory of this worker."""
+    import torch.distributed as dist
+
+    from pipeline.train.process_group import process_group
+
+    if parallel == "fsdp" and not dist.is_initialized():
+        with process_group(0, 1):
+            return measure(tier, seq_len, batch_size, steps=steps, warmup=warmup, vocab_size=vocab_size,
+                           grad_accum=grad_accum, compile_mode=compile_mode, doc_masking=doc_masking,
+                           activation_checkpointing=activation_checkpointing, attention=attention,
+                           doc_lengths=doc_lengths, data_dir=data_dir, profile_dir=profile_dir, parallel=parallel)
+    docs = parse_doc_lengths(doc_lengths)
     cfg = load_config("cpu", {"model.tier": tier, "data.seq_len": seq_len, "data.vocab_size": vocab_size,
                               "train.batch_size": batch_size, "train.grad_accum": grad_accum,
                               "train.max_steps": warmup + steps, "train.warmup_steps": 1,
@@ -54,18 +68,20 @@ def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int
                               "model.activation_checkpointing": activation_checkpointing})
     row = {"tier": tier, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
            "compile": compile_mode, "doc_masking": doc_masking, "activation_checkpointing": activation_checkpointing,
-           "doc_len": dist.label, "doc_len_distribution": dist.describe()}
+           "doc_len": docs.label, "doc_len_distribution": docs.describe(), "parallel": parallel,
+           "workers": world_size}
     with tempfile.TemporaryDirectory() as tmp:
-        ddir = data_dir or Path(tmp)
-        need = (warmup + steps + 3) * batch_size * grad_accum  # + 3 steps for the profiler
+        ddir = Path(data_dir or tmp)
+        need = (warmup + steps + 3) * batch_size * grad_accum * world_size  # + 3 steps for the profiler
         if not (ddir / "manifest.json").exists():
             write_synthetic_dataset(ddir, n_train=need, n_val=batch_size, seq_len=seq_len, vocab_size=vocab_size,
-                                    doc_lengths=dist)
-        engine = Engine(cfg, vocab_size)
+                                    doc_lengths=docs)
+        engine = Engine(cfg, vocab_size, rank=rank, world_size=world_size, parallel=parallel)
         row["attention"] = resolve_attention(attention, engine.device, doc_masking)
         if attention == "auto":
             row["attention"] = f"auto ({row['attention']})"
-        reader = iter(ShardReader(ddir, "train", batch_size, seed=0, epoch=0, start=0))
+        reader = iter(ShardReader(ddir, "train", batch_size, seed=0, epoch=0, start=0, rank=rank,
+                                  world_size=world_size))
         sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
         data_wait = 0.0
         t_first = None
@@ -97,8 +113,9 @@ def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int
             # computed attention pairs over the row's causal T^2/2 (1 + 1/T without doc masking)
             attn_pairs_frac=((executed - engine.matmul_flops_per_token) / attention_causal
                              if attention_causal else float("nan")),
-            tokens_per_s=m["train/tokens_per_s"], mfu=m.get("train/mfu", float("nan")),
-            mfu_causal_equiv=m.get("train/mfu_causal_equiv", float("nan")),
+            tokens_per_s=m["train/tokens_per_s"], tokens_per_s_per_gpu=m["train/tokens_per_s_per_gpu"],
+            mfu=m.get("train/mfu", float("nan")), hfu=m.get("train/hfu", float("nan")),
+            tflops_per_gpu=m["train/tflops_per_gpu"], mfu_causal_equiv=m.get("train/mfu_causal_equiv", float("nan")),
             peak_mem_gib=m["train/peak_mem_gib"], step_time_s=step_time,
             first_step_s=t_first, compile_s_estimate=max(0.0, (t_first or 0) - step_time),
             data_wait_frac=data_wait / wall, loss=m["train/loss"], device=str(engine.device),

@@ -51,3 +51,11 @@ def test_ray_overhead_smoke(tmp_path, ray_address):
     assert res["samples"]["local"] == res["samples"]["ray"] == 6  # steps 1..8: the intervals from step 2 on
     assert res["ratio"] == pytest.approx(res["median_step_s"]["ray"] / res["median_step_s"]["local"])
     assert res["torch_threads"] == 2  # both sides on the worker's CPUs
+
+
+def test_fsdp_bench_smoke(tmp_path):
+    """The unsharded engine and FSDP on a one-worker group, side by side, with the memory model's prediction."""
+    res = run_bench("fsdp.py", tmp_path)
+    assert [(r["parallel"], r["status"]) for r in res["rows"]] == [("none", "ok"), ("fsdp", "ok")]
+    assert all(r["tokens_per_s"] > 0 and r["predicted_peak_gib"] > 0 for r in res["rows"])
+    assert res["rows"][1]["activation_checkpointing"] == "all" and set(res["fsdp_over_unsharded_tokens_per_s"]) == {"nano:2"}
