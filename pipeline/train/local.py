@@ -25,6 +25,8 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     manifest = load_manifest(dataset_dir)
     check_trainable(manifest, dataset_dir, cfg.train.batch_size)
     engine = Engine(cfg, manifest.vocab_size)
+    if cfg.train.parallel == "fsdp":
+        print(f"parallel: none ({engine.parallel_reason})", flush=True)
     ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
     if ckpts.latest() is not None:
         engine.load(ckpts.latest())

@@ -83,6 +83,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
+    if device.type == "cuda":  # Ray Train's TorchConfig sets it too: FSDP's device mesh and NCCL need it per worker
+        import torch
+
+        torch.cuda.set_device(device)
     engine = Engine(cfg, lc["vocab_size"], device, rank=rank, world_size=world)
     restored = ray.train.get_checkpoint()
     meta = None
@@ -151,9 +155,11 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
 
 def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
-    """Rank 0: which parallel mode runs and why; on a resume with another worker count, what became of the global
-    batch (the data cursor counts global sequences, so the resume stays exact either way)."""
-    print(f"parallel: {engine.parallel} over {engine.world_size} worker(s) ({engine.parallel_reason})", flush=True)
+    """Rank 0: which parallel mode runs and why (when there was a choice: several workers, or train.parallel set);
+    on a resume with another worker count, what became of the global batch (the data cursor counts global
+    sequences, so the resume stays exact either way)."""
+    if engine.world_size > 1 or engine.cfg.train.parallel != "auto":
+        print(f"parallel: {engine.parallel} over {engine.world_size} worker(s) ({engine.parallel_reason})", flush=True)
     if tracker is not None:
         from pipeline.tracking.tracker import PARALLEL_TAG
 
