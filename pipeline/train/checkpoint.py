@@ -39,12 +39,9 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from pipeline.train.engine import Engine
 
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: the full layout, before sharded checkpoints
@@ -157,21 +154,21 @@ def check_checkpoint_fits(meta: dict[str, Any], tier: str, vocab_size: int, wher
 
 
 # ------------------------------------------------------------------------------------------ saving
-def _meta(engine: "Engine", layout: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+def _meta(engine, layout: str, extra: dict[str, Any] | None) -> dict[str, Any]:
     cfg = engine.cfg
     return {"format": CHECKPOINT_FORMAT, "layout": layout, "tier": cfg.model.tier, "vocab_size": engine.vocab_size,
             "seq_len": cfg.data.seq_len, "tie_embeddings": cfg.model.tie_embeddings, "world_size": engine.world_size,
             "parallel": engine.parallel, "counters": engine.counters(), "config": cfg.to_dict(), **(extra or {})}
 
 
-def _rng_state(engine: "Engine") -> dict[str, torch.Tensor]:
+def _rng_state(engine) -> dict[str, torch.Tensor]:
     rng = {"torch": torch.get_rng_state()}
     if engine.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(engine.device)
     return rng
 
 
-def _set_rng_state(engine: "Engine", rng: dict[str, torch.Tensor]) -> None:
+def _set_rng_state(engine, rng: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(rng["torch"].cpu())
     if engine.device.type == "cuda" and "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"].cpu(), engine.device)
@@ -183,8 +180,8 @@ def _publish(tmp: Path, directory: Path) -> None:
     os.replace(tmp, directory)
 
 
-def save(engine: "Engine", directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-    """Write the engine's training state to `directory` atomically (module docstring); sharded under FSDP, where
+def save(engine, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+    """Write the training state of `engine` (pipeline/train/engine.py's Engine) to `directory` atomically (module docstring); sharded under FSDP, where
     every worker must call it, else full (callers have rank 0 call it)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +202,7 @@ def save(engine: "Engine", directory: str | os.PathLike, extra: dict[str, Any] |
     return directory
 
 
-def _save_sharded(engine: "Engine", directory: Path, extra: dict[str, Any] | None) -> Path:
+def _save_sharded(engine, directory: Path, extra: dict[str, Any] | None) -> Path:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -236,7 +233,7 @@ def _save_sharded(engine: "Engine", directory: Path, extra: dict[str, Any] | Non
 
 
 # ------------------------------------------------------------------------------------------ loading
-def load(engine: "Engine", directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
+def load(engine, directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
     """Restore what save() wrote, from either layout into either kind of engine; returns meta.json. Checks tier,
     vocabulary and model family first. Under FSDP every worker must call it."""
     meta = read_checkpoint_meta(directory)
@@ -263,7 +260,7 @@ def _check_keys(missing, unexpected, directory: Path) -> None:
                               f"unexpected {list(unexpected)[:3]}; was it written by another model version?")
 
 
-def _load_full(engine: "Engine", directory: Path, weights_only_model: bool) -> None:
+def _load_full(engine, directory: Path, weights_only_model: bool) -> None:
     from safetensors.torch import load_model
 
     missing, unexpected = load_model(engine.module.decoder, str(directory / "model.safetensors"), strict=False)
@@ -276,7 +273,7 @@ def _load_full(engine: "Engine", directory: Path, weights_only_model: bool) -> N
     _set_rng_state(engine, state["rng"])
 
 
-def _load_full_into_sharded(engine: "Engine", directory: Path, weights_only_model: bool) -> None:
+def _load_full_into_sharded(engine, directory: Path, weights_only_model: bool) -> None:
     """A one-process or DDP checkpoint resumed under FSDP: every worker reads the whole state and keeps its shards.
     train_state.pt numbers AdamW's tensors by position; the engine's parameter order names them."""
     from safetensors.torch import load_file
@@ -297,7 +294,7 @@ def _load_full_into_sharded(engine: "Engine", directory: Path, weights_only_mode
     _set_rng_state(engine, state["rng"])
 
 
-def _load_sharded(engine: "Engine", directory: Path, meta: dict[str, Any], weights_only_model: bool) -> None:
+def _load_sharded(engine, directory: Path, meta: dict[str, Any], weights_only_model: bool) -> None:
     """DCP fills templates shaped like this engine's own state (sharded under FSDP, whole tensors otherwise), so
     the worker count that wrote the checkpoint does not matter."""
     import torch.distributed.checkpoint as dcp

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,6 +50,7 @@ import torch  # noqa: E402
 
 from pipeline.config import Config, ConfigError, load_config  # noqa: E402
 from pipeline.data.synthetic import synthetic_batches  # noqa: E402
+from pipeline.train.hardware import host_available_gib  # noqa: E402
 
 GIB = 2**30
 
@@ -80,14 +80,6 @@ class MaxBatchResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
-
-
-def host_available_gib() -> float:
-    """Memory the host can still give (GiB): the CPU 'device' size when no limit is set."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
-    except (ValueError, OSError, AttributeError):
-        return 8.0
 
 
 def _free_memory(device: torch.device) -> None:

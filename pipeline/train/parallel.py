@@ -46,7 +46,7 @@ def device_memory_gib(cfg, device: torch.device) -> float:
         return cfg.train.memory_limit_gib
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2**30
-    from pipeline.train.max_batch import host_available_gib
+    from pipeline.train.hardware import host_available_gib
 
     return host_available_gib()
 
