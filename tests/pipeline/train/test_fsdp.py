@@ -25,6 +25,7 @@ from pipeline.config import load_config
 from pipeline.data.synthetic import write_synthetic_dataset
 
 SEQ, VOCAB, STEPS, SAVE_AT = 64, 512, 8, 4  # the `test` preset's shapes on nano
+PROMPT = [5, 17, 42, 7]
 TOL = dict(rel=1e-5, abs=1e-6)  # losses
 WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -60,6 +61,7 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
     final weights in <dataset>/../<name>.safetensors."""
     from pipeline.data.shards import ShardReader
     from pipeline.train.engine import Engine
+    from pipeline.train.generate import generate_ids
     from pipeline.train.loop import Hooks, fit
 
     cfg = cfg_for(**over)
@@ -77,7 +79,9 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
                                                  rank=rank, world_size=world),
         None, Hooks(on_log=lambda e, m: losses.append(m["train/loss"]), on_checkpoint=on_checkpoint), progress=False)
     digest = final_weights(engine.module, str(Path(dataset).parent / f"{name}.safetensors"))
-    return {"losses": losses, "digest": digest, "parallel": engine.parallel}
+    with engine.full_model() as decoder:  # what the eval-time samples do: every worker gathers, each can generate
+        generated = generate_ids(decoder, [PROMPT], max_new_tokens=8, temperature=0.0)[0].tolist()
+    return {"losses": losses, "digest": digest, "parallel": engine.parallel, "generated": generated}
 
 
 def two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
@@ -87,7 +91,9 @@ def two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
             "fsdp_resumed": ({}, "fsdp", {"load": f"{tmp}/fsdp2"}),
             # regionally compiled blocks (torch.compile on CPU) sharded after compiling, resumed from shards
             "from_fsdp1": ({"model.compile": "on"}, "fsdp", {"load": f"{tmp}/fsdp1"}),
-            "from_full1": ({}, "fsdp", {"load": f"{tmp}/full1"}), "resonance_fsdp": (resonance, "fsdp", {})}
+            # two micro-batches of 2 per step (the global batch stays 8), from the one-process full checkpoint
+            "from_full1": ({"train.batch_size": 2, "train.grad_accum": 2}, "fsdp", {"load": f"{tmp}/full1"}),
+            "resonance_fsdp": (resonance, "fsdp", {})}
     return {name: train(rank, world, dataset, name, over, mode, **kw) for name, (over, mode, kw) in runs.items()}
 
 
@@ -138,7 +144,8 @@ def test_fsdp_resume_is_bitwise(runs):
 def test_resharded_resume_equals_an_uninterrupted_run(runs):
     """2 -> 1: two workers' shards resumed in one process; 1 -> 2: one worker's checkpoint (sharded by a
     one-worker FSDP group, or the full layout of the one-process engine) resumed by two FSDP workers, the first
-    with regionally compiled blocks (compiled, then sharded: FSDP's hooks outside the graphs)."""
+    with regionally compiled blocks (compiled, then sharded: FSDP's hooks outside the graphs), the second with
+    gradient accumulation over two micro-batches (sharded gradients add up across backward passes)."""
     two, one = runs["two"][0], runs["one"]
     assert runs["two_to_one"]["losses"] == pytest.approx(two["fsdp"]["losses"][SAVE_AT:], **TOL)
     assert_same_weights(runs, "two_to_one", "fsdp")
@@ -210,3 +217,16 @@ def test_eval_reads_a_sharded_checkpoint_as_it_reads_a_full_one(runs):
     sharded = evaluate_checkpoint(runs["tmp"] / "fsdp2")
     full = evaluate_checkpoint(runs["tmp"] / "full1")
     assert sharded["eval/loss"] == pytest.approx(full["eval/loss"], **TOL)
+
+
+def test_generation_from_gathered_fsdp_weights(runs):
+    """Engine.full_model() (the eval-time samples under FSDP): every worker gathers the whole weights and greedy
+    generation with the KV cache gives what the consolidated weights give in a plain decoder."""
+    from model.decoder import build_model
+    from pipeline.train.generate import generate_ids
+
+    decoder = build_model("nano", VOCAB)
+    decoder.load_state_dict({k.removeprefix("decoder."): v for k, v in load_weights(runs, "fsdp").items()})
+    want = generate_ids(decoder, [PROMPT], max_new_tokens=8, temperature=0.0)[0].tolist()
+    assert [r["fsdp"]["generated"] for r in runs["two"]] == [want, want]
+
