@@ -181,8 +181,8 @@ def _publish(tmp: Path, directory: Path) -> None:
 
 
 def save(engine, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-    """Write the training state of `engine` (pipeline/train/engine.py's Engine) to `directory` atomically (module docstring); sharded under FSDP, where
-    every worker must call it, else full (callers have rank 0 call it)."""
+    """Write the training state of `engine` (pipeline/train/engine.py's Engine) to `directory` atomically (module
+    docstring): sharded under FSDP, where every worker must call it, else full (callers have rank 0 call it)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     if engine.sharded:

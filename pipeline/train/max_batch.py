@@ -232,8 +232,8 @@ def print_plan(p, cfg: Config) -> None:
     c, parts = p.choice, p.choice.estimate.parts()
     print(f"fits: yes -- --train.parallel={c.parallel} --model.activation_checkpointing={c.activation_checkpointing} "
           f"--train.batch_size={c.max_batch} ({size_text(c.peak_bytes)} of {size_text(p.usable_bytes)} per worker: "
-          + ", ".join(f"{k} {size_text(v * GIB)}" for k, v in parts.items() if k != "total")
-          + f"; peak at the {c.estimate.moment})")
+          + ", ".join(f"{k} {size_text(v * GIB)}" for k, v in parts.items() if k != "total" and v > 0)
+          + f"; the peak is at {c.estimate.moment})")
 
 
 def plan_main(args, rest: list[str]) -> int:
@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("several --tier values print the fit table, which needs --workers")
         tier = args.tier[0] if args.tier else None
         cfg = load_config(args.preset, rest)
-        print(f"max-batch search: {cfg.model.mixer} tier {tier or cfg.model.tier}, seq_len {args.seq_len or cfg.data.seq_len}")
+        print(f"max-batch search: {cfg.model.mixer} tier {tier or cfg.model.tier}, "
+              f"seq_len {args.seq_len or cfg.data.seq_len}")
         found = find_max_batch(cfg, tier=tier, seq_len=args.seq_len, vocab_size=args.vocab_size,
                                memory_limit_gib=args.memory_limit_gib, upper=args.upper, verbose=True)
     except (ConfigError, ValueError) as exc:

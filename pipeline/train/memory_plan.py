@@ -23,20 +23,21 @@ tokens of the micro-batch; d, d_ff, q = heads x head_dim, kv = kv_heads x head_d
                keeps only its input (4 d per token) and one block is recomputed at a time in backward. The
                resonance mixer's own tensors are measured by running one mixer on a short row (`_mixer_bytes`).
   head         the fused cross-entropy computes its gradients in forward: grad_weight (V, d) fp32 and grad_hidden
-               (N, d), one logits chunk (chunk x V fp32, + a bf16 copy under autocast), and the final norm's
-               saved tensors; tied embeddings add the embedding's dense gradient and its sum in backward.
+               (N, d), one fp32 logits chunk buffer (at most its byte budget, cuda_ops/cross_entropy.py), and the
+               final norm's saved tensors; tied embeddings add the embedding's dense gradient and its sum in
+               backward.
   working      FSDP: the root's parameters (embedding, final norm; kept fp32) unsharded for the whole step, two
                blocks' gathered parameters (one running, one prefetched) and, in a block's backward, its unsharded
-               gradients, its fp32 reduce-scatter input and a third block's parameters; bf16 autocast without FSDP: the bf16 weight copies autocast keeps for backward
-               (2 bytes per matmul parameter).
+               gradients, its fp32 reduce-scatter input and a third block's parameters; bf16 autocast without
+               FSDP: the bf16 weight copies autocast keeps for backward (2 bytes per matmul parameter).
   optimizer    CUDA: fused AdamW, no temporaries; CPU: AdamW's per-tensor path, two temporaries of the largest
                (local) parameter.
 
-The peak is the largest of three moments: the start of backward (state without gradients, working, every saved
-activation, the head's gradients), the end of backward (all gradients, the tied embedding's extra copies) and the
-optimizer step. On CPU the model is checked against the counted tensor storage of real steps
-(tests/pipeline/train/test_memory_plan.py); on CUDA its compiled-bf16 activation term matches the H100 peaks of
-tiers C and D at 32,768 tokens to within 2% (docs/scaling.md).
+The peak is the largest of four moments: the start of backward (state without gradients, working, every saved
+activation, the head's gradients), each block's backward (the activations below it, its own, the gradients above),
+the end of backward (all gradients, the tied embedding's extra copies) and the optimizer step. On CPU the model is
+checked against the counted tensor storage of real steps (tests/pipeline/train/test_memory_plan.py); on CUDA
+against the H100 peaks of tiers B, C and D at 32,768 tokens (docs/scaling.md).
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class MemoryEstimate:
     working: int
     optimizer_temp: int
     total: int
-    moment: str  # which moment is the peak: backward start | backward end | optimizer step
+    moment: str  # which moment is the peak: the start of backward | a block's backward | the end of backward |
+    # the optimizer step
     parallel: str
     workers: int
     batch_size: int
@@ -199,15 +201,22 @@ def _shared_per_token(s: Shape) -> int:
 
 def _head(s: Shape) -> tuple[int, int]:
     """(at the start of backward, extra at the end of backward) for the fused cross-entropy head and the root."""
+    import torch
+
+    from cuda_ops.cross_entropy import auto_chunk_rows
+
     d, V = s.tier.d_model, s.vocab_size
     n = s.batch_size * s.seq_len
-    rows = min(s.ce_chunk_size, n)
+    # the head sees the fp32 residual stream, so its logits chunk is fp32; ce_chunk_size=0 sizes it to the
+    # cross-entropy's byte budget (on a GPU also at most a quarter of the free memory, which a plan cannot know)
+    rows = min(s.ce_chunk_size, n) if s.ce_chunk_size > 0 else auto_chunk_rows(n, V, torch.float32,
+                                                                               torch.device("cpu"))
     final_norm = n * (8 * d + 4)  # its input and normalised input, fp32
     grad_hidden = 4 * n * d
     grad_weight = 4 * V * d
-    # forward: the hidden states and one logits chunk (fp32, + its bf16 copy) while the loop runs; backward
-    # start: the weight gradient copied into .grad beside the saved one
-    transient = max(4 * n * d + rows * V * (6 if s.bf16 else 4), grad_weight)
+    # forward: the hidden states and the logits chunk buffer while the loop runs; backward start: the weight
+    # gradient copied into .grad beside the saved one
+    transient = max(4 * n * d + rows * V * 4, grad_weight)
     start = final_norm + grad_hidden + grad_weight + transient
     end = 8 * V * d if s.tie_embeddings else 0  # the embedding's dense gradient and the sum with the head's
     return int(start), int(end)
@@ -220,7 +229,8 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
 
     Backward is followed block by block: block i's backward holds the activations of the blocks below it, its
     own (saved, or recomputed when checkpointed), the residual stream's gradient in and out, and the gradients
-    of its own weights and of the blocks above it, so both ends of backward and every block between are candidates for the peak."""
+    of its own weights and of the blocks above it, so both ends of backward and every block between are candidates
+    for the peak."""
     from model.layers import checkpointed_layers
 
     if parallel not in ("ddp", "fsdp"):
@@ -256,23 +266,24 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     head_start, head_end = _head(s)
     # the root's gradient after the head's backward: the output weight's, unsharded until the end under FSDP
     root_grad = 4 * vocab_size * d if fsdp else grow * 4 * vocab_size * d
-    moments = {"backward start": (base + sum(saved) + head_start, sum(saved))}
+    moments = {"the start of backward": (base + sum(saved) + head_start, sum(saved))}
     for i in reversed(range(L)):
         acts = sum(saved[:i]) + full
         live = (base + block_working + acts + (8 * d + grad_ff) * n + root_grad
                 + grow * (L - i) * math.ceil(4 * block_p / shard))
-        if live > moments.get("backward, block", (0,))[0]:
-            moments["backward, block"] = (live, acts)
+        if live > moments.get("a block's backward", (0,))[0]:
+            moments["a block's backward"] = (live, acts)
     # the end: every gradient; FSDP still holds the root unsharded and reduce-scatters its gradient into a new
     # shard, DDP copies the head's gradient into a bucket
-    moments["backward end"] = (params + adam + grads + head_end + (4 * root_p + math.ceil(4 * root_p / shard) if fsdp
-                                                                   else 0) + (4 * vocab_size * d if buckets else 0), 0)
-    moments["optimizer step"] = (params + adam + grads + opt_temp, 0)
+    end = params + adam + grads + head_end + (4 * vocab_size * d if buckets else 0)
+    moments["the end of backward"] = (end + (4 * root_p + math.ceil(4 * root_p / shard) if fsdp else 0), 0)
+    moments["the optimizer step"] = (params + adam + grads + opt_temp, 0)
     moment = max(moments, key=lambda k: moments[k][0])
     peak, acts = moments[moment]
-    return MemoryEstimate(params, adam, grads if moment in ("backward end", "optimizer step") else buckets, int(acts),
-                          head_start if moment == "backward start" else 0, working,
-                          opt_temp if moment == "optimizer step" else 0, int(peak), moment, parallel, workers,
+    late = moment in ("the end of backward", "the optimizer step")
+    return MemoryEstimate(params, adam, grads if late else buckets, int(acts),
+                          head_start if moment == "the start of backward" else 0, working,
+                          opt_temp if moment == "the optimizer step" else 0, int(peak), moment, parallel, workers,
                           s.batch_size, s.activation_checkpointing)
 
 

@@ -83,14 +83,16 @@ def test_plan_for_tier_f_on_eight_80gib_gpus(capsys):
     assert max_batch_main(["--tier", "F", "--seq-len", "32768", "--workers", "8", "--memory-limit-gib", "80"]) == 0
     text = capsys.readouterr().out
     assert "attention tier F, seq_len 32,768, vocab 32,000, 8 worker(s) x 80 GiB each" in text
-    assert re.search(r"fits: yes -- --train\.parallel=fsdp --model\.activation_checkpointing=\w+ --train\.batch_size=\d",
-                     text)
+    assert re.search(r"fits: yes -- --train\.parallel=fsdp --model\.activation_checkpointing=\w+ "
+                     r"--train\.batch_size=\d", text)
     assert len(re.findall(r"^  (ddp|fsdp) ", text, re.M)) == 8  # both modes under each of 4 checkpointing settings
 
 
 def test_model_against_the_h100_peaks():
     """The compiled-bf16 activation term against every H100 peak in bench/results (flex attention, doc masking,
-    no checkpointing): within 2%; and the batch that ran out of memory is above the device."""
+    no checkpointing), and the batch that ran out of memory above the device. Those runs predate the cross-entropy's
+    byte-budgeted logits buffer: their head held a 4,096-row fp32 chunk and a bf16 copy of it, 0.37 GiB more than
+    the model counts for today's code, so the model reads below them, by at most 3%."""
     rows = []
     for path in sorted((ROOT / "bench" / "results").glob("train_speed-nvidia-h100-*.json")):
         rows += [r for r in json.loads(path.read_text())["rows"] if str(r["attention"]).startswith(("flex", "auto"))
@@ -103,7 +105,7 @@ def test_model_against_the_h100_peaks():
         if r["status"] == "oom":
             assert est > 80, r
         else:
-            assert est == pytest.approx(r["peak_mem_gib"], rel=0.02), r
+            assert r["peak_mem_gib"] * 0.97 <= est <= r["peak_mem_gib"], r
 
 
 def test_auto_shards_only_when_a_full_copy_does_not_fit():
