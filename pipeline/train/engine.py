@@ -136,10 +136,12 @@ class Engine:
         self.attention_flops_per_pair = attention_flops_per_pair(tier) if counts_pairs else 0
         self.matmul_flops_per_token = (matmul_flops_per_token(tier, vocab_size) if counts_pairs
                                        else self.flops_per_token)
-        # train/hfu also counts the forward that activation checkpointing runs again in backward: one more forward
-        # (a third of the training FLOPs) of each checkpointed block's share of the matmuls and attention
+        # train/hfu also counts the forward activation checkpointing runs again in backward: a third (the forward's
+        # share of training) of the checkpointed blocks' FLOPs -- every block's matmuls and attention, not the
+        # output projection's 6 V D per token
         n_ckpt = len(checkpointed_layers(cfg.model.activation_checkpointing, tier.n_layers))
         self.recompute_fraction = n_ckpt / tier.n_layers / 3
+        self.block_flops_per_token = self.matmul_flops_per_token - 6 * vocab_size * tier.d_model
         self._interval_attention_pairs = torch.zeros((), dtype=torch.int64, device=self.device)
         self._interval_steady_pairs = torch.zeros((), dtype=torch.int64, device=self.device)  # STEADY_AFTER_STEPS
         # train.memory_limit_gib > 0: steps fail with torch.OutOfMemoryError as on a device of that size.
@@ -321,7 +323,9 @@ class Engine:
         out["train/tflops_per_gpu"] = executed / elapsed / self.world_size / 1e12
         if self.peak_flops:  # MFU only where the device's peak is known (not on a CPU)
             out["train/mfu"] = executed / elapsed / (self.peak_flops * self.world_size)
-            out["train/hfu"] = out["train/mfu"] * (1 + self.recompute_fraction)
+            recomputed = self.recompute_fraction * (self.block_flops_per_token * self._interval_tokens
+                                                    + self.attention_flops_per_pair * attention_pairs)
+            out["train/hfu"] = (executed + recomputed) / elapsed / (self.peak_flops * self.world_size)
             out["train/mfu_causal_equiv"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
         st = self._steady
         if st["steps"]:

@@ -87,3 +87,22 @@ def test_counting_pairs_reads_nothing_back_to_the_host(monkeypatch):
     engine._count_attention_pairs(batch["tokens"], batch["doc_ids"])
     monkeypatch.undo()
     assert engine._interval_attention_pairs.item() == brute_force_pairs(batch["doc_ids"][:, :-1])
+
+
+@pytest.mark.parametrize("ac, checkpointed", [("none", 0), ("every_2", 1), ("all", 2)])
+def test_hfu_adds_the_forward_checkpointing_recomputes(ac, checkpointed):
+    """train/hfu = train/mfu plus one more forward (a third of training) of the checkpointed blocks' matmuls and
+    attention, never of the output projection; per-GPU tokens/s and TFLOP/s follow the executed count."""
+    cfg = load_config("cpu", {"model.tier": "nano", "data.seq_len": SEQ, "data.vocab_size": 256,
+                              "train.batch_size": 3, "model.compile": "off", "model.activation_checkpointing": ac})
+    engine = Engine(cfg, VOCAB, torch.device("cpu"))
+    engine.peak_flops = FAKE_PEAK
+    run_steps(engine, n_steps=1)
+    m = engine.pull_train_metrics()
+    tier = get_tier("nano")
+    executed = m["train/executed_flops_per_token"]
+    blocks = executed - 6 * VOCAB * tier.d_model  # every block's matmuls and attention, per token
+    recomputed = checkpointed / tier.n_layers * blocks / 3
+    assert m["train/hfu"] == pytest.approx(m["train/mfu"] * (executed + recomputed) / executed, rel=1e-9)
+    assert m["train/tokens_per_s_per_gpu"] == m["train/tokens_per_s"]  # one worker
+    assert m["train/tflops_per_gpu"] == pytest.approx(m["train/mfu"] * FAKE_PEAK / 1e12, rel=1e-9)
