@@ -139,8 +139,12 @@ class Engine:
         # train/hfu also counts the forward activation checkpointing runs again in backward: a third (the forward's
         # share of training) of the checkpointed blocks' FLOPs -- every block's matmuls and attention, not the
         # output projection's 6 V D per token
-        n_ckpt = len(checkpointed_layers(cfg.model.activation_checkpointing, tier.n_layers))
-        self.recompute_fraction = n_ckpt / tier.n_layers / 3
+        if cfg.model.activation_checkpointing == "mixer":  # resonance: every block's mixer half, by its matmuls
+            mix = 3 * tier.d_model ** 2 + 4 * tier.d_model * tier.n_eigen
+            self.recompute_fraction = mix / (mix + 3 * tier.d_model * tier.d_ff) / 3
+        else:
+            n_ckpt = len(checkpointed_layers(cfg.model.activation_checkpointing, tier.n_layers))
+            self.recompute_fraction = n_ckpt / tier.n_layers / 3
         self.block_flops_per_token = self.matmul_flops_per_token - 6 * vocab_size * tier.d_model
         self._interval_attention_pairs = torch.zeros((), dtype=torch.int64, device=self.device)
         self._interval_steady_pairs = torch.zeros((), dtype=torch.int64, device=self.device)  # STEADY_AFTER_STEPS

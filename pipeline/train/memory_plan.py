@@ -47,7 +47,7 @@ from functools import lru_cache
 from typing import Any
 
 GIB = 2**30
-AC_OPTIONS = ("none", "every_4", "every_2", "all")  # from the least recompute to the most
+AC_OPTIONS = ("none", "every_4", "every_2", "all")  # from the least recompute to the most (resonance adds mixer)
 TOKEN_BYTES = 28  # per token: int64 tokens and shifted targets, int32 doc ids, fp32 loss and int32 correct rows
 
 
@@ -148,23 +148,43 @@ def block_bytes_per_token(s: Shape) -> float:
             core += s.seq_len * (2 if s.bf16 else 4)
         return core
     # resonance: the norms (the group norm's included), the input projection's (u, gate) output, the gate, the
-    # output projection and the SwiGLU MLP, traced as above; under autocast also the mixer's fp32 copy of u
+    # output projection and the SwiGLU MLP, traced as above, plus the mixer itself (measured)
     if not s.bf16:
         rest = 52 * d + 16 * dff + 16
     elif s.compiled:
-        rest = 22 * d + 6 * dff + 16
+        rest = 18 * d + 6 * dff + 16
     else:
-        rest = 42 * d + 8 * dff + 16
-    form = "scan" if s.doc_masking else "fft"
-    return rest + _mixer_bytes(d, t.n_groups, t.n_eigen, t.chunk_size, form)
+        rest = 38 * d + 8 * dff + 16
+    return rest + _mixer_bytes(d, t.n_groups, t.n_eigen, t.chunk_size, _mixer_form(s), s.bf16)
+
+
+def mlp_half_bytes_per_token(s: Shape) -> float:
+    """Of block_bytes_per_token, what the MLP half keeps (its norm's input and output, the SwiGLU tensors): all a
+    resonance block keeps, with its input, under activation_checkpointing=mixer (the mixer half is recomputed)."""
+    d, dff = s.tier.d_model, s.tier.d_ff
+    if not s.bf16:
+        return 12 * d + 16 * dff + 4
+    return (6 * d + 6 * dff + 4) if s.compiled else (10 * d + 8 * dff + 4)
+
+
+def _mixer_form(s: Shape) -> str:
+    """The core form whose saved tensors stand for the training form: the Numba scan kernel (CUDA) keeps its output
+    s and the starts, as the FFT form's autograd Function keeps s, so the FFT form measures it on a CPU; off CUDA
+    the reference scan with doc masking, else the FFT form (model/resonance.py core_form)."""
+    if s.device_type == "cuda" or not s.doc_masking:
+        return "fft"
+    return "scan"
 
 
 @lru_cache(maxsize=64)
-def _mixer_bytes(d_model: int, n_groups: int, n_eigen: int, chunk: int, form: str) -> float:
+def _mixer_bytes(d_model: int, n_groups: int, n_eigen: int, chunk: int, form: str, bf16: bool) -> float:
     """Bytes per token one resonance mixer saves for backward, measured: the mixer (its parameters are small:
-    G x K x P complex weights) runs forward on a row of four chunks with a saved-tensors hook counting every
+    G x K x P complex weights) runs forward on a row of four chunks on the CPU (under bf16 autocast for a bf16
+    run: its projections run in the autocast dtype around an fp32 core) with a saved-tensors hook counting every
     distinct storage. Its tensors are (B, T, G, K) complex or (B, T, D) real, so bytes per token do not depend on
-    the row length (the FFT form's length-2T transforms included)."""
+    the row length (the FFT form's length-2T transforms included); the scan adds its starts (1 byte per token)."""
+    import contextlib
+
     import torch
 
     from model.resonance import ResonanceMixer
@@ -183,10 +203,11 @@ def _mixer_bytes(d_model: int, n_groups: int, n_eigen: int, chunk: int, form: st
             seen[st.data_ptr()] = st.nbytes()
         return x
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), autocast:
         mixer(u, form=form, starts=starts)
     seen.pop(u.untyped_storage().data_ptr(), None)  # the block's own term counts its input
-    return sum(seen.values()) / T
+    return sum(seen.values()) / T + (1 if bf16 else 0)  # the kernel's starts, (B, T) uint8
 
 
 def _shared_per_token(s: Shape) -> int:
@@ -260,15 +281,21 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     # compute dtype live beside the block's activations (the MLP's; fitted on CPU: checkpointed blocks within 5%)
     grad_ff = s.tier.d_ff * (2 if s.bf16 else 4)
     kept = 4 * d * n  # a checkpointed block keeps its input
-    ckpt = checkpointed_layers(s.activation_checkpointing, L)
-    saved = [kept if i in ckpt else full for i in range(L)]
+    current = full  # what the block whose backward runs holds: its saved or recomputed activations
+    if s.activation_checkpointing == "mixer":  # resonance: every block keeps its MLP half and its input, and the
+        mlp = mlp_half_bytes_per_token(s) * n  # mixer half is recomputed after the MLP half's backward freed it
+        saved = [mlp + kept] * L
+        current = max(mlp, full - mlp) + kept
+    else:
+        ckpt = checkpointed_layers(s.activation_checkpointing, L)
+        saved = [kept if i in ckpt else full for i in range(L)]
     base = params + adam + buckets + working + _shared_per_token(s) * n
     head_start, head_end = _head(s)
     # the root's gradient after the head's backward: the output weight's, unsharded until the end under FSDP
     root_grad = 4 * vocab_size * d if fsdp else grow * 4 * vocab_size * d
     moments = {"the start of backward": (base + sum(saved) + head_start, sum(saved))}
     for i in reversed(range(L)):
-        acts = sum(saved[:i]) + full
+        acts = sum(saved[:i]) + current
         live = (base + block_working + acts + (8 * d + grad_ff) * n + root_grad
                 + grow * (L - i) * math.ceil(4 * block_p / shard))
         if live > moments.get("a block's backward", (0,))[0]:
@@ -356,7 +383,8 @@ def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: s
     usable = usable_bytes(limit_gib, device_type)
     out = Plan(cfg.model.tier, cfg.model.mixer, cfg.data.seq_len, vocab_size, workers, limit_gib, usable, device_type)
     modes = ("ddp", "fsdp") if workers > 1 else ("ddp",)
-    for ac in AC_OPTIONS:
+    options = AC_OPTIONS if cfg.model.mixer != "resonance" else ("none", "every_4", "mixer", "every_2", "all")
+    for ac in options:
         for mode in modes:
             b, est = max_batch_by_model(cfg, vocab_size, limit_bytes=usable, upper=upper, workers=workers,
                                         parallel=mode, device_type=device_type, activation_checkpointing=ac)

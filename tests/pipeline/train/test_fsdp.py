@@ -86,13 +86,15 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
 
 def two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
     """Every two-worker scenario, in the same two processes (one spawn)."""
-    resonance = {"model.mixer": "resonance", "model.tie_embeddings": False, "model.activation_checkpointing": "all"}
+    resonance = {"model.mixer": "resonance", "model.tie_embeddings": False, "model.activation_checkpointing": "mixer"}
     runs = {"ddp": ({}, "ddp", {}), "fsdp": ({}, "fsdp", {"save_to": f"{tmp}/fsdp2"}),
             "fsdp_resumed": ({}, "fsdp", {"load": f"{tmp}/fsdp2"}),
             # regionally compiled blocks (torch.compile on CPU) sharded after compiling, resumed from shards
             "from_fsdp1": ({"model.compile": "on"}, "fsdp", {"load": f"{tmp}/fsdp1"}),
-            # two micro-batches of 2 per step (the global batch stays 8), from the one-process full checkpoint
-            "from_full1": ({"train.batch_size": 2, "train.grad_accum": 2}, "fsdp", {"load": f"{tmp}/full1"}),
+            # two micro-batches of 2 per step (the global batch stays 8), every block checkpointed, from the
+            # one-process full checkpoint
+            "from_full1": ({"train.batch_size": 2, "train.grad_accum": 2, "model.activation_checkpointing": "all"},
+                           "fsdp", {"load": f"{tmp}/full1"}),
             "resonance_fsdp": (resonance, "fsdp", {})}
     return {name: train(rank, world, dataset, name, over, mode, **kw) for name, (over, mode, kw) in runs.items()}
 
@@ -145,7 +147,8 @@ def test_resharded_resume_equals_an_uninterrupted_run(runs):
     """2 -> 1: two workers' shards resumed in one process; 1 -> 2: one worker's checkpoint (sharded by a
     one-worker FSDP group, or the full layout of the one-process engine) resumed by two FSDP workers, the first
     with regionally compiled blocks (compiled, then sharded: FSDP's hooks outside the graphs), the second with
-    gradient accumulation over two micro-batches (sharded gradients add up across backward passes)."""
+    gradient accumulation over two micro-batches (sharded gradients add up across backward passes) and every block
+    checkpointed (its parameters gathered again for the recompute)."""
     two, one = runs["two"][0], runs["one"]
     assert runs["two_to_one"]["losses"] == pytest.approx(two["fsdp"]["losses"][SAVE_AT:], **TOL)
     assert_same_weights(runs, "two_to_one", "fsdp")
@@ -156,8 +159,9 @@ def test_resharded_resume_equals_an_uninterrupted_run(runs):
 
 
 def test_fsdp_composes_with_resonance_untied_head_and_checkpointing(runs):
-    """The resonance family (its mixer an fp32 FSDP unit of its own), an untied output weight in the root and
-    activation checkpointing of every block, against the one-process engine."""
+    """The resonance family (its mixer an FSDP unit of its own, fp32), an untied output weight in the root, and
+    the mixer half of every block recomputed in backward (activation_checkpointing=mixer: a checkpoint around the
+    mixer unit inside the block unit), against the one-process engine."""
     got, want = runs["two"][0]["resonance_fsdp"], runs["resonance_one"]
     assert got["parallel"] == "fsdp" and len(got["losses"]) == STEPS
     assert got["losses"] == pytest.approx(want["losses"], **TOL)

@@ -42,6 +42,7 @@ def counted_peak(cfg, vocab: int) -> int:
     ({"model.activation_checkpointing": "all", "train.batch_size": 12}, 0.03),
     ({"model.tie_embeddings": False, "data.vocab_size": 4000}, 0.03),
     ({"model.mixer": "resonance"}, 0.07),
+    ({"model.mixer": "resonance", "model.activation_checkpointing": "mixer", "train.batch_size": 8}, 0.07),
 ])
 def test_model_against_the_cpu_counter(over, tol):
     cfg = load_config("test", {"model.compile": "off", **over})
