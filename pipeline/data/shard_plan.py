@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.shards import rows_per_row_group, shard_schema, token_numpy_type, windows_table, write_shard
+from pipeline.storage import is_local, join, open_input, resolve
 
 PARTS_DIR = "_parts"
 
@@ -104,14 +105,26 @@ def plan_shards(rule: SplitRule, rows_per_shard: int, chunk: int = 1 << 20) -> t
 
 
 class TokenStream:
-    """A range of the corpus token stream, as segments (file, offset in the file, tokens) of memory-mapped
-    part files laid end to end from global token `base`; reads any range without loading the rest."""
+    """A range of the corpus token stream, as segments (file, offset in the file, tokens) of part files laid end to
+    end from global token `base`; reads any range without loading the rest: memory-mapped on a local disk,
+    ranged reads on object storage."""
 
-    def __init__(self, parts_dir: Path, segments: list[tuple[str, int, int]], base: int, dtype: np.dtype):
-        self.parts_dir, self.dtype = Path(parts_dir), np.dtype(dtype)
+    def __init__(self, parts_dir: Path | str, segments: list[tuple[str, int, int]], base: int, dtype: np.dtype):
+        self.parts_dir, self.dtype = str(parts_dir), np.dtype(dtype)
+        self.local = is_local(self.parts_dir)
         self.segments = [sg for sg in segments if sg[2] > 0]
         self.offsets = base + np.concatenate([[0], np.cumsum([n for _, _, n in self.segments])]).astype(np.int64)
-        self._maps: dict[str, np.ndarray] = {}
+        self._files: dict[str, Any] = {}
+
+    def _piece(self, file: str, offset: int, n: int) -> np.ndarray:
+        if file not in self._files:
+            where = join(self.parts_dir, file)
+            self._files[file] = (np.memmap(resolve(where)[1], dtype=self.dtype, mode="r") if self.local
+                                 else open_input(where))
+        f, size = self._files[file], self.dtype.itemsize
+        if self.local:
+            return f[offset:offset + n]
+        return np.frombuffer(f.read_at(n * size, offset * size), self.dtype)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         out = []
@@ -119,10 +132,7 @@ class TokenStream:
         while start < stop:
             file, file_offset, _ = self.segments[i]
             take = min(stop, int(self.offsets[i + 1])) - start
-            if file not in self._maps:
-                self._maps[file] = np.memmap(self.parts_dir / file, dtype=self.dtype, mode="r")
-            local = file_offset + start - int(self.offsets[i])
-            out.append(self._maps[file][local:local + take])
+            out.append(self._piece(file, file_offset + start - int(self.offsets[i]), take))
             start += take
             i += 1
         return np.concatenate(out) if len(out) != 1 else np.array(out[0])
@@ -161,9 +171,10 @@ class SegmentIndex:
 
 def write_planned_shard(spec: dict, *, out_dir: str, segments: list, base: int, rule: dict, seq_len: int,
                         vocab_size: int, eos_id: int) -> dict:
-    """Ray task: cut one planned shard's windows out of the parts and write it."""
+    """Ray task: cut one planned shard's windows out of the parts and write it into the build directory
+    `out_dir` (a path or a URI)."""
     dtype = token_numpy_type(vocab_size)
-    stream = TokenStream(Path(out_dir) / PARTS_DIR, [tuple(sg) for sg in segments], base, dtype)
+    stream = TokenStream(join(out_dir, PARTS_DIR), [tuple(sg) for sg in segments], base, dtype)
     split_rule = SplitRule(**rule)
     ids = np.arange(spec["first"], spec["stop"], dtype=np.int64)
     val = split_rule.is_val(ids)
@@ -182,7 +193,7 @@ def write_planned_shard(spec: dict, *, out_dir: str, segments: list, base: int, 
             eos += int(np.count_nonzero(windows == eos_id))
             yield windows_table(windows, chunk, eos_id, vocab_size)
 
-    info = write_shard(Path(out_dir) / spec["file"], tables(), shard_schema(seq_len, vocab_size))
+    info = write_shard(join(out_dir, spec["file"]), tables(), shard_schema(seq_len, vocab_size))
     return {"split": spec["split"], "index": spec["index"], "file": info.file, "rows": info.rows,
             "sha256": info.sha256, "eos": eos, "used": np.packbits(used).tobytes()}
 
