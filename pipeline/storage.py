@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 STORAGE_ENV = "LONGTRAIN_STORAGE"  # the bucket (or directory) of run.storage when the config leaves it empty
 ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # the AWS SDKs' endpoint settings, most specific first
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]+)://")
+_CREDENTIAL_ENVS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
 _PYARROW_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "file")
 CONNECT_TIMEOUT_S = 5.0  # an endpoint that does not answer fails in seconds, not after minutes of retries
 
@@ -115,7 +116,9 @@ def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     if sch == "s3":
         bucket = rest.split("/", 1)[0]
         env = tuple(os.environ.get(k, "") for k in (*ENDPOINT_ENVS, "AWS_REGION", "AWS_DEFAULT_REGION"))
-        return _s3(bucket, env), rest.rstrip("/")
+        # A filesystem per set of credentials too (it resolves them when it is made): a changed key is used.
+        creds = hashlib.sha256("\0".join(os.environ.get(k, "") for k in _CREDENTIAL_ENVS).encode()).hexdigest()
+        return _s3(bucket, env, creds), rest.rstrip("/")
     try:
         if sch in _PYARROW_SCHEMES:
             fs, path = pafs.FileSystem.from_uri(text)
@@ -132,10 +135,11 @@ def _local() -> pafs.FileSystem:
 
 
 @functools.lru_cache(maxsize=32)
-def _s3(bucket: str, env: tuple[str, ...]) -> pafs.FileSystem:
+def _s3(bucket: str, env: tuple[str, ...], creds: str) -> pafs.FileSystem:
     """S3FileSystem for a bucket: the endpoint of AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (its http:// or https://
     decides the scheme), the region of AWS_REGION / AWS_DEFAULT_REGION, else the bucket's own (AWS only), and
-    credentials from the SDK's default chain (environment, profile, instance role). `env` keys the cache."""
+    credentials from the SDK's default chain (environment, profile, instance role). `env` and a hash of the
+    credential settings key the cache."""
     endpoint = env[0] or env[1]
     region = env[2] or env[3]
     kw: dict = {"connect_timeout": CONNECT_TIMEOUT_S}
@@ -426,6 +430,11 @@ def download(location: str, dest: str | os.PathLike) -> Path:
     return dest
 
 
+def native(location: str | os.PathLike) -> Path | str:
+    """A Path for a bare local path, the URI string otherwise (what functions here return to callers)."""
+    return str(location) if is_uri(location) else Path(location)
+
+
 @contextlib.contextmanager
 def local_copy(location: str | os.PathLike) -> Iterator[Path]:
     """A local path holding `location`: the path itself when it is on this machine, else a temporary copy
@@ -456,10 +465,14 @@ def dataset_store(cfg: "Config") -> str:
 
 def run_storage(cfg: "Config", run_dir: str | os.PathLike) -> str:
     """Where a run's workers write what the driver reads back (the stop request, the data audit) and, by
-    default, Ray Train's checkpoints: <storage root>/<run name> when the root is a URI, else the run
-    directory itself."""
+    default, Ray Train's checkpoints: the run directory itself, or with a URI storage root the same place
+    under it (<root>/<run name>, <root>/tune/<sweep>/trials/<trial> for a directory below run.root)."""
     root = storage_root(cfg)
-    return join(root, Path(run_dir).name) if is_uri(root) else absolute(run_dir)
+    if not is_uri(root):
+        return absolute(run_dir)
+    run_dir, runs = Path(absolute(run_dir)), Path(absolute(cfg.run.root))
+    rel = run_dir.relative_to(runs).as_posix() if run_dir.is_relative_to(runs) else run_dir.name
+    return join(root, rel)
 
 
 def ray_storage(cfg: "Config", run_dir: str | os.PathLike) -> str:

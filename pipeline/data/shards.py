@@ -146,6 +146,14 @@ def write_manifest(dataset_dir: Path | str, manifest: Manifest) -> str:
     return location
 
 
+def tokenizer_location(dataset_dir: Path | str) -> str:
+    """Where the dataset's tokenizer is (the file its manifest names); DatasetError when it names none."""
+    m = load_manifest(dataset_dir)
+    if not m.tokenizer_file:
+        raise DatasetError(f"dataset {str(dataset_dir)!r} has no tokenizer (a synthetic dataset); use a prepared one")
+    return join(str(dataset_dir), m.tokenizer_file)
+
+
 def check_compatible(manifest: Manifest, vocab_size: int | None = None, seq_len: int | None = None,
                      tokenizer_sha256: str | None = None) -> None:
     """Raise DatasetError naming the first setting that does not match the dataset."""
