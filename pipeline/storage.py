@@ -17,7 +17,8 @@ between processes, never credentials.
 
 A bare path names this machine's disk; a URI names storage that every node of a cluster can open (a shared
 filesystem mounted at the same path everywhere is file:///that/path). So a Ray worker on another node is never
-handed a bare path: `workers_may_be_elsewhere` and `require_shared` refuse that before any worker starts.
+handed a bare path (pipeline/ray_runtime.py `require_shared` refuses that before any worker starts). This
+module needs only pyarrow (fsspec for other protocols): the Ray-free engine reads URIs too.
 
 Every storage failure becomes a StorageError, one line naming the location and the fix (endpoint unreachable,
 bucket missing, access denied, ...).
@@ -90,19 +91,6 @@ def basename(location: str | os.PathLike) -> str:
     return str(location).rstrip("/").rsplit("/", 1)[-1]
 
 
-def parent(location: str | os.PathLike) -> str:
-    text = str(location).rstrip("/")
-    if is_uri(text):
-        head = text.rsplit("/", 1)[0]
-        return head if "://" in head and not head.endswith(":/") else text
-    return str(Path(text).parent)
-
-
-def relative(location: str, base: str) -> str:
-    """`location` relative to `base` ('/'-separated), both as returned by listing under base."""
-    return str(location)[len(str(base).rstrip("/")) + 1:]
-
-
 # ------------------------------------------------------------------------------------------ filesystems
 def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path inside it) for a location; filesystems are cached per process."""
@@ -120,6 +108,8 @@ def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
         creds = hashlib.sha256("\0".join(os.environ.get(k, "") for k in _CREDENTIAL_ENVS).encode()).hexdigest()
         return _s3(bucket, env, creds), rest.rstrip("/")
     try:
+        if sch in ("gs", "gcs"):  # one filesystem for every bucket, paths as with S3: bucket/key
+            return _from_uri(f"{sch}://{rest.split('/', 1)[0]}"), rest.rstrip("/")
         if sch in _PYARROW_SCHEMES:
             fs, path = pafs.FileSystem.from_uri(text)
             return fs, path.rstrip("/")
@@ -152,6 +142,11 @@ def _s3(bucket: str, env: tuple[str, ...], creds: str) -> pafs.FileSystem:
         with contextlib.suppress(OSError):  # an anonymous HEAD on AWS; a missing bucket is reported by check()
             kw["region"] = pafs.resolve_s3_region(bucket)
     return pafs.S3FileSystem(**kw)
+
+
+@functools.lru_cache(maxsize=32)
+def _from_uri(uri: str) -> pafs.FileSystem:
+    return pafs.FileSystem.from_uri(uri)[0]
 
 
 def _fsspec(sch: str, text: str) -> tuple[pafs.FileSystem, str]:

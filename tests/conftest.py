@@ -23,11 +23,13 @@ import time
 import shutil
 import tempfile
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from bench.s3_server import SeaweedS3, free_ports
+from pipeline import storage
 from pipeline.storage import STORAGE_ENV
 
 # Before mlflow is imported anywhere in the test process: no telemetry from tests (there is no network either).
@@ -173,3 +175,37 @@ def s3_bucket() -> str:
     finally:
         S3.stop()
         shutil.rmtree(S3.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_corpus(s3_bucket, tmp_path_factory) -> str:
+    """Three .jsonl files in the bucket; returns the glob naming them."""
+    from tests.pipeline.data.helpers import sample_docs, write_jsonl
+
+    local = tmp_path_factory.mktemp("s3corpus")
+    docs = sample_docs(100, 3000)
+    for i in range(3):
+        path = write_jsonl(local / f"part-{i}.jsonl", docs[i::3])
+        storage.write_bytes(f"{s3_bucket}/corpus/{path.name}", path.read_bytes())
+    storage.write_bytes(f"{s3_bucket}/corpus/notes.md", b"not a corpus file: the glob leaves it out")
+    return f"{s3_bucket}/corpus/*.jsonl"
+
+
+@dataclass
+class S3Setup:
+    dataset: str  # the prepared dataset's URI
+    overrides: list[str]  # the command-line fields that find it again in the cache
+    run_root: Path  # run.root: only run.json, curves and the local MLflow database are on this machine
+
+
+@pytest.fixture(scope="session")
+def s3_dataset(s3_bucket, s3_corpus, ray_session, tmp_path_factory) -> S3Setup:
+    """The corpus prepared into the bucket's dataset store once per session, with the `test` preset and
+    run.storage=<bucket>/store: corpus, datasets, checkpoints and artifacts all in the bucket."""
+    from pipeline.config import load_config
+    from pipeline.data.pack import prepare
+
+    run_root = tmp_path_factory.mktemp("s3runs")
+    overrides = ["--data.source=files", f"--data.path={s3_corpus}", f"--run.root={run_root}",
+                 f"--run.storage={s3_bucket}/store"]
+    return S3Setup(str(prepare(load_config("test", overrides))), overrides, run_root)
