@@ -115,8 +115,8 @@ def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
             return fs, path.rstrip("/")
         return _fsspec(sch, text)
     except (OSError, ValueError, ImportError) as exc:
-        raise StorageError(f"cannot open {text}: {first_line(exc)}; check the URI (s3://, gs://, hdfs://, file:// or an "
-                           f"fsspec protocol whose package is installed)") from None
+        raise StorageError(f"cannot open {text}: {first_line(exc)}; check the URI (s3://, gs://, hdfs://, file:// "
+                           f"or an fsspec protocol whose package is installed)") from None
 
 
 @functools.lru_cache(maxsize=1)

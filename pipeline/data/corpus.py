@@ -9,9 +9,9 @@ Sources (`data.source`):
            about 2 MB, no download.
   files    `data.path` is a file, a directory (searched recursively) or a glob of .txt, .jsonl, .json, .parquet,
            on this machine or in object storage (s3://bucket/corpus/*.jsonl, gs://..., any pyarrow or fsspec
-           URI: pipeline/storage.py), read by one Ray Data file datasource in sorted path order. A .txt file is one document. A .jsonl
-           file holds one JSON object per line and a .json file a list of objects; the document is the
-           `data.text_column` field. Parquet: that column, string or binary.
+           URI: pipeline/storage.py), read by one Ray Data file datasource in sorted path order. A .txt file
+           is one document. A .jsonl file holds one JSON object per line and a .json file a list of objects;
+           the document is the `data.text_column` field. Parquet: that column, string or binary.
   hf       a Hugging Face dataset through `datasets.load_dataset(data.hf_name, data.hf_config,
            split=data.hf_split, streaming=data.hf_streaming)` and `ray.data.from_huggingface` (streaming:
            a datasource reading the dataset's shards in parallel). With `data.path` set, it is passed as

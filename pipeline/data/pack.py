@@ -43,8 +43,8 @@ serialize on a file lock (the second one then reuses the first one's result); on
 lock, both build and the first manifest written wins (the other prepare then drops its own build). Before any
 Ray work, the store is checked (bucket, credentials, endpoint: one line when it cannot be used), and on a
 cluster whose workers run on other nodes a bare local store or corpus path is refused (they could not read
-it). Test hook: LONGTRAIN_PREPARE_HOLD=parts|shards makes the driver wait (forever) after that stage, with a
-`.hold-<stage>` marker in the dataset directory, so a test can SIGKILL it at a known point.
+it). Test hook: LONGTRAIN_PREPARE_HOLD=parts|shards makes the driver wait after that stage while a
+`.hold-<stage>` marker in its build directory exists, so a test can SIGKILL it at a known point, or release it.
 """
 from __future__ import annotations
 
@@ -262,11 +262,14 @@ def _check_manifest_bad_records(m: Manifest, cfg: "Config") -> None:
     check_bad_records(clean, cfg.data.on_bad_record, cfg.data.max_bad_fraction)
 
 
-def _hold(out: str, stage: str) -> None:
+def _hold(build: Build, stage: str) -> None:
+    """Test hook: with LONGTRAIN_PREPARE_HOLD=<stage>, write <build>/.hold-<stage> (this pid) after that stage and
+    wait while it exists, so a test can SIGKILL the prepare there or let it go on by deleting the marker."""
     if os.environ.get("LONGTRAIN_PREPARE_HOLD") == stage:
-        write_bytes(join(out, f".hold-{stage}"), str(os.getpid()).encode())
-        while True:
-            time.sleep(1)
+        marker = join(build.dir, f".hold-{stage}")
+        write_bytes(marker, str(os.getpid()).encode())
+        while exists(marker):
+            time.sleep(0.5)
 
 
 def dataset_location(cfg: "Config", key: str) -> str:
@@ -381,7 +384,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
         if stats.clean.documents == 0:
             raise DataSourceError(f"no documents left after cleaning ({stats.clean.dropped_empty} empty or "
                                   "whitespace-only were dropped); check data.path / data.text_column")
-        _hold(out, "parts")
+        _hold(build, "parts")
         n_windows = stats.tokens // width
         if n_windows == 0:
             raise DataSourceError(f"the corpus gives {stats.tokens} tokens, less than one row of seq_len+1={width}; "
@@ -395,7 +398,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
         writers.cancel()
         raise
     timings["shards_after_tokenize_s"] = round(time.perf_counter() - t0 - timings["tokenize_s"], 2)
-    _hold(out, "shards")
+    _hold(build, "shards")
     delete(parts_dir)
 
     used = np.zeros(tok.vocab_size, bool)
@@ -413,7 +416,8 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
     return Manifest(
         schema_version=SCHEMA_VERSION, seq_len=d.seq_len, vocab_size=tok.vocab_size, pad_id=tok.pad_id,
         unk_id=tok.unk_id, bos_id=tok.bos_id, eos_id=tok.eos_id, token_type=dtype.name,
-        tokenizer_file=f"{build.name}/{TOKENIZER_FILE}", tokenizer_sha256=tok.sha256, settings_hash=key, source=settings["source"],
+        tokenizer_file=f"{build.name}/{TOKENIZER_FILE}", tokenizer_sha256=tok.sha256, settings_hash=key,
+        source=settings["source"],
         settings=settings, counts=counts_out, packing_efficiency=kept / stats.tokens, remainder_policy=REMAINDER_POLICY,
         doc_length=stats.doc_length(), shards=shards, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         bad_records={f: {"count": n, "first": reason} for f, (n, reason) in bad_files.items()},

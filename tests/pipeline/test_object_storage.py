@@ -83,45 +83,65 @@ def test_the_whole_pipeline_on_object_storage(s3_bucket, s3_dataset, capsys, tmp
     assert any("/samples/step_" in a for a in artifacts)  # written by rank 0, in its worker
 
 
-def test_a_prepare_killed_midway_on_s3_leaves_no_dataset_and_the_rerun_finishes(s3_bucket, s3_corpus, s3_dataset,
-                                                                                 ray_address, tmp_path):
-    """SIGKILL after some shards are written: no manifest, so no dataset; the rerun builds anew, publishes, and
-    removes the killed build (its process is gone). The tokenizer is the session dataset's, given as a URI."""
-    dataset = s3_dataset.dataset
-    tokenizer = storage.join(dataset, load_manifest(dataset).tokenizer_file)
-    out = f"{s3_bucket}/killed"
-    args = [f"--run.root={tmp_path}", "--data.source=files", f"--data.path={s3_corpus}", f"--data.tokenizer={tokenizer}",
-            f"--data.dataset_dir={out}", "--data.rows_per_shard=64", "--data.tokenize_actors=1"]
+def _held_prepare(args: list[str], ray_address: str, out: str) -> tuple[subprocess.Popen, str]:
+    """`prepare` in a subprocess, held after its shards are written (LONGTRAIN_PREPARE_HOLD): (process, marker)."""
     env = {**os.environ, "LONGTRAIN_PREPARE_HOLD": "shards", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.data.stages", "prepare", "test", *args,
                              f"--ray.address={ray_address}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        deadline = time.time() + 180
-        while not storage.exists(f"{out}/.hold-shards"):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.time() < deadline, "prepare never reached the hold point"
-            time.sleep(0.3)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
+    deadline = time.time() + 180
+    while True:
+        mine = [m for m in storage.glob(f"{out}/build-*/.hold-shards") if storage.read_text(m) == str(proc.pid)]
+        if mine:
+            return proc, mine[0]
+        if proc.poll() is not None or time.time() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.stderr.close()
+            pytest.fail(f"prepare never reached the hold point: {proc.stderr.read().decode()[-3000:]}")
+        time.sleep(0.3)
+
+
+def _builds(out: str) -> set[str]:
+    return {e.path.rsplit("/", 1)[-1] for e in storage.listdir(out)} - {MANIFEST_FILE}
+
+
+def test_prepares_killed_midway_or_racing_on_s3_never_publish_a_broken_dataset(s3_bucket, s3_corpus, s3_dataset,
+                                                                              ray_address, tmp_path):
+    """One prepare is SIGKILLed after writing its shards: no manifest, so no dataset. A second is held at the same
+    point while a third (this process) runs start to end: the third removes the killed build (its process is
+    gone), keeps the held one (alive), and publishes. Released, the second finds that manifest, drops its own
+    build and returns the same dataset. The tokenizer is the session dataset's, given as a URI."""
+    dataset = s3_dataset.dataset
+    tokenizer = storage.join(dataset, load_manifest(dataset).tokenizer_file)
+    out = f"{s3_bucket}/raced"
+    args = [f"--run.root={tmp_path}", "--data.source=files", f"--data.path={s3_corpus}",
+            f"--data.tokenizer={tokenizer}", f"--data.dataset_dir={out}", "--data.rows_per_shard=64",
+            "--data.tokenize_actors=1"]
+    killed, _ = _held_prepare(args, ray_address, out)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=30)
+    killed.stderr.close()
     assert not storage.exists(f"{out}/{MANIFEST_FILE}")
-    killed = [e.path.rsplit("/", 1)[-1] for e in storage.listdir(out) if e.path.rsplit("/", 1)[-1].startswith("build-")
-              and not e.path.endswith(".lease")]
-    assert len(killed) == 1 and storage.glob(f"{out}/{killed[0]}/train-*.parquet")  # shards written, not published
+    (dead,) = {b for b in _builds(out) if not b.endswith(".lease")}
+    assert storage.glob(f"{out}/{dead}/train-*.parquet")  # shards written, never published
     report = validate_dataset(out)
     assert not report.ok and "manifest.json is missing" in report.errors[0]
 
-    cfg = load_config("test", args)
-    assert prepare(cfg) == out
-    assert validate_dataset(out).ok
-    entries = {e.path.rsplit("/", 1)[-1] for e in storage.listdir(out)}
-    build = load_manifest(out).tokenizer_file.split("/")[0]
-    assert entries == {MANIFEST_FILE, build, f"{build}.lease"}  # the killed build, its parts and lease are gone
-    assert not storage.glob(f"{out}/{build}/_parts/*")
+    held, marker = _held_prepare(args, ray_address, out)
+    try:
+        alive = marker.split("/")[-2]
+        assert prepare(load_config("test", args)) == out
+        published = load_manifest(out).tokenizer_file.split("/")[0]
+        assert published not in (dead, alive) and validate_dataset(out).ok
+        assert _builds(out) == {published, f"{published}.lease", alive, f"{alive}.lease"}  # the dead one is gone
+        storage.delete(marker)  # let the held prepare go on: it finds the manifest and drops its own build
+        assert held.wait(timeout=120) == 0, held.stderr.read().decode()[-3000:]
+    finally:
+        if held.poll() is None:
+            os.killpg(held.pid, signal.SIGKILL)
+        held.stderr.close()
+    assert load_manifest(out).tokenizer_file.split("/")[0] == published and validate_dataset(out).ok
+    assert _builds(out) == {published, f"{published}.lease"}
+    assert not storage.glob(f"{out}/{published}/_parts/*")
 
 
 BAD_LOCATIONS = [

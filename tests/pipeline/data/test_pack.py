@@ -270,7 +270,7 @@ def test_sigkill_midway_leaves_no_manifest_and_the_rerun_validates(ray_session, 
                             start_new_session=True)
     try:
         deadline = time.time() + 180
-        while not (out / f".hold-{stage}").exists():
+        while not list(out.glob(f"build-*/.hold-{stage}")):
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.time() < deadline, "prepare never reached the hold point"
             time.sleep(0.2)
@@ -291,7 +291,7 @@ def test_sigkill_midway_leaves_no_manifest_and_the_rerun_validates(ray_session, 
     assert not report.ok and "manifest.json is missing" in report.errors[0]
     cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(root), data__dataset_dir=str(out))
     assert prepare(cfg) == out
-    assert validate_dataset(out).ok and not list(out.glob(".hold-*"))
+    assert validate_dataset(out).ok and not list(out.glob("build-*/.hold-*"))
     # the rerun built anew and removed the killed build (its process is gone), parts and all
     builds = {p.name for p in out.glob("build-*") if p.is_dir()}
     assert builds == {load_manifest(out).tokenizer_file.split("/")[0]} and killed[0] not in builds
