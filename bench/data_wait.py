@@ -5,7 +5,7 @@ alternated in one run.
 
     python bench/data_wait.py                                   # nano on CPU; S3 = a SeaweedFS started here
     python bench/data_wait.py --storage s3://my-bucket/bench    # a real bucket (credentials from the environment)
-    python bench/data_wait.py --tier B --seq-len 32768 --batch-size 1 --steps 60 --rows 2048   # on a GPU
+    python bench/data_wait.py --tier B --seq-len 32768 --batch-size 1 --steps 60   # on a GPU
     python bench/data_wait.py --smoke
 
 The dataset is synthetic rows of the real shard format (pipeline/data/synthetic.py), larger than a worker's
