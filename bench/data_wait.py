@@ -10,8 +10,8 @@ alternated in one run.
 
 The dataset is synthetic rows of the real shard format (pipeline/data/synthetic.py), larger than a worker's
 row-group cache by default, so the S3 side keeps fetching (ranged GETs of ~1 MiB row groups) through the run.
-Ray Train's checkpoints stay on local disk on both sides: only the data path differs. Each run tracks to a
-throwaway MLflow store; the share is read from its `train/data_wait` history: the first logging window
+Ray Train's checkpoints stay on local disk on both sides: only the data path differs. Each run tracks to
+MLFLOW_TRACKING_URI, else a throwaway MLflow store; the share is read from its `train/data_wait` history: the first logging window
 (the stream's start-up) apart from the steady state (the mean of the later windows). The local S3 server
 shares this machine's cores with training: on a cluster the object store is elsewhere.
 Writes bench/results/data_wait_<tier>_s<seq>_b<batch>-<device>-<date>.json.
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "train.max_steps": a.steps, "train.log_every": a.log_every,
                                       "train.eval_every": 10**6, "train.checkpoint_every": 10**6,
                                       "train.sample_tokens": 0, "run.root": str(tmp / "runs"),
-                                      "tracking.tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+                                      "tracking.tracking_uri": os.environ.get("MLFLOW_TRACKING_URI")
+                                      or f"sqlite:///{tmp / 'mlflow.db'}",
                                       "tracking.system_metrics": False, "tracking.experiment": "data_wait"})
             ensure_ray(None, cfg)
             runs: dict[str, list[dict]] = {"local": [], "s3": []}
