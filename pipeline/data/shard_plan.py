@@ -10,7 +10,7 @@ pipeline around it.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.shards import rows_per_row_group, shard_schema, token_numpy_type, windows_table, write_shard
-from pipeline.storage import is_local, join, open_input, resolve
+from pipeline.storage import is_local, join, read_bytes, resolve
 
 PARTS_DIR = "_parts"
 
@@ -106,25 +106,32 @@ def plan_shards(rule: SplitRule, rows_per_shard: int, chunk: int = 1 << 20) -> t
 
 class TokenStream:
     """A range of the corpus token stream, as segments (file, offset in the file, tokens) of part files laid end to
-    end from global token `base`; reads any range without loading the rest: memory-mapped on a local disk,
-    ranged reads on object storage."""
+    end from global token `base`; reads any range without loading the rest. On a local disk the parts are
+    memory-mapped; on object storage each part (one tokenizer batch, well under a MiB to a few MiB) is fetched
+    whole on first use and the last few kept: a shard's windows come in increasing order, so every part is one
+    GET, even for the val split's scattered windows."""
+
+    KEEP_PARTS = 8
 
     def __init__(self, parts_dir: Path | str, segments: list[tuple[str, int, int]], base: int, dtype: np.dtype):
         self.parts_dir, self.dtype = str(parts_dir), np.dtype(dtype)
         self.local = is_local(self.parts_dir)
         self.segments = [sg for sg in segments if sg[2] > 0]
         self.offsets = base + np.concatenate([[0], np.cumsum([n for _, _, n in self.segments])]).astype(np.int64)
-        self._files: dict[str, Any] = {}
+        self._parts: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def _piece(self, file: str, offset: int, n: int) -> np.ndarray:
-        if file not in self._files:
+        part = self._parts.get(file)
+        if part is None:
             where = join(self.parts_dir, file)
-            self._files[file] = (np.memmap(resolve(where)[1], dtype=self.dtype, mode="r") if self.local
-                                 else open_input(where))
-        f, size = self._files[file], self.dtype.itemsize
-        if self.local:
-            return f[offset:offset + n]
-        return np.frombuffer(f.read_at(n * size, offset * size), self.dtype)
+            part = (np.memmap(resolve(where)[1], dtype=self.dtype, mode="r") if self.local
+                    else np.frombuffer(read_bytes(where), self.dtype))
+            self._parts[file] = part
+            if not self.local and len(self._parts) > self.KEEP_PARTS:
+                self._parts.popitem(last=False)
+        else:
+            self._parts.move_to_end(file)
+        return part[offset:offset + n]
 
     def read(self, start: int, stop: int) -> np.ndarray:
         out = []
