@@ -300,7 +300,7 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
         except DatasetError:
             pass
         remove_stale(out)  # dead builds of earlier attempts (a killed prepare) and the retired dataset
-        build = Build(out, key)
+        build, published = Build(out, key), False
         try:
             manifest = _build(cfg, settings, key, out, build, ray_address)
             manifest.extra["build_seconds"] = round(time.time() - t0, 2)
@@ -310,9 +310,13 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
                 return _returned(out)
             build.verify(manifest)
             write_manifest(out, manifest)  # last: from here on the directory is a dataset
+            published = True
             build.finish()
         except BaseException as exc:
-            build.abandon()
+            if published:  # the manifest names this build: keep it, whatever failed after
+                build.stop()
+            else:
+                build.abandon()
             err = _user_error(exc)
             if err is not None and err is not exc:  # first line: Ray appends its retry advice to the message
                 raise type(err)(str(err).splitlines()[0]) from None
