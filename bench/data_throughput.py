@@ -202,7 +202,7 @@ def run_ray(corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: in
             "parts": m.extra["parts"], "cpu_by_process_kind": by_kind, "cores": cpus or os.cpu_count(),
             "bench_sampler_cpu_seconds": round(tree.sampler_cpu_seconds, 2),
             "processes_started": tree.processes_started, "started_processes_cpu_seconds": round(tree.started_cpu_seconds, 2),
-            "shards": {s.file: s.sha256 for lst in m.shards.values() for s in lst},
+            "shards": {s.file.rsplit("/", 1)[-1]: s.sha256 for lst in m.shards.values() for s in lst},  # build dir off
             "driver_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "driver_rss_after_ray_init_mb": rss_after_init / 1024}
 

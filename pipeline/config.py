@@ -38,14 +38,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "builtin"  # builtin | files | hf
-    path: str = ""  # files: a file, directory or glob
+    path: str = ""  # files: a file, directory or glob, local or a URI (s3://bucket/corpus/*.jsonl, gs://...)
     text_column: str = "text"
     hf_name: str = ""  # hf: dataset name, e.g. roneneldan/TinyStories
     hf_config: str = ""
     hf_split: str = "train"
     hf_streaming: bool = False
     max_documents: int = 0  # 0 = all
-    tokenizer: str = ""  # path to an existing SentencePiece .model; empty = train one
+    tokenizer: str = ""  # an existing SentencePiece .model (path or URI); empty = train one
     vocab_size: int = 32000
     tokenizer_sample_bytes: int = 20_000_000  # text sampled to train the tokenizer
     seq_len: int = 256  # tokens per training row; shards hold seq_len + 1
@@ -54,7 +54,8 @@ class DataConfig:
     min_rows: int = 0
     val_fraction: float = 0.02
     rows_per_shard: int = 2048
-    dataset_dir: str = ""  # empty = <run.root>/datasets/<content hash>
+    dataset_dir: str = ""  # this exact dataset directory (path or URI); empty = <data.dataset_store>/<content hash>
+    dataset_store: str = ""  # where datasets are cached by content hash; empty = <run.storage>/datasets
     split_seed: int = 0
     tokenize_actors: int = 0  # 0 = one per core (local Ray) / per Ray CPU less one per node (cluster)
     # Unreadable records (a .jsonl line that is not JSON, a missing or non-string text field): skip = drop and
@@ -102,7 +103,7 @@ class RayConfig:
     cpus_per_worker: int = 0  # 0 = auto: CPU training on a local Ray splits the cores; GPUs or a joined cluster: 1
     max_failures: int = 3
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one worker per node)
-    storage_path: str = ""  # empty = <run.root>/ray_results
+    storage_path: str = ""  # Ray Train checkpoints (path or URI); empty = <run.storage>/<run name>/ray
     dashboard_host: str = "127.0.0.1"  # the local Ray's dashboard binds here (0.0.0.0 exposes it to the network)
 
 
@@ -114,11 +115,18 @@ class TrackingConfig:
     system_metrics: bool = True  # CPU/memory/disk/network (+ GPU with pynvml) as system/* metrics of the run
     system_metrics_interval_s: float = 10.0  # seconds between samples (>= 1; each sample is one MLflow request)
     register_model: str = ""  # a name: at the end of training, export to Hugging Face format and register it
+    # Artifacts of an experiment longtrain creates (path or URI); empty = <run.storage>/mlartifacts when run.storage
+    # is a URI, else beside the local store's database. A tracking server decides its own (--artifacts-destination).
+    artifact_location: str = ""
 
 
 @dataclass
 class RunConfig:
-    root: str = "runs"  # every output lives under here
+    root: str = "runs"  # the run directories (run.json, curves) and, without run.storage, every output
+    # One bucket (or directory) for datasets, checkpoints and MLflow artifacts: s3://bucket/longtrain on a cluster
+    # with no shared filesystem. Empty = $LONGTRAIN_STORAGE, else run.root. Each place can be set apart
+    # (data.dataset_store, ray.storage_path, tracking.artifact_location).
+    storage: str = ""
     name: str = ""  # empty = generated from tier and time
 
 

@@ -167,3 +167,32 @@ def find_cause(exc: BaseException | None, predicate) -> BaseException | None:
         stack += [e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "controller_failure", None),
                   *(getattr(e, "worker_failures", None) or {}).values()]
     return None
+
+
+def workers_may_be_elsewhere(cfg: "Config") -> bool:
+    """Whether Ray workers may run on another machine than this driver: a joined cluster with more than one
+    node, or one whose GPUs (when the workers want one) are on no node yet (a CPU head whose GPU nodes the
+    autoscaler starts on demand). Needs Ray connected."""
+    import ray
+
+    if not joins_cluster(cfg.ray.address):
+        return False
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if len(alive) > 1:
+        return True
+    return use_gpu(cfg) and not any(n.get("Resources", {}).get("GPU", 0) for n in alive)
+
+
+def require_shared(cfg: "Config", places: dict[str, str]) -> None:
+    """StorageError when a place Ray workers open ({what: location}) is a bare path on this machine and the
+    workers may run on other nodes: they would read another disk, or nothing."""
+    from pipeline.storage import STORAGE_ENV, StorageError, is_uri
+
+    local = {what: loc for what, loc in places.items() if loc and not is_uri(loc)}
+    if not local or not workers_may_be_elsewhere(cfg):
+        return
+    what, loc = next(iter(local.items()))
+    raise StorageError(f"{what} {loc} is on this machine's disk, but Ray workers run on other nodes of the cluster "
+                       f"and cannot read it; set run.storage (or ${STORAGE_ENV}) to a bucket, e.g. "
+                       f"s3://my-bucket/longtrain, so datasets, checkpoints and artifacts live in object storage (a "
+                       f"filesystem mounted at the same path on every node: give it as file:///that/path)")

@@ -3,7 +3,7 @@
 
     python pipeline/run.py                                   # prepare -> train -> eval -> generate, embedded defaults
     python pipeline/run.py prepare --data.source=files --data.path='corpus/*.jsonl'
-    python pipeline/run.py validate runs/datasets/<hash>
+    python pipeline/run.py validate runs/datasets/<hash>     # or s3://bucket/longtrain/datasets/<hash>
     python pipeline/run.py train --preset gpu --ray.num_workers=8
     python pipeline/run.py train --resume runs/<run>         # continue a run from its latest checkpoint
     python pipeline/run.py train --phases phases.yaml        # a curriculum: one dataset and step count per phase
@@ -12,10 +12,12 @@
     python pipeline/run.py generate --checkpoint runs/<run>/checkpoint --prompt "Once upon a time"
     python pipeline/run.py tune --space tune_spaces/bs_tier.yaml
     python pipeline/run.py export --resume runs/<run> --out hf/<name> [--overwrite] [--register NAME]
-    ray job submit --working-dir . -- python pipeline/run.py --address auto
+    ray job submit --working-dir . -- python pipeline/run.py --address auto --run.storage=s3://bucket/longtrain
 
 Every config field can be overridden by its path (--train.batch_size=8); `--preset` picks a named
 preset (cpu, gpu, fineweb-32k, test) or a YAML file; the default preset is gpu when CUDA is present, else cpu.
+Every path that names data or results may be a URI (s3://, gs://, ...): data.path, run.storage (one bucket for
+datasets, checkpoints and artifacts), data.dataset_store, ray.storage_path, --checkpoint, validate's target.
 """
 from __future__ import annotations
 
@@ -44,13 +46,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                 epilog="Config fields (override with --<field>=VALUE):\n  " + "\n  ".join(
                                     __import__("pipeline.config", fromlist=["field_types"]).field_types()))
     p.add_argument("stage", nargs="?", default="all", choices=STAGES)
-    p.add_argument("target", nargs="?", help="validate: the dataset directory")
+    p.add_argument("target", nargs="?", help="validate: the dataset directory (a path or a URI)")
     p.add_argument("--preset", help="cpu | gpu | fineweb-32k | test | a YAML preset file (default: by hardware)")
     p.add_argument("--resume", metavar="RUN", help="a run directory (or name under run.root) to continue")
     p.add_argument("--address", help="join this Ray cluster ('auto' = the running one); same as --ray.address")
     p.add_argument("--no-ray", action="store_true", help="train in this process with the Ray-free engine")
     p.add_argument("--phases", help="YAML list of phases: [{steps: N, overrides: {data.source: ...}}, ...]")
-    p.add_argument("--checkpoint", help="eval/generate: a checkpoint directory (default: the run's latest)")
+    p.add_argument("--checkpoint", help="eval/generate/export: a checkpoint directory or URI (default: the run's "
+                                        "latest)")
     p.add_argument("--prompt", action="append", help="generate: a prompt (repeatable)")
     p.add_argument("--prompts-file", help="generate: a file with one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -101,33 +104,37 @@ def stage_train(cfg: Config, args: argparse.Namespace):
     return run_dir, session.run(resume=bool(args.resume))
 
 
-def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path:
+def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path | str:
+    """--checkpoint, else the --resume run's latest: a local directory (Path) or a URI on object storage."""
+    from pipeline.storage import native
     from pipeline.train.engine import CheckpointError
 
     if args.checkpoint:
-        return Path(args.checkpoint)
+        return native(args.checkpoint)
     if args.resume:
         run_dir = find_run(cfg, args.resume)
         ckpt = read_run_file(run_dir).get("checkpoint")
         if ckpt:
-            return Path(ckpt)
+            return native(ckpt)
     raise CheckpointError("no checkpoint given; pass --checkpoint DIR or --resume RUN (a finished run)")
 
 
-def stage_eval(cfg: Config, checkpoint: Path, dataset_dir: Path | None = None,
+def stage_eval(cfg: Config, checkpoint: Path | str, dataset_dir: Path | str | None = None,
                run_dir: Path | None = None) -> dict[str, float]:
-    from pipeline.train.evaluate import evaluate_checkpoint, log_eval_to_run
+    from pipeline.storage import local_copy
+    from pipeline.tracking.tracker import TrackingError
+    from pipeline.train.evaluate import evaluate_checkpoint, log_eval_to_run, run_dir_of_checkpoint
 
     stage("eval", f"{checkpoint} on the validation split")
-    metrics = evaluate_checkpoint(checkpoint, dataset_dir)
-    print("eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-    from pipeline.tracking.tracker import TrackingError
-
-    try:
-        logged = log_eval_to_run(checkpoint, metrics, run_dir, cfg.tracking.tracking_uri)
-        print(f"eval: logged to MLflow run {logged[1]}" if logged else "eval: not logged (no tracked run for it)")
-    except TrackingError as exc:  # the numbers are printed above; a store that is down does not undo them
-        print(f"eval: not logged: {exc}")
+    run_dir = run_dir or run_dir_of_checkpoint(checkpoint)
+    with local_copy(checkpoint) as local:  # on object storage: one temporary copy for the eval and the log
+        metrics = evaluate_checkpoint(local, dataset_dir)
+        print("eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        try:
+            logged = log_eval_to_run(local, metrics, run_dir, cfg.tracking.tracking_uri)
+            print(f"eval: logged to MLflow run {logged[1]}" if logged else "eval: not logged (no tracked run for it)")
+        except TrackingError as exc:  # the numbers are printed above; a store that is down does not undo them
+            print(f"eval: not logged: {exc}")
     return metrics
 
 
@@ -153,7 +160,7 @@ def stage_export(cfg: Config, args: argparse.Namespace) -> None:
         print(f"registered {args.register} version {version.version} (run {run[1]}) in {run[0]}")
 
 
-def stage_generate(checkpoint: Path, args: argparse.Namespace, prompts: list[str] | None = None) -> list[str]:
+def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: list[str] | None = None) -> list[str]:
     from pipeline.train.generate import generate_from_checkpoint
 
     prompts = prompts or list(args.prompt or [])
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if not args.target:
                 raise UsageError("validate needs a dataset directory: python pipeline/run.py validate DIR")
-            return validate_main(Path(args.target))
+            return validate_main(args.target)
         cfg = build_config(args, rest)
         if args.stage == "prepare":
             print(f"dataset: {stage_prepare(cfg)}")
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return tune_main(cfg, args.space)
         if args.stage == "eval":
-            stage_eval(cfg, latest_checkpoint(cfg, args))
+            stage_eval(cfg, latest_checkpoint(cfg, args), run_dir=find_run(cfg, args.resume) if args.resume else None)
             return 0
         if args.stage == "generate":
             stage_generate(latest_checkpoint(cfg, args), args)

@@ -2,6 +2,11 @@
 
 `mlflow_server`: ONE real MLflow server on 127.0.0.1 for the session (see the fixture).
 
+`s3_server`: ONE real S3 server (SeaweedFS, bench/s3_server.py) on 127.0.0.1 for the session, started on
+first use. Its endpoint and key are in this process's environment from the start (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, ...: the standard AWS settings), so every Ray worker the session starts inherits them, as
+the nodes of a configured cluster have theirs.
+
 `ray_session`: ONE Ray instance for the whole test session (starting Ray takes ~10 s on 2 cores). It
 advertises 8 logical CPUs on purpose: with num_cpus=2, tokenizer actors or training workers take every
 CPU and Ray Data's read tasks would wait forever. Tests that need Ray depend on this fixture and never call
@@ -15,9 +20,17 @@ import socket
 import subprocess
 import sys
 import time
+import shutil
+import tempfile
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+
+from bench.s3_server import SeaweedS3, free_ports
+from pipeline import storage
+from pipeline.storage import STORAGE_ENV
 
 # Before mlflow is imported anywhere in the test process: no telemetry from tests (there is no network either).
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -34,6 +47,15 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # both. (On a whole Ray-path test the saving was within this VM's run-to-run noise.)
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
+
+# The session's S3 server: its port is chosen now (outside the ephemeral range, so no outgoing connection takes it
+# before the server binds it) and its settings exported before any Ray starts; the server starts on first use.
+# Settings of a developer's own AWS or longtrain storage stay out of the tests.
+for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", STORAGE_ENV):
+    os.environ.pop(_name, None)
+S3 = SeaweedS3(Path(tempfile.gettempdir()) / f"longtrain-s3-{os.getpid()}", port=free_ports(1, 20000, 32000)[0])
+os.environ.update(S3.env)
+S3_BUCKET = "longtrain-test"
 
 
 @pytest.fixture(scope="session")
@@ -142,3 +164,48 @@ def mlflow_server(tmp_path_factory):
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
+
+
+@pytest.fixture(scope="session")
+def s3_bucket() -> str:
+    """s3://<bucket> on the session's S3 server (SeaweedFS, started here on first use, stopped at the end)."""
+    S3.start()
+    try:
+        yield S3.create_bucket(S3_BUCKET)
+    finally:
+        S3.stop()
+        shutil.rmtree(S3.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_corpus(s3_bucket, tmp_path_factory) -> str:
+    """Three .jsonl files in the bucket; returns the glob naming them."""
+    from tests.pipeline.data.helpers import sample_docs, write_jsonl
+
+    local = tmp_path_factory.mktemp("s3corpus")
+    docs = sample_docs(100, 3000)
+    for i in range(3):
+        path = write_jsonl(local / f"part-{i}.jsonl", docs[i::3])
+        storage.write_bytes(f"{s3_bucket}/corpus/{path.name}", path.read_bytes())
+    storage.write_bytes(f"{s3_bucket}/corpus/notes.md", b"not a corpus file: the glob leaves it out")
+    return f"{s3_bucket}/corpus/*.jsonl"
+
+
+@dataclass
+class S3Setup:
+    dataset: str  # the prepared dataset's URI
+    overrides: list[str]  # the command-line fields that find it again in the cache
+    run_root: Path  # run.root: only run.json, curves and the local MLflow database are on this machine
+
+
+@pytest.fixture(scope="session")
+def s3_dataset(s3_bucket, s3_corpus, ray_session, tmp_path_factory) -> S3Setup:
+    """The corpus prepared into the bucket's dataset store once per session, with the `test` preset and
+    run.storage=<bucket>/store: corpus, datasets, checkpoints and artifacts all in the bucket."""
+    from pipeline.config import load_config
+    from pipeline.data.pack import prepare
+
+    run_root = tmp_path_factory.mktemp("s3runs")
+    overrides = ["--data.source=files", f"--data.path={s3_corpus}", f"--run.root={run_root}",
+                 f"--run.storage={s3_bucket}/store"]
+    return S3Setup(str(prepare(load_config("test", overrides))), overrides, run_root)

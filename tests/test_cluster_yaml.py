@@ -1,5 +1,6 @@
 """cluster.yaml: Ray's own cluster-config validation, the properties we promise (token auth, 127.0.0.1-only
-dashboard and MLflow, S3 storage, H100 worker types, every key commented), and a real `ray up` of its
+dashboard and MLflow, one S3 bucket for datasets, checkpoints and artifacts, H100 worker types, every key
+commented), and a real `ray up` of its
 local-provider variant: a head on 127.0.0.1 reached over SSH, a job submitted to it, then `ray down`.
 
     .venv/bin/python -m pytest tests/test_cluster_yaml.py -q              # ~1-2 min with the e2e test
@@ -60,13 +61,35 @@ def test_cluster_yaml_promises():
     starts = [c for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"] if "ray start" in c]
     assert len(starts) == 2 and all("RAY_AUTH_MODE=token ray start" in c for c in starts)
     assert cfg["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
-    # dashboard and MLflow bound to 127.0.0.1 only; artifacts in S3
+    # dashboard and MLflow bound to 127.0.0.1 only; MLflow's artifacts in the bucket
     head_cmds = " ".join(cfg["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head_cmds and "0.0.0.0" not in CLUSTER_YAML.read_text()
     assert re.search(r"mlflow server --host 127\.0\.0\.1 --port 5000", head_cmds)
-    assert "--artifacts-destination $LONGTRAIN_ARTIFACTS/mlflow" in head_cmds
-    assert "export LONGTRAIN_ARTIFACTS=s3://" in cfg["setup_commands"][0]
+    assert "--artifacts-destination $LONGTRAIN_STORAGE/mlartifacts" in head_cmds
     assert "pip install -q -e ~/longtrain" in cfg["setup_commands"][1] and cfg["file_mounts"]["~/longtrain"] == "."
+
+
+def test_one_bucket_holds_datasets_checkpoints_and_artifacts_by_default(monkeypatch, tmp_path):
+    """The one CHANGE-ME bucket, exported to every node as LONGTRAIN_STORAGE, is where a job's datasets, Ray Train
+    checkpoints, run storage and MLflow artifacts go with no storage option on its command line."""
+    from pipeline import storage
+    from pipeline.config import load_config
+
+    cfg = _load()
+    text = "\n".join(line for line in CLUSTER_YAML.read_text().splitlines() if not line.lstrip().startswith("#"))
+    buckets = set(re.findall(r"s3://[\w.\-/]+", text))
+    assert buckets == {"s3://CHANGE-ME-longtrain-bucket/longtrain"}  # one bucket setting, nothing else to edit
+    (bucket,) = buckets
+    assert f"export {storage.STORAGE_ENV}={bucket}" in cfg["setup_commands"][0]
+    head_cmds = " ".join(cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"])
+    assert head_cmds.count("source ~/longtrain.env") >= 3  # every `ray start` (so every worker) and MLflow see it
+    monkeypatch.setenv(storage.STORAGE_ENV, bucket)
+    job = storage.pin(load_config("gpu", {"run.root": str(tmp_path)}))  # what a submitted job's session does
+    run_dir = tmp_path / "gpu-run"
+    assert storage.dataset_store(job) == f"{bucket}/datasets"
+    assert storage.ray_storage(job, run_dir) == f"{bucket}/gpu-run/ray"
+    assert storage.run_storage(job, run_dir) == f"{bucket}/gpu-run"
+    assert storage.artifact_location(job) == f"{bucket}/mlartifacts"  # as the head's MLflow server: same place
 
 
 def test_every_key_in_cluster_yaml_is_commented():

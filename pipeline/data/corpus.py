@@ -8,9 +8,10 @@ Sources (`data.source`):
            (one document per topic and per module, parsed with `ast` from the .py files, never imported);
            about 2 MB, no download.
   files    `data.path` is a file, a directory (searched recursively) or a glob of .txt, .jsonl, .json, .parquet,
-           read by one Ray Data file datasource in sorted path order. A .txt file is one document. A .jsonl
-           file holds one JSON object per line and a .json file a list of objects; the document is the
-           `data.text_column` field. Parquet: that column, string or binary.
+           on this machine or in object storage (s3://bucket/corpus/*.jsonl, gs://..., any pyarrow or fsspec
+           URI: pipeline/storage.py), read by one Ray Data file datasource in sorted path order. A .txt file
+           is one document. A .jsonl file holds one JSON object per line and a .json file a list of objects;
+           the document is the `data.text_column` field. Parquet: that column, string or binary.
   hf       a Hugging Face dataset through `datasets.load_dataset(data.hf_name, data.hf_config,
            split=data.hf_split, streaming=data.hf_streaming)` and `ray.data.from_huggingface` (streaming:
            a datasource reading the dataset's shards in parallel). With `data.path` set, it is passed as
@@ -34,6 +35,7 @@ import glob
 import hashlib
 import io
 import json
+import os
 import platform
 import re
 import sysconfig
@@ -43,6 +45,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import pyarrow as pa
+from pyarrow.fs import FileType
+
+from pipeline.storage import (check_bucket, explained, info, is_local, is_uri, listdir, location_of, open_input,
+                              resolve, scheme)
+from pipeline.storage import glob as glob_files
 
 if TYPE_CHECKING:
     import ray.data
@@ -194,9 +201,22 @@ def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None,
 # ----------------------------------------------------------------------------------------------
 # Local files
 
-def resolve_files(path: str) -> list[Path]:
-    """The files `path` names (a file, a directory searched recursively, or a glob), sorted, all of a
-    supported type. Raises DataSourceError when nothing usable matches."""
+def resolve_files(path: str) -> list[str]:
+    """The files `path` names (a file, a directory searched recursively, or a glob; a local path or a URI such
+    as s3://bucket/corpus/*.jsonl), sorted, all of a supported type: absolute local paths or URIs. Raises
+    DataSourceError when nothing usable matches, StorageError when the storage cannot be used."""
+    if is_uri(path) and not is_local(path):
+        files = _resolve_uri(path)
+    else:
+        files = [str(f) for f in _resolve_local(path[len("file://"):] if path.startswith("file://") else path)]
+    bad = [f for f in files if Path(f).suffix.lower() not in FILE_KINDS]
+    if bad:
+        raise DataSourceError(f"{bad[0]!r} has an unsupported type; data.source=files reads "
+                              f"{', '.join(FILE_KINDS)}")
+    return files
+
+
+def _resolve_local(path: str) -> list[Path]:
     p = Path(path).expanduser()
     if any(c in path for c in "*?["):
         matches = [Path(m) for m in glob.glob(str(p), recursive=True)]
@@ -210,10 +230,6 @@ def resolve_files(path: str) -> list[Path]:
         raise DataSourceError(f"data.path={path!r} does not exist; give a file, a directory or a glob")
     if not files:
         raise DataSourceError(f"data.path={path!r} matches no .txt, .jsonl, .json or .parquet files")
-    bad = [f for f in files if f.suffix.lower() not in FILE_KINDS]
-    if bad:
-        raise DataSourceError(f"{str(bad[0])!r} has an unsupported type; data.source=files reads "
-                              f"{', '.join(FILE_KINDS)}")
     for f in files:
         try:
             with open(f, "rb") as fh:
@@ -224,12 +240,39 @@ def resolve_files(path: str) -> list[Path]:
     return files
 
 
-def _check_parquet_column(files: list[Path], column: str) -> None:
+def _resolve_uri(path: str) -> list[str]:
+    """resolve_files for object storage: the bucket and credentials are checked first, so a missing bucket or
+    denied access is named as such rather than as "no files"."""
+    check_bucket(path, what="data.path")
+    if any(c in path for c in "*?["):
+        files = glob_files(path)
+    else:
+        kind = info(path).type
+        if kind == FileType.File:
+            files = [path]
+        elif kind == FileType.Directory:
+            fs, base = resolve(path)
+            files = sorted(location_of(fs, f.path, path) for f in listdir(path, recursive=True)
+                           if f.type == FileType.File and Path(f.path).suffix.lower() in FILE_KINDS
+                           and not any(part.startswith(".") for part in f.path[len(base) + 1:].split("/")))
+        else:
+            raise DataSourceError(f"data.path={path!r} does not exist: no object and no prefix of that name; check "
+                                  "the URI (a file, a prefix or a glob such as s3://bucket/corpus/*.jsonl)")
+    if not files:
+        raise DataSourceError(f"data.path={path!r} matches no .txt, .jsonl, .json or .parquet files; check the URI "
+                              "and the pattern (e.g. s3://bucket/corpus/*.jsonl)")
+    with explained(files[0], "data.path"):  # listing is allowed; is reading? (a policy may grant one alone)
+        with open_input(files[0]) as f:
+            f.read_at(1, 0)
+    return files
+
+
+def _check_parquet_column(files: list[str], column: str) -> None:
     import pyarrow.parquet as pq
 
     for f in files:
         try:
-            schema = pq.read_schema(f)
+            schema = pq.read_schema(open_input(f))
         except (pa.ArrowException, OSError) as exc:
             raise DataSourceError(f"{str(f)!r} is not a readable Parquet file ({str(exc).splitlines()[0]})") from None
         if column not in schema.names:
@@ -341,14 +384,16 @@ def _read_field(obj: Any, column: str, where: str) -> tuple[str | None, int, str
         return None, 0, str(exc)
 
 
-def _read_files(files: list[Path], column: str) -> "ray.data.Dataset":
+def _read_files(files: list[str], column: str) -> "ray.data.Dataset":
     """One Ray Data file datasource for every supported type, so the documents come in sorted-path order
     (a union of per-type readers would interleave their blocks). Ray's JSON readers cannot replace invalid
     UTF-8 and count it, nor name the offending line, hence this reader."""
     import ray.data
     from ray.data.datasource import FileBasedDatasource
 
-    _check_parquet_column([f for f in files if f.suffix.lower() == ".parquet"], column)
+    _check_parquet_column([f for f in files if f.lower().endswith(".parquet")], column)
+    fs, _ = resolve(files[0])  # one data.path: one filesystem; each read task opens it from its own environment
+    prefix = f"{scheme(files[0])}://" if is_uri(files[0]) and not is_local(files[0]) else ""
 
     class DocumentFileDatasource(FileBasedDatasource):
         def _open_input_source(self, filesystem, path: str, **open_args):
@@ -358,6 +403,7 @@ def _read_files(files: list[Path], column: str) -> "ray.data.Dataset":
 
         def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
             kind = FILE_KINDS[Path(path).suffix.lower()]
+            path = prefix + path  # what messages and the manifest name: the URI, not the bucket-relative key
             stream = f if kind == "parquet" else io.BufferedReader(_RawReader(f), 1 << 20)
             try:
                 yield from read_document_file(stream, path, kind, column)
@@ -368,7 +414,8 @@ def _read_files(files: list[Path], column: str) -> "ray.data.Dataset":
     # One read task per file: Ray Data would otherwise split each task's output into more blocks
     # (SplitBlocks) to reach its default parallelism, which only adds objects; our reader already yields
     # ~1 MB blocks, and one reader feeds many tokenizer actors (parsing JSON is ~30x cheaper than encoding).
-    return ray.data.read_datasource(DocumentFileDatasource([str(p) for p in files]), override_num_blocks=len(files))
+    return ray.data.read_datasource(DocumentFileDatasource([resolve(f)[1] for f in files], filesystem=fs),
+                                    override_num_blocks=len(files))
 
 
 class _RawReader(io.RawIOBase):
@@ -466,7 +513,7 @@ def _read_hf(d: "DataConfig") -> "ray.data.Dataset":
     if d.hf_config:
         kwargs["name"] = d.hf_config
     if d.path:
-        kwargs["data_files"] = [str(p) for p in resolve_files(d.path)]
+        kwargs["data_files"] = resolve_files(d.path)
     try:
         hfds = datasets.load_dataset(d.hf_name, **kwargs)
     except Exception as exc:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ValueError...)
@@ -536,7 +583,7 @@ def describe_source(d: "DataConfig") -> dict[str, Any]:
                 "bytes": sum(p.stat().st_size for p in files), "max_documents": d.max_documents}
     if d.source == "files":
         files = resolve_files(d.path)
-        listing = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        listing = _listing(files)
         digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
         return {"kind": "files", "path": d.path, "files": len(files), "bytes": sum(x[1] for x in listing),
                 "listing_sha256": digest, "text_column": d.text_column, "max_documents": d.max_documents}
@@ -545,11 +592,20 @@ def describe_source(d: "DataConfig") -> dict[str, Any]:
                                 "streaming": d.hf_streaming, "text_column": d.text_column,
                                 "max_documents": d.max_documents}
         if d.path:
-            files = resolve_files(d.path)
-            listing = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+            listing = _listing(resolve_files(d.path))
             desc["data_files_sha256"] = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
         return desc
     raise DataSourceError(f"data.source={d.source!r} has no corpus to prepare; use builtin, files or hf")
+
+
+def _listing(files: list[str]) -> list[tuple[str, int, int]]:
+    """(location, size, mtime in ns) per file: what the cache key hashes. Local files by their resolved path."""
+    if not is_uri(files[0]) or is_local(files[0]):
+        return [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    fs, _ = resolve(files[0])
+    with explained(files[0], "data.path"):
+        infos = fs.get_file_info([resolve(f)[1] for f in files])
+    return [(f, i.size, i.mtime_ns or 0) for f, i in zip(files, infos)]
 
 
 def blocks_at_least(d: "DataConfig") -> int | None:
@@ -566,22 +622,22 @@ def blocks_at_least(d: "DataConfig") -> int | None:
     if d.source == "hf" and d.path and not d.max_documents:
         # _read_hf's ~1 MB slices of the loaded Arrow table, whose text is larger than Parquet files and at least
         # half the size of JSON ones: half the files' bytes in MB is a lower bound
-        return max(1, sum(f.stat().st_size for f in resolve_files(d.path)) // _BLOCK_BYTES // 2)
+        return max(1, sum(size for _, size, _ in _listing(resolve_files(d.path))) // _BLOCK_BYTES // 2)
     if d.source != "files":
         return None
     files = resolve_files(d.path)
     total, docs_per_block = 0, None
-    for f in files:  # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet batches of 1,024 rows
-        kind = FILE_KINDS[f.suffix.lower()]
+    for f, size, _ in _listing(files):  # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet 1,024 rows
+        kind = FILE_KINDS[Path(f).suffix.lower()]
         if kind == "jsonl":
-            total += max(1, f.stat().st_size // _BLOCK_BYTES)
+            total += max(1, size // _BLOCK_BYTES)
             if docs_per_block is None:  # the first ~1 MB block of the first .jsonl: how many documents a block holds
-                with open(f, "rb") as fh:
+                with open_input(f) as fh:  # a local file or one ranged read of an object
                     docs_per_block = max(1, sum(1 for line in fh.read(_BLOCK_BYTES).splitlines() if line.strip()))
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
-            total += max(1, -(-pq.read_metadata(f).num_rows // _PARQUET_BATCH_ROWS))
+            total += max(1, -(-pq.read_metadata(open_input(f)).num_rows // _PARQUET_BATCH_ROWS))
             docs_per_block = docs_per_block or _PARQUET_BATCH_ROWS
         else:
             total += 1

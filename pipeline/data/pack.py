@@ -1,24 +1,28 @@
 """Pretokenize and pack a corpus into Parquet shards with Ray Data; cached by a hash of what determines them.
 
     from pipeline.data.pack import prepare
-    dataset_dir = prepare(cfg)          # <run.root>/datasets/<hash>, or cfg.data.dataset_dir
+    dataset_dir = prepare(cfg)          # <data.dataset_store>/<hash> (runs/datasets/<hash>, s3://.../datasets/<hash>)
 
 Stages, overlapped (shards are written while the corpus is still being tokenized):
   1. Ray Data stream: read (pipeline.data.corpus) -> map_batches on a fixed actor pool (_TokenizeBatch: the
      tokenizer is loaded once per actor; each batch of documents is cleaned, batch-encoded and concatenated
-     with EOS after every document, and APPENDED TO THE ACTOR'S OWN FILE `_parts/part-<actor>.bin`). What
-     leaves the actor is one small row per batch: (file, offset, token count, stats). The tokens never
-     travel through the object store or the driver.
+     with EOS after every document, and APPENDED TO THE ACTOR'S OWN FILE `_parts/part-<actor>.bin` of the build
+     directory; on object storage, which cannot append, each batch is an object of its own,
+     `_parts/part-<actor>-<n>.bin`). What leaves the actor is one small row per batch: (file, offset, token
+     count, stats). The tokens never travel through Ray's object store or the driver.
   2. The driver iterates those rows in source order (preserve_order): batch i's tokens are the stream's
      [sum of earlier counts, + its count). Window w is tokens [w*(T+1), (w+1)*(T+1)), seq_id = w. The split
      is a hash of (seq_id, data.split_seed): val below data.val_fraction (if no window lands in val, the
      last one does). Shard k of a split holds that split's windows k*R .. (k+1)*R-1 (R = data.rows_per_shard)
      so it is final as soon as the stream reaches the first window of shard k+1: ShardPlanner hands it out
-     then, and a Ray task cuts it from the memory-mapped parts and writes it (Parquet, zstd, page checksums;
+     then, and a Ray task cuts it from the parts (memory-mapped, or ranged reads on object storage) and writes
+     it into the build directory (Parquet, zstd, page checksums;
      doc_starts = the positions after each EOS) while tokenization goes on. The last shard of each split
      waits for the end of the stream. The driver keeps only the batches a pending shard still needs: its
      memory does not grow with the corpus.
-  3. manifest.json, written last and atomically. A killed run leaves no manifest; the rerun starts over.
+  3. manifest.json, written last in one piece, naming only this build's files (pipeline/data/builds.py: how
+     a killed prepare, a rerun and two prepares of one dataset at once stay safe on object storage). A killed
+     run leaves no manifest; the rerun starts a new build and removes the dead one.
 
 Ray Data settings (why): `compute=ActorPoolStrategy(size=n)` with n = one actor per core (a fixed pool:
 each actor costs ~1 CPU-s to start and the work is CPU-bound from the first to the last batch, so
@@ -32,37 +36,44 @@ Remainder policy: packing is global (concat-then-split over the whole stream), s
 the final partial window, fewer than seq_len + 1 tokens in the whole dataset; nothing is padded. The result
 is a pure function of (source, tokenizer, settings): the number of actors or blocks does not change a byte.
 
-Cache: the key hashes the source description (paths, sizes, mtimes), the tokenizer (file sha256, or the
-training settings), seq_len, val_fraction, rows_per_shard, split_seed and the schema version. A manifest
-with the same key is reused without starting Ray; concurrent prepares of one directory serialize on a
-file lock (the second one then reuses the first one's result). Test hook: LONGTRAIN_PREPARE_HOLD=parts|shards makes the
-driver wait (forever) after that stage, so a test can SIGKILL it at a known point.
+Cache: the key hashes the source description (paths or URIs, sizes, mtimes), the tokenizer (file sha256, or
+the training settings), seq_len, val_fraction, rows_per_shard, split_seed and the schema version. A manifest
+with the same key is reused without starting Ray. On a local disk concurrent prepares of one directory
+serialize on a file lock (the second one then reuses the first one's result); on object storage, which has no
+lock, both build and the first manifest written wins (the other prepare then drops its own build). Before any
+Ray work, the store is checked (bucket, credentials, endpoint: one line when it cannot be used), and on a
+cluster whose workers run on other nodes a bare local store or corpus path is refused (they could not read
+it). Test hook: LONGTRAIN_PREPARE_HOLD=parts|shards makes the driver wait after that stage while a
+`.hold-<stage>` marker in its build directory exists, so a test can SIGKILL it at a known point, or release it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline.data.builds import Build, remove_stale
 from pipeline.data.corpus import (CleanStats, DataSourceError, blocks_at_least, check_bad_records, clean_batch,
                                   describe_source, read_documents, sample_texts)
 from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, ShardWriters, SplitRule,  # noqa: F401
                                       plan_shards)
 from pipeline.data.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,
                                   load_manifest, token_numpy_type, write_manifest)
-from pipeline.ray_runtime import ensure_ray, find_cause
 from pipeline.data.tokenizer import Tokenizer, TokenizerError, file_sha256, train_tokenizer
+from pipeline.ray_runtime import ensure_ray, find_cause, require_shared
+from pipeline.storage import (absolute, check, dataset_store, delete, exists, is_local, is_uri, join, listdir,
+                              makedirs, read_bytes, resolve, write_bytes)
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -139,8 +150,9 @@ class StreamStats:
 
 
 class _TokenizeBatch:
-    """Ray Data actor: clean + encode a batch of documents, append its token stream to this actor's part file,
-    return one row (file, offset, tokens, stats) locating it."""
+    """Ray Data actor: clean + encode a batch of documents, append its token stream to this actor's part file
+    (on object storage: write it as an object of its own), return one row (file, offset, tokens, stats)
+    locating it."""
 
     def __init__(self, tokenizer_path: str, dtype: str, source: str, parts_dir: str):
         import uuid
@@ -148,21 +160,28 @@ class _TokenizeBatch:
         self.tok = Tokenizer(tokenizer_path)  # once per actor
         self.dtype = np.dtype(dtype)
         self.source = source  # what non-text values are counted against (files carry their own path)
-        self.file = f"part-{uuid.uuid4().hex}.bin"  # a restarted actor starts a new file: offsets stay valid
-        self.out = open(Path(parts_dir) / self.file, "wb")
-        self.offset = 0  # in tokens
+        self.parts_dir = parts_dir
+        self.name = f"part-{uuid.uuid4().hex}"  # a restarted actor starts new files: offsets stay valid
+        self.out = open(join(parts_dir, self.name + ".bin"), "wb") if is_local(parts_dir) else None
+        self.offset = 0  # in tokens, in this actor's local file
+        self.batches = 0
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         texts, clean = clean_batch(batch, self.source)
         stream, lengths = encode_stream(self.tok, texts, self.dtype)
-        self.out.write(stream.tobytes())
-        self.out.flush()  # in the page cache before the driver hears of it: shard writers may map it at once
+        if self.out is not None:
+            file, offset = self.name + ".bin", self.offset
+            self.out.write(stream.tobytes())
+            self.out.flush()  # in the page cache before the driver hears of it: shard writers may map it at once
+            self.offset += len(stream)
+        else:  # object storage cannot append: one object per batch, complete before the driver hears of it
+            file, offset = f"{self.name}-{self.batches:06d}.bin", 0
+            write_bytes(join(self.parts_dir, file), stream.tobytes())
+        self.batches += 1
         stats = StreamStats()
         stats.add_batch(clean, stream, lengths)
-        row = {"file": [self.file], "offset": [self.offset], "tokens": [len(stream)],
-               "stats": [json.dumps(stats.to_dict())]}
-        self.offset += len(stream)
-        return pa.table(row)
+        return pa.table({"file": [file], "offset": [offset], "tokens": [len(stream)],
+                         "stats": [json.dumps(stats.to_dict())]})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +193,7 @@ def dataset_settings(cfg: "Config") -> dict[str, Any]:
 
     d = cfg.data
     if d.tokenizer:
-        if not Path(d.tokenizer).is_file():
+        if not exists(d.tokenizer):
             raise TokenizerError(f"data.tokenizer={d.tokenizer!r} does not exist; give a SentencePiece .model file "
                                  "or leave it empty to train one")
         tok: dict[str, Any] = {"file_sha256": file_sha256(d.tokenizer)}
@@ -190,25 +209,31 @@ def settings_hash(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def reusable(out: Path, key: str) -> Manifest | None:
-    """The manifest when `out` already holds this exact dataset (and its files), else None."""
+def reusable(out: str, key: str) -> Manifest | None:
+    """The manifest when `out` already holds this exact dataset (and every file it names), else None."""
     try:
         m = load_manifest(out)
     except DatasetError:
         return None
-    files = [s.file for lst in m.shards.values() for s in lst] + [m.tokenizer_file]
-    if m.settings_hash != key or not all((out / f).is_file() for f in files):
+    if m.settings_hash != key:
         return None
-    return m
+    _, base = resolve(out)
+    present = {f.path[len(base) + 1:] for f in listdir(out, recursive=True)}
+    files = [s.file for lst in m.shards.values() for s in lst] + [m.tokenizer_file]
+    return m if all(f in present for f in files) else None
 
 
-def clear_dataset_dir(out: Path) -> None:
-    """Remove a previous build's files (manifest first, so a half-cleared directory is never a dataset)."""
-    (out / MANIFEST_FILE).unlink(missing_ok=True)
-    for pattern in ("train-*.parquet", "val-*.parquet", ".*.tmp-*", ".hold-*", TOKENIZER_FILE):
-        for p in out.glob(pattern):
-            p.unlink(missing_ok=True)
-    shutil.rmtree(out / PARTS_DIR, ignore_errors=True)
+@contextlib.contextmanager
+def _one_builder(out: str) -> Iterator[None]:
+    """On a local disk, concurrent prepares of one directory take turns (the second then reuses the first's
+    dataset). Object storage has no lock: there every prepare builds apart (pipeline/data/builds.py)."""
+    if not is_local(out):
+        yield
+        return
+    makedirs(out)
+    with open(join(out, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def default_actor_count() -> int:
@@ -237,53 +262,85 @@ def _check_manifest_bad_records(m: Manifest, cfg: "Config") -> None:
     check_bad_records(clean, cfg.data.on_bad_record, cfg.data.max_bad_fraction)
 
 
-def _hold(out: Path, stage: str) -> None:
+def _hold(build: Build, stage: str) -> None:
+    """Test hook: with LONGTRAIN_PREPARE_HOLD=<stage>, write <build>/.hold-<stage> (this pid) after that stage and
+    wait while it exists, so a test can SIGKILL the prepare there or let it go on by deleting the marker."""
     if os.environ.get("LONGTRAIN_PREPARE_HOLD") == stage:
-        (out / f".hold-{stage}").write_text(str(os.getpid()))
-        while True:
-            time.sleep(1)
+        marker = join(build.dir, f".hold-{stage}")
+        write_bytes(marker, str(os.getpid()).encode())
+        while exists(marker):
+            time.sleep(0.5)
 
 
-def prepare(cfg: "Config", ray_address: str | None = None) -> Path:
-    """Build (or reuse) the packed dataset for cfg.data; returns the dataset directory."""
+def dataset_location(cfg: "Config", key: str) -> str:
+    """data.dataset_dir, else <data.dataset_store>/<first 16 hex digits of the key>."""
+    return absolute(cfg.data.dataset_dir) if cfg.data.dataset_dir else join(dataset_store(cfg), key[:16])
+
+
+def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
+    """Build (or reuse) the packed dataset for cfg.data; returns the dataset directory: a Path on this machine,
+    else its URI."""
     t0 = time.time()
     settings = dataset_settings(cfg)
     key = settings_hash(settings)
-    out = Path(cfg.data.dataset_dir) if cfg.data.dataset_dir else Path(cfg.run.root) / "datasets" / key[:16]
+    out = dataset_location(cfg, key)
     if (m := reusable(out, key)) is not None:
         _check_manifest_bad_records(m, cfg)  # built with a laxer policy than this one?
         log.info("reusing dataset %s (settings hash %s)", out, key[:16])
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent prepare of the same directory waits, then reuses
+        return _returned(out)
+    check(out, what="the dataset store", write=True)  # bucket, credentials, endpoint: before any Ray work
+    with _one_builder(out):
         if (m := reusable(out, key)) is not None:
             _check_manifest_bad_records(m, cfg)
             log.info("reusing dataset %s, built meanwhile by another process", out)
-            return out
-        clear_dataset_dir(out)
+            return _returned(out)
         try:
-            manifest = _build(cfg, settings, key, out, ray_address)
-        except Exception as exc:
+            if load_manifest(out).settings_hash != key:  # this directory held other settings: retire them first
+                delete(join(out, MANIFEST_FILE))
+        except DatasetError:
+            pass
+        remove_stale(out)  # dead builds of earlier attempts (a killed prepare) and the retired dataset
+        build, published = Build(out, key), False
+        try:
+            manifest = _build(cfg, settings, key, out, build, ray_address)
+            manifest.extra["build_seconds"] = round(time.time() - t0, 2)
+            if (m := reusable(out, key)) is not None:  # another prepare of this dataset got there first: use its
+                build.abandon()
+                _check_manifest_bad_records(m, cfg)
+                return _returned(out)
+            build.verify(manifest)
+            write_manifest(out, manifest)  # last: from here on the directory is a dataset
+            published = True
+            build.finish()
+        except BaseException as exc:
+            if published:  # the manifest names this build: keep it, whatever failed after
+                build.stop()
+            else:
+                build.abandon()
             err = _user_error(exc)
             if err is not None and err is not exc:  # first line: Ray appends its retry advice to the message
                 raise type(err)(str(err).splitlines()[0]) from None
             raise
-        manifest.extra["build_seconds"] = round(time.time() - t0, 2)
-        write_manifest(out, manifest)  # last: from here on the directory is a dataset
+        remove_stale(out)
     log.info("dataset ready: %s", out)
-    return out
+    return _returned(out)
 
 
-def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str | None) -> Manifest:
+def _returned(out: str) -> Path | str:
+    return out if is_uri(out) else Path(out)
+
+
+def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_address: str | None) -> Manifest:
     import ray.data
 
     d = cfg.data
     ensure_ray(ray_address or cfg.ray.address or None, cfg)
+    # Ray Data's tasks and actors may run on every node: each must be able to open the corpus and the store.
+    require_shared(cfg, {"the dataset store": out, "data.path": d.path if d.source == "files" else ""})
     ds = read_documents(d)
-    tok_path = out / TOKENIZER_FILE
+    tok_path = join(build.dir, TOKENIZER_FILE)
     if d.tokenizer:
-        shutil.copyfile(d.tokenizer, tok_path)
+        write_bytes(tok_path, read_bytes(d.tokenizer))
     else:
         log.info("training a %d-piece tokenizer on up to %d bytes of the corpus", d.vocab_size,
                  d.tokenizer_sample_bytes)
@@ -293,19 +350,19 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
 
     # Tokenize on an actor pool (each actor appends to its own part file); in the driver, follow the stream
     # in source order and write every shard that became final while the rest is still being tokenized.
-    parts_dir = out / PARTS_DIR
-    parts_dir.mkdir(exist_ok=True)
+    parts_dir = join(build.dir, PARTS_DIR)
+    makedirs(parts_dir)
     # One actor per core, or as many as the corpus has blocks when that is fewer: an actor without a block would
     # only cost its start (and Ray Data warns that the pool is larger than its input).
     n_actors = min(d.tokenize_actors or default_actor_count(), blocks_at_least(d) or 1 << 30)
     source = d.hf_name if d.source == "hf" else d.source
-    batches = ds.map_batches(_TokenizeBatch, fn_constructor_args=(str(tok_path), dtype.name, source, str(parts_dir)),
+    batches = ds.map_batches(_TokenizeBatch, fn_constructor_args=(tok_path, dtype.name, source, parts_dir),
                              batch_size=DOCS_PER_BATCH, batch_format="pyarrow", num_cpus=1,
                              compute=ray.data.ActorPoolStrategy(size=n_actors))
     width = d.seq_len + 1
     planner = ShardPlanner(d.val_fraction, d.split_seed, d.rows_per_shard)
     segments = SegmentIndex()
-    writers = ShardWriters(max(2, n_actors // 2), out_dir=str(out), seq_len=d.seq_len, vocab_size=tok.vocab_size,
+    writers = ShardWriters(max(2, n_actors // 2), out_dir=build.dir, seq_len=d.seq_len, vocab_size=tok.vocab_size,
                            eos_id=tok.eos_id)
     open_rule = dataclasses.asdict(planner.rule)
 
@@ -331,7 +388,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
         if stats.clean.documents == 0:
             raise DataSourceError(f"no documents left after cleaning ({stats.clean.dropped_empty} empty or "
                                   "whitespace-only were dropped); check data.path / data.text_column")
-        _hold(out, "parts")
+        _hold(build, "parts")
         n_windows = stats.tokens // width
         if n_windows == 0:
             raise DataSourceError(f"the corpus gives {stats.tokens} tokens, less than one row of seq_len+1={width}; "
@@ -345,13 +402,13 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
         writers.cancel()
         raise
     timings["shards_after_tokenize_s"] = round(time.perf_counter() - t0 - timings["tokenize_s"], 2)
-    _hold(out, "shards")
-    shutil.rmtree(parts_dir, ignore_errors=True)
+    _hold(build, "shards")
+    delete(parts_dir)
 
     used = np.zeros(tok.vocab_size, bool)
     for w in written:
         used |= np.unpackbits(np.frombuffer(w["used"], np.uint8))[:tok.vocab_size].astype(bool)
-    shards = {split: [ShardInfo(w["file"], w["rows"], w["sha256"])
+    shards = {split: [ShardInfo(f"{build.name}/{w['file']}", w["rows"], w["sha256"])
                       for w in sorted(written, key=lambda w: w["index"]) if w["split"] == split]
               for split in ("train", "val")}
     kept = n_windows * width
@@ -363,7 +420,8 @@ def _build(cfg: "Config", settings: dict, key: str, out: Path, ray_address: str 
     return Manifest(
         schema_version=SCHEMA_VERSION, seq_len=d.seq_len, vocab_size=tok.vocab_size, pad_id=tok.pad_id,
         unk_id=tok.unk_id, bos_id=tok.bos_id, eos_id=tok.eos_id, token_type=dtype.name,
-        tokenizer_file=TOKENIZER_FILE, tokenizer_sha256=tok.sha256, settings_hash=key, source=settings["source"],
+        tokenizer_file=f"{build.name}/{TOKENIZER_FILE}", tokenizer_sha256=tok.sha256, settings_hash=key,
+        source=settings["source"],
         settings=settings, counts=counts_out, packing_efficiency=kept / stats.tokens, remainder_policy=REMAINDER_POLICY,
         doc_length=stats.doc_length(), shards=shards, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         bad_records={f: {"count": n, "first": reason} for f, (n, reason) in bad_files.items()},

@@ -10,7 +10,7 @@ pipeline around it.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.shards import rows_per_row_group, shard_schema, token_numpy_type, windows_table, write_shard
+from pipeline.storage import is_local, join, read_bytes, resolve
 
 PARTS_DIR = "_parts"
 
@@ -104,14 +105,33 @@ def plan_shards(rule: SplitRule, rows_per_shard: int, chunk: int = 1 << 20) -> t
 
 
 class TokenStream:
-    """A range of the corpus token stream, as segments (file, offset in the file, tokens) of memory-mapped
-    part files laid end to end from global token `base`; reads any range without loading the rest."""
+    """A range of the corpus token stream, as segments (file, offset in the file, tokens) of part files laid end to
+    end from global token `base`; reads any range without loading the rest. On a local disk the parts are
+    memory-mapped; on object storage each part (one tokenizer batch, well under a MiB to a few MiB) is fetched
+    whole on first use and the last few kept: a shard's windows come in increasing order, so every part is one
+    GET, even for the val split's scattered windows."""
 
-    def __init__(self, parts_dir: Path, segments: list[tuple[str, int, int]], base: int, dtype: np.dtype):
-        self.parts_dir, self.dtype = Path(parts_dir), np.dtype(dtype)
+    KEEP_PARTS = 8
+
+    def __init__(self, parts_dir: Path | str, segments: list[tuple[str, int, int]], base: int, dtype: np.dtype):
+        self.parts_dir, self.dtype = str(parts_dir), np.dtype(dtype)
+        self.local = is_local(self.parts_dir)
         self.segments = [sg for sg in segments if sg[2] > 0]
         self.offsets = base + np.concatenate([[0], np.cumsum([n for _, _, n in self.segments])]).astype(np.int64)
-        self._maps: dict[str, np.ndarray] = {}
+        self._parts: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def _piece(self, file: str, offset: int, n: int) -> np.ndarray:
+        part = self._parts.get(file)
+        if part is None:
+            where = join(self.parts_dir, file)
+            part = (np.memmap(resolve(where)[1], dtype=self.dtype, mode="r") if self.local
+                    else np.frombuffer(read_bytes(where), self.dtype))
+            self._parts[file] = part
+            if not self.local and len(self._parts) > self.KEEP_PARTS:
+                self._parts.popitem(last=False)
+        else:
+            self._parts.move_to_end(file)
+        return part[offset:offset + n]
 
     def read(self, start: int, stop: int) -> np.ndarray:
         out = []
@@ -119,10 +139,7 @@ class TokenStream:
         while start < stop:
             file, file_offset, _ = self.segments[i]
             take = min(stop, int(self.offsets[i + 1])) - start
-            if file not in self._maps:
-                self._maps[file] = np.memmap(self.parts_dir / file, dtype=self.dtype, mode="r")
-            local = file_offset + start - int(self.offsets[i])
-            out.append(self._maps[file][local:local + take])
+            out.append(self._piece(file, file_offset + start - int(self.offsets[i]), take))
             start += take
             i += 1
         return np.concatenate(out) if len(out) != 1 else np.array(out[0])
@@ -161,9 +178,10 @@ class SegmentIndex:
 
 def write_planned_shard(spec: dict, *, out_dir: str, segments: list, base: int, rule: dict, seq_len: int,
                         vocab_size: int, eos_id: int) -> dict:
-    """Ray task: cut one planned shard's windows out of the parts and write it."""
+    """Ray task: cut one planned shard's windows out of the parts and write it into the build directory
+    `out_dir` (a path or a URI)."""
     dtype = token_numpy_type(vocab_size)
-    stream = TokenStream(Path(out_dir) / PARTS_DIR, [tuple(sg) for sg in segments], base, dtype)
+    stream = TokenStream(join(out_dir, PARTS_DIR), [tuple(sg) for sg in segments], base, dtype)
     split_rule = SplitRule(**rule)
     ids = np.arange(spec["first"], spec["stop"], dtype=np.int64)
     val = split_rule.is_val(ids)
@@ -182,7 +200,7 @@ def write_planned_shard(spec: dict, *, out_dir: str, segments: list, base: int, 
             eos += int(np.count_nonzero(windows == eos_id))
             yield windows_table(windows, chunk, eos_id, vocab_size)
 
-    info = write_shard(Path(out_dir) / spec["file"], tables(), shard_schema(seq_len, vocab_size))
+    info = write_shard(join(out_dir, spec["file"]), tables(), shard_schema(seq_len, vocab_size))
     return {"split": spec["split"], "index": spec["index"], "file": info.file, "rows": info.rows,
             "sha256": info.sha256, "eos": eos, "used": np.packbits(used).tobytes()}
 

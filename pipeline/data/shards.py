@@ -1,8 +1,10 @@
 """Packed token shards: the manifest, the Parquet schema and writer, and the two readers for training.
 
-A dataset directory holds `train-00000.parquet`, `val-00000.parquet`, ... (one row per packed sequence),
-the `tokenizer.model` it was built with, and `manifest.json`, written last and atomically: no manifest,
-no dataset. Row schema (any Arrow tool reads it: pyarrow, pandas, `datasets.load_dataset("parquet")`):
+A dataset directory (a local path or a URI: s3://bucket/datasets/<hash>) holds `manifest.json` and the
+files it names: `train-00000.parquet`, `val-00000.parquet`, ... (one row per packed sequence) and the
+`tokenizer.model` they were built with, inside the build directory that wrote them (`build-<id>/`, see
+pipeline/data/pack.py). The manifest is written last, in one piece: no manifest, no dataset; readers open
+only the files it names. Row schema (any Arrow tool reads it: pyarrow, pandas, `datasets.load_dataset("parquet")`):
 
     tokens      fixed_size_list<uint16>[seq_len + 1]   (int32 when vocab_size > 65,535)
     doc_starts  list<int32>   offsets i > 0 where a document begins inside the row; tokens[i-1] is EOS there
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import io
 import json
-import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -41,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.data.tokenizer import file_sha256
+from pipeline.storage import absolute, basename, join, open_input, open_output, read_bytes, write_bytes
 
 if TYPE_CHECKING:
     import ray.data
@@ -115,33 +119,39 @@ class Manifest:
 
 
 def load_manifest(dataset_dir: Path | str) -> Manifest:
-    """The dataset's manifest; DatasetError when it is missing (no manifest, no dataset) or unreadable."""
-    path = Path(dataset_dir) / MANIFEST_FILE
-    if not path.is_file():
-        raise DatasetError(f"{str(dataset_dir)!r} is not a prepared dataset: {MANIFEST_FILE} is missing (a build "
-                           "that did not finish leaves none); run `python pipeline/run.py prepare` to build it")
+    """The dataset's manifest (a local directory or a URI); DatasetError when it is missing (no manifest, no
+    dataset) or unreadable, StorageError when the storage cannot be reached."""
+    location = join(str(dataset_dir), MANIFEST_FILE)
     try:
-        m = Manifest.from_dict(json.loads(path.read_text()))
+        text = read_bytes(location)
+    except (FileNotFoundError, NotADirectoryError):
+        raise DatasetError(f"{str(dataset_dir)!r} is not a prepared dataset: {MANIFEST_FILE} is missing (a build "
+                           "that did not finish leaves none); run `python pipeline/run.py prepare` to build it") from None
+    try:
+        m = Manifest.from_dict(json.loads(text))
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"{str(path)!r} is corrupt ({type(exc).__name__}: {exc}); delete the dataset "
+        raise DatasetError(f"{location!r} is corrupt ({type(exc).__name__}: {exc}); delete the dataset "
                            "directory and run prepare again") from None
     if m.schema_version != SCHEMA_VERSION:
-        raise DatasetError(f"{str(path)!r} has schema_version {m.schema_version}; this code reads "
+        raise DatasetError(f"{location!r} has schema_version {m.schema_version}; this code reads "
                            f"{SCHEMA_VERSION}: prepare the dataset again")
     return m
 
 
-def write_manifest(dataset_dir: Path | str, manifest: Manifest) -> Path:
-    """Write manifest.json through a temp file and os.replace, so readers see all of it or none of it."""
-    path = Path(dataset_dir) / MANIFEST_FILE
-    tmp = path.with_name(f".{MANIFEST_FILE}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(manifest.to_dict(), f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+def write_manifest(dataset_dir: Path | str, manifest: Manifest) -> str:
+    """Write manifest.json in one piece (a temp file renamed locally, one PUT on object storage), so readers see
+    all of it or none of it. Returns its location."""
+    location = join(str(dataset_dir), MANIFEST_FILE)
+    write_bytes(location, (json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n").encode())
+    return location
+
+
+def tokenizer_location(dataset_dir: Path | str) -> str:
+    """Where the dataset's tokenizer is (the file its manifest names); DatasetError when it names none."""
+    m = load_manifest(dataset_dir)
+    if not m.tokenizer_file:
+        raise DatasetError(f"dataset {str(dataset_dir)!r} has no tokenizer (a synthetic dataset); use a prepared one")
+    return join(str(dataset_dir), m.tokenizer_file)
 
 
 def check_compatible(manifest: Manifest, vocab_size: int | None = None, seq_len: int | None = None,
@@ -190,18 +200,35 @@ def windows_table(windows: np.ndarray, seq_ids: np.ndarray, eos_id: int, vocab_s
     return pa.Table.from_arrays([tokens, starts, pa.array(np.asarray(seq_ids, np.int64))], schema=schema)
 
 
-def write_shard(path: Path, tables: Iterable[pa.Table], schema: pa.Schema) -> ShardInfo:
-    """Write row groups to `path` (zstd, page checksums) via a temp file + rename; returns rows and sha256."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+class _HashingSink(io.RawIOBase):
+    """A writable stream that hashes what passes through it into a pyarrow output stream."""
+
+    def __init__(self, out: Any):
+        self.out, self.hash = out, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b)
+        self.hash.update(view)
+        self.out.write(view)
+        return view.nbytes
+
+
+def write_shard(path: Path | str, tables: Iterable[pa.Table], schema: pa.Schema) -> ShardInfo:
+    """Write row groups to `path` (zstd, page checksums; a local path or a URI) and return its rows and sha256,
+    hashed while it is written (no second read of an object). Never overwritten in place: the builder writes
+    each build under a name of its own (pipeline/data/pack.py), so a half-written shard is simply unreferenced."""
     rows = 0
-    with pq.ParquetWriter(tmp, schema, compression="zstd", use_dictionary=False,
-                          write_statistics=["seq_id"], write_page_checksum=True) as writer:
-        for t in tables:
-            writer.write_table(t, row_group_size=max(1, t.num_rows))
-            rows += t.num_rows
-    digest = file_sha256(tmp)
-    os.replace(tmp, path)
-    return ShardInfo(file=path.name, rows=rows, sha256=digest)
+    with open_output(str(path)) as out:
+        sink = _HashingSink(out)
+        with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=False,
+                              write_statistics=["seq_id"], write_page_checksum=True) as writer:
+            for t in tables:
+                writer.write_table(t, row_group_size=max(1, t.num_rows))
+                rows += t.num_rows
+    return ShardInfo(file=basename(str(path)), rows=rows, sha256=sink.hash.hexdigest())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,17 +261,28 @@ class _RowGroup:
         self.nbytes = self.tokens.nbytes + self.starts.nbytes + self.seq_id.nbytes
 
 
+READ_THREADS = 8  # row groups of different shards fetched at once: on object storage each one is a ranged GET
+
+
+@functools.lru_cache(maxsize=1)
+def _read_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="shard-read")
+
+
 class ShardReader:
     """Ray-free batches from one split of a dataset (see the module docstring for the order contract).
 
-    Reads lazily: Parquet footers when a file is first touched, then ~1 MiB row groups on demand, kept in a
-    small LRU cache (cache_bytes); memory does not grow with the dataset.
+    `dataset_dir` is a local directory or a URI (s3://bucket/datasets/<hash>; pipeline/storage.py). Reads
+    lazily: a shard's Parquet footer when the shard is first touched, then ~1 MiB row groups on demand, the
+    ones a batch needs from different shards fetched concurrently (READ_THREADS; one ranged GET each on object
+    storage), kept in a small LRU cache (cache_bytes). Memory does not grow with the dataset and nothing is
+    downloaded whole: a reader fetches only the row groups holding its own rows.
     """
 
     def __init__(self, dataset_dir: Path | str, split: str = "train", batch_size: int = 8, seed: int = 0,
                  epoch: int = 0, start: int = 0, rank: int = 0, world_size: int = 1, *,
                  cache_bytes: int = 128 << 20, drop_last: bool = True):
-        self.dataset_dir = Path(dataset_dir)
+        self.dataset_dir = absolute(dataset_dir)
         self.manifest = load_manifest(self.dataset_dir)
         if split not in self.manifest.shards:
             raise DatasetError(f"dataset {str(dataset_dir)!r} has no split {split!r}; splits: "
@@ -306,12 +344,12 @@ class ShardReader:
         rows = np.asarray(rows, np.int64)
         file_idx = np.searchsorted(self._file_start, rows, side="right") - 1
         local = rows - self._file_start[file_idx]
+        located = self._locate(file_idx.tolist(), local.tolist())
         tokens = np.empty((len(rows), self.width), np.int64)
         seq_id = np.empty(len(rows), np.int64)
         lengths = np.empty(len(rows), np.int64)
         starts: list[np.ndarray] = []
-        for i, (f, r) in enumerate(zip(file_idx.tolist(), local.tolist())):
-            group, k = self._locate(f, r)
+        for i, (group, k) in enumerate(located):
             tokens[i] = group.tokens[k]
             seq_id[i] = group.seq_id[k]
             s = group.starts[group.start_offsets[k]:group.start_offsets[k + 1]]
@@ -320,43 +358,65 @@ class ShardReader:
         flat = np.concatenate(starts) if starts else np.zeros(0, np.int64)
         return {"tokens": tokens, "doc_ids": doc_ids_from_starts(lengths, flat, self.width), "seq_id": seq_id}
 
-    def _file(self, f: int) -> tuple[pq.ParquetFile, np.ndarray]:
-        if f not in self._files:
-            path = self.dataset_dir / self._shards[f].file
-            try:
-                pf = pq.ParquetFile(path, page_checksum_verification=True)
-            except (OSError, pa.ArrowException) as exc:
-                raise DatasetError(f"shard {str(path)!r} cannot be opened ({str(exc).splitlines()[0]}); run "
-                                   "`python pipeline/run.py validate` and prepare the dataset again") from None
-            md = pf.metadata
-            if md.num_rows != self._shards[f].rows:
-                raise DatasetError(f"shard {str(path)!r} has {md.num_rows} rows, the manifest says "
-                                   f"{self._shards[f].rows}; the dataset is corrupt: prepare it again")
-            group_start = np.cumsum([0] + [md.row_group(g).num_rows for g in range(md.num_row_groups)])
-            self._files[f] = (pf, group_start)
-        return self._files[f]
-
-    def _locate(self, f: int, r: int) -> tuple[_RowGroup, int]:
-        pf, group_start = self._file(f)
-        g = int(np.searchsorted(group_start, r, side="right") - 1)
-        key = (f, g)
-        group = self._cache.get(key)
-        if group is None:
-            try:
-                group = _RowGroup(pf.read_row_group(g), self.width)
-            except (OSError, pa.ArrowException) as exc:
-                raise DatasetError(f"shard {self._shards[f].file!r} row group {g} is unreadable "
-                                   f"({str(exc).splitlines()[0]}); the dataset is corrupt: prepare it again") from None
-            if group.tokens.size and int(group.tokens.max()) >= self.manifest.vocab_size:
-                raise DatasetError(f"shard {self._shards[f].file!r} holds token ids >= vocab_size "
-                                   f"{self.manifest.vocab_size}; the dataset is corrupt: prepare it again")
-            self._cache[key] = group
+    def _locate(self, files: list[int], local_rows: list[int]) -> list[tuple[_RowGroup, int]]:
+        """(row group, row inside it) for each (shard, row), fetching what the cache lacks: each shard's groups
+        in one thread (a ParquetFile is not shared between threads), different shards at once."""
+        self._run_per_file({f: [f] for f in set(files) if f not in self._files}, lambda f, _: self._open(f))
+        where = []
+        for f, r in zip(files, local_rows):
+            group_start = self._files[f][1]
+            g = int(np.searchsorted(group_start, r, side="right") - 1)
+            where.append(((f, g), r - int(group_start[g])))
+        fetched: dict[tuple[int, int], _RowGroup] = {}
+        missing: dict[int, list[int]] = {}
+        for key, _ in where:
+            if key in self._cache:
+                fetched[key] = self._cache[key]
+                self._cache.move_to_end(key)
+            elif key[1] not in missing.setdefault(key[0], []):
+                missing[key[0]].append(key[1])
+        missing = {f: gs for f, gs in missing.items() if gs}
+        for (f, g), group in self._run_per_file(missing, self._read_group):
+            fetched[(f, g)] = group
+            self._cache[(f, g)] = group
             self._cached += group.nbytes
-            while self._cached > self._cache_bytes and len(self._cache) > 1:
-                self._cached -= self._cache.popitem(last=False)[1].nbytes
-        else:
-            self._cache.move_to_end(key)
-        return group, r - int(group_start[g])
+        while self._cached > self._cache_bytes and len(self._cache) > 1:  # this batch's groups are held above
+            self._cached -= self._cache.popitem(last=False)[1].nbytes
+        return [(fetched[key], k) for key, k in where]
+
+    @staticmethod
+    def _run_per_file(work: dict[int, list[int]], fn) -> list:
+        """[((f, item), fn(f, item)) ...] for every item of every file; files in parallel when more than one."""
+        def run(f: int) -> list:
+            return [((f, item), fn(f, item)) for item in work[f]]
+
+        if len(work) <= 1:
+            return [r for f in work for r in run(f)]
+        return [r for part in _read_pool().map(run, list(work)) for r in part]
+
+    def _open(self, f: int) -> None:
+        path = join(self.dataset_dir, self._shards[f].file)
+        try:
+            pf = pq.ParquetFile(open_input(path), pre_buffer=True, page_checksum_verification=True)
+        except (OSError, pa.ArrowException) as exc:
+            raise DatasetError(f"shard {path!r} cannot be opened ({str(exc).splitlines()[0]}); run "
+                               "`python pipeline/run.py validate` and prepare the dataset again") from None
+        md = pf.metadata
+        if md.num_rows != self._shards[f].rows:
+            raise DatasetError(f"shard {path!r} has {md.num_rows} rows, the manifest says "
+                               f"{self._shards[f].rows}; the dataset is corrupt: prepare it again")
+        self._files[f] = (pf, np.cumsum([0] + [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
+
+    def _read_group(self, f: int, g: int) -> _RowGroup:
+        try:
+            group = _RowGroup(self._files[f][0].read_row_group(g), self.width)
+        except (OSError, pa.ArrowException) as exc:
+            raise DatasetError(f"shard {self._shards[f].file!r} row group {g} is unreadable "
+                               f"({str(exc).splitlines()[0]}); the dataset is corrupt: prepare it again") from None
+        if group.tokens.size and int(group.tokens.max()) >= self.manifest.vocab_size:
+            raise DatasetError(f"shard {self._shards[f].file!r} holds token ids >= vocab_size "
+                               f"{self.manifest.vocab_size}; the dataset is corrupt: prepare it again")
+        return group
 
 
 def eval_reader(dataset_dir: Path | str, batch_size: int, rank: int = 0, world_size: int = 1) -> ShardReader:
@@ -407,7 +467,7 @@ def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int =
 
     reader = ShardReader(dataset_dir, split, batch_size, seed, epoch, start, rank, world_size)  # validates args
     n_batches = len(reader)
-    args = (str(Path(dataset_dir).resolve()), split, batch_size, seed, epoch, start, rank, world_size)
+    args = (absolute(dataset_dir), split, batch_size, seed, epoch, start, rank, world_size)
     # A Ray task reads BATCHES_PER_TASK batches, at most READ_TASKS at a time: reading a batch takes
     # milliseconds, and every task or worker process more is CPU taken from the training step. The range and
     # the read are one fused operator (one task per block: the same task-pool size on both, and batch_size=None,

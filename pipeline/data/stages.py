@@ -1,7 +1,7 @@
 """The data commands behind `python pipeline/run.py prepare ...` and `python pipeline/run.py validate DIR`.
 
     python pipeline/run.py prepare --data.source=files --data.path=corpus/ --data.seq_len=2048
-    python pipeline/run.py validate runs/datasets/<hash>
+    python pipeline/run.py validate runs/datasets/<hash>       # or s3://bucket/longtrain/datasets/<hash>
 
 run.py calls `prepare_main(cfg) -> Path` and `validate_main(dataset_dir) -> int` (the exit code). The same
 commands also run standalone: `python -m pipeline.data.stages prepare [PRESET] [--field.path=value ...]` and
@@ -84,7 +84,7 @@ def _bad_files_line(m) -> str:
 
 def validate_main(dataset_dir: str | Path) -> int:
     """Print the validation report; 0 when the dataset is valid, 1 with the reasons otherwise."""
-    report = validate_dataset(Path(dataset_dir))
+    report = validate_dataset(dataset_dir)
     print(report.format())
     return 0 if report.ok else 1
 

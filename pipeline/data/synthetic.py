@@ -195,8 +195,8 @@ def write_synthetic_dataset(dataset_dir, *, n_train: int, n_val: int, seq_len: i
     """A real dataset directory (Parquet shards + manifest, same schema as `prepare`) of synthetic rows,
     written with pyarrow alone: benchmarks on hosts without Ray or a corpus read it with ShardReader,
     so their data path is the real one. doc_lengths: see synthetic_row. Returns the Manifest."""
-    from pipeline.data.shards import (SCHEMA_VERSION, Manifest, shard_schema, windows_table, write_manifest,
-                                 write_shard)
+    from pipeline.data.shards import (SCHEMA_VERSION, Manifest, rows_per_row_group, shard_schema, windows_table,
+                                      write_manifest, write_shard)
 
     doc_lengths = None if doc_lengths is None else parse_doc_lengths(doc_lengths)
 
@@ -211,8 +211,10 @@ def write_synthetic_dataset(dataset_dir, *, n_train: int, n_val: int, seq_len: i
             ids = np.arange(seq_id + lo, seq_id + min(n, lo + rows_per_shard))
             windows = np.stack([synthetic_row(int(i), seq_len, vocab_size, seed, doc_lengths=doc_lengths)[0]
                                 for i in ids])
-            table = windows_table(windows, ids, EOS_ID, vocab_size)
-            shards[split].append(write_shard(out / f"{split}-{k:05d}.parquet", [table], schema))
+            group = rows_per_row_group(seq_len, vocab_size)  # row groups as prepare writes them (~1 MiB)
+            tables = [windows_table(windows[g:g + group], ids[g:g + group], EOS_ID, vocab_size)
+                      for g in range(0, len(ids), group)]
+            shards[split].append(write_shard(out / f"{split}-{k:05d}.parquet", tables, schema))
         seq_id += n
     tokens = (n_train + n_val) * (seq_len + 1)
     source = {"kind": "synthetic", "seed": seed}

@@ -31,11 +31,10 @@ class TokenizerError(ValueError):
 
 
 def file_sha256(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """sha256 of a file, local or on object storage."""
+    from pipeline.storage import sha256
+
+    return sha256(path)
 
 
 class Tokenizer:
@@ -44,32 +43,36 @@ class Tokenizer:
     def __init__(self, path: Path | str):
         import sentencepiece as spm
 
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise TokenizerError(f"tokenizer model {str(self.path)!r} does not exist; "
-                                 "set data.tokenizer to a SentencePiece .model file or leave it empty to train one")
-        self._proto = self.path.read_bytes()
+        from pipeline.storage import read_bytes
+
+        self.path = str(path)  # a local path or a URI (the dataset's tokenizer on object storage)
+        try:
+            self._proto = read_bytes(self.path)
+        except (FileNotFoundError, IsADirectoryError):
+            raise TokenizerError(f"tokenizer model {self.path!r} does not exist; "
+                                 "set data.tokenizer to a SentencePiece .model file or leave it empty to train one"
+                                 ) from None
         self.sha256 = hashlib.sha256(self._proto).hexdigest()
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(self._proto)
         except Exception as exc:  # sentencepiece raises RuntimeError/OSError with a C++ message
-            raise TokenizerError(f"{str(self.path)!r} is not a SentencePiece model ({exc})".splitlines()[0]) from None
+            raise TokenizerError(f"{self.path!r} is not a SentencePiece model ({exc})".splitlines()[0]) from None
         self.vocab_size: int = self._sp.get_piece_size()
         self.pad_id: int = self._sp.pad_id()
         self.unk_id: int = self._sp.unk_id()
         self.bos_id: int = self._sp.bos_id()
         self.eos_id: int = self._sp.eos_id()
         if self.eos_id < 0:
-            raise TokenizerError(f"tokenizer {str(self.path)!r} has no EOS piece; packing needs one between documents")
+            raise TokenizerError(f"tokenizer {self.path!r} has no EOS piece; packing needs one between documents")
 
     def __getstate__(self) -> dict:
-        return {"path": str(self.path), "proto": self._proto}
+        return {"path": self.path, "proto": self._proto}
 
     def __setstate__(self, state: dict) -> None:
         import sentencepiece as spm
 
-        self.path, self._proto = Path(state["path"]), state["proto"]
+        self.path, self._proto = state["path"], state["proto"]
         self.sha256 = hashlib.sha256(self._proto).hexdigest()
         self._sp = spm.SentencePieceProcessor()
         self._sp.LoadFromSerializedProto(self._proto)
@@ -104,14 +107,16 @@ def _training_sentences(texts: Iterable[str]) -> Iterator[str]:
                 yield data[i:i + _MAX_SENTENCE_BYTES].decode("utf-8", "ignore")
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: Path | str, *, num_threads: int | None = None) -> Path:
-    """Train byte-fallback BPE on `texts` and write the model to out_path (atomically). Returns out_path.
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: Path | str, *,
+                    num_threads: int | None = None) -> Path | str:
+    """Train byte-fallback BPE on `texts` and write the model to out_path (a path or a URI; atomically).
+    Returns out_path.
 
     Raises TokenizerError naming the largest vocab the sample supports when vocab_size is too big for it.
     """
     import sentencepiece as spm
 
-    out_path = Path(out_path)
+    out_path = out_path if isinstance(out_path, str) and "://" in out_path else Path(out_path)
     if vocab_size < 260:  # 4 specials + 256 byte pieces
         raise TokenizerError(f"vocab_size={vocab_size} is too small; byte fallback needs at least 260 pieces")
     model = io.BytesIO()
@@ -142,8 +147,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: Path | str,
         if n_sentences == 0:
             raise TokenizerError("no text to train the tokenizer on: the corpus sample is empty") from None
         raise TokenizerError(f"SentencePiece training failed: {msg.splitlines()[-1] if msg else exc}") from None
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(model.getvalue())
-    os.replace(tmp, out_path)
+    from pipeline.storage import write_bytes
+
+    write_bytes(out_path, model.getvalue())  # whole or not at all, on a local disk or object storage
     return out_path

@@ -1,6 +1,7 @@
 """Validate a packed dataset against its manifest and print what it holds (`validate_dataset`).
 
     python pipeline/run.py validate runs/datasets/<hash>
+    python pipeline/run.py validate s3://bucket/longtrain/datasets/<hash>
 
 Checks, each failure a line naming the file and what is wrong:
   manifest present and readable; tokenizer.model sha256, vocab size and special ids as recorded;
@@ -12,6 +13,7 @@ Checks, each failure a line naming the file and what is wrong:
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import pyarrow.parquet as pq
 
 from pipeline.data.shards import DatasetError, Manifest, load_manifest, shard_schema
 from pipeline.data.tokenizer import Tokenizer, TokenizerError, file_sha256
+from pipeline.storage import absolute, is_file, join, read_bytes
 
 
 @dataclass
@@ -69,8 +72,8 @@ class ValidationReport:
 
 def validate_dataset(dataset_dir: Path | str, *, sample_windows: int = 16) -> ValidationReport:
     """Check a dataset against its manifest; returns a report with any failures (never raises for bad data)."""
-    dataset_dir = Path(dataset_dir)
-    report = ValidationReport(str(dataset_dir))
+    dataset_dir = absolute(dataset_dir)
+    report = ValidationReport(dataset_dir)
     try:
         m = load_manifest(dataset_dir)
     except DatasetError as exc:
@@ -82,7 +85,7 @@ def validate_dataset(dataset_dir: Path | str, *, sample_windows: int = 16) -> Va
     for split, shards in m.shards.items():
         rows[split] = 0
         for shard in shards:
-            err = scan.shard(dataset_dir / shard.file, split, shard.rows, shard.sha256)
+            err = scan.shard(join(dataset_dir, shard.file), split, shard.rows, shard.sha256)
             if err:
                 report.errors.append(f"{shard.file}: {err}")
             rows[split] += shard.rows
@@ -104,9 +107,9 @@ def validate_dataset(dataset_dir: Path | str, *, sample_windows: int = 16) -> Va
     return report
 
 
-def _check_tokenizer(dataset_dir: Path, m: Manifest, errors: list[str]) -> Tokenizer | None:
-    path = dataset_dir / m.tokenizer_file
-    if not path.is_file():
+def _check_tokenizer(dataset_dir: str, m: Manifest, errors: list[str]) -> Tokenizer | None:
+    path = join(dataset_dir, m.tokenizer_file)
+    if not is_file(path):
         errors.append(f"{m.tokenizer_file} is missing; the dataset cannot be decoded: prepare it again")
         return None
     sha = file_sha256(path)
@@ -154,13 +157,15 @@ class _Scan:
         else:
             self.rule = None
 
-    def shard(self, path: Path, split: str, rows: int, sha256: str) -> str | None:
-        if not path.is_file():
+    def shard(self, path: str, split: str, rows: int, sha256: str) -> str | None:
+        try:  # one read (one download from object storage) for both the hash and the parse
+            data = read_bytes(path)
+        except FileNotFoundError:
             return "file is missing"
-        if file_sha256(path) != sha256:
+        if hashlib.sha256(data).hexdigest() != sha256:
             return "sha256 does not match the manifest (the file was changed, truncated or corrupted)"
         try:
-            pf = pq.ParquetFile(path, page_checksum_verification=True)
+            pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
         except (OSError, pa.ArrowException) as exc:
             return f"not readable as Parquet ({str(exc).splitlines()[0]})"
         expected = shard_schema(self.m.seq_len, self.m.vocab_size)

@@ -21,8 +21,9 @@ STOPPED = "stopped"  # stopped early by the scheduler (ASHA): its metrics are fr
 FAILED = "failed"  # any other error; `reason` names it
 
 # Config fields a preset should not pin: where this sweep ran, not how to train.
-NOT_IN_PRESET = ("run.name", "run.root", "ray.storage_path", "ray.address", "ray.max_failures",
-                 "tracking.tracking_uri", "train.memory_limit_gib", "data.dataset_dir")
+NOT_IN_PRESET = ("run.name", "run.root", "run.storage", "ray.storage_path", "ray.address", "ray.max_failures",
+                 "tracking.tracking_uri", "tracking.artifact_location", "train.memory_limit_gib", "data.dataset_dir",
+                 "data.dataset_store")
 
 
 @dataclass

@@ -365,9 +365,11 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     from pipeline.data.shards import check_trainable, load_manifest
     from pipeline.tracking.tracker import check_tracking_uri, open_tracker, pin_tracking_uri, resolve_tracking_uri
     from pipeline.ray_runtime import ensure_ray
+    from pipeline.storage import absolute, join, run_storage
+    from pipeline.storage import pin as pin_storage
 
     space = load_space(space_path, cfg)
-    cfg = cfg.replace({**space.overrides(), "run.root": str(Path(cfg.run.root).resolve())})
+    cfg = pin_storage(cfg.replace({**space.overrides(), "run.root": str(Path(cfg.run.root).resolve())}))
     if cfg.ray.cpus_per_worker == 0:  # auto: 1 CPU per worker in a sweep, so trials run side by side
         cfg = cfg.replace({"ray.cpus_per_worker": 1})
     if cfg.tracking.enabled:
@@ -381,7 +383,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "space.yaml").write_text(space.path.read_text())
 
-    dataset = Path(prepare_main(cfg)).resolve()
+    dataset = absolute(prepare_main(cfg))
     manifest = load_manifest(dataset)
     check_trainable(manifest, dataset, batch_size=1)  # no validation rows: no trial could be ranked
     ensure_ray(cfg.ray.address, cfg)
@@ -406,7 +408,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
                                       reduction_factor=sched["reduction_factor"], stop_last_trials=False)
         else:
             scheduler = FIFOScheduler()
-        storage = cfg.ray.storage_path or str(sweep_dir / "ray_tune")
+        storage = cfg.ray.storage_path or join(run_storage(cfg, sweep_dir), "ray_tune")  # the bucket, if run.storage
         tuner = ray.tune.Tuner(
             ray.tune.with_resources(ray.tune.with_parameters(run_trial, ctx=ctx), {"CPU": TRIAL_CPUS}),
             param_space=space.param_space(),

@@ -24,6 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipeline.storage import absolute
+
 # `manifest` below is a pipeline.data.shards.Manifest, duck-typed: tracking does not import the data package.
 Manifest = Any
 
@@ -55,7 +57,9 @@ def dataset_input(manifest: Manifest, dataset_dir: str | Path):
     """The MLflow dataset (mlflow.data.Dataset) describing a prepared dataset, without reading its shards."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.exceptions import MlflowException
     from mlflow.types import ColSpec, DataType, Schema
     from mlflow.types.schema import Array
 
@@ -76,7 +80,10 @@ def dataset_input(manifest: Manifest, dataset_dir: str | Path):
     else:
         with warnings.catch_warnings():  # MLflow registers the local source twice and warns that it picked one
             warnings.simplefilter("ignore", UserWarning)
-            source = resolve_dataset_source(str(Path(dataset_dir).resolve()))
+            try:  # a local directory, s3://, gs://, ... (MLflow's artifact dataset sources)
+                source = resolve_dataset_source(absolute(dataset_dir))
+            except MlflowException:  # a protocol MLflow has no source class for: the URI as it is
+                source = HTTPDatasetSource(url=absolute(dataset_dir))
     schema = Schema([ColSpec(Array(DataType.integer), "tokens"), ColSpec(Array(DataType.integer), "doc_starts"),
                      ColSpec(DataType.long, "seq_id")])
     return PackedDataset(source, name=dataset_name(manifest), digest=manifest.settings_hash[:DIGEST_CHARS],

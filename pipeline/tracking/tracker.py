@@ -9,7 +9,10 @@
     print(tracker.ui_command())   # mlflow ui --backend-store-uri sqlite:////abs/runs/mlflow.db --host 127.0.0.1 ...
 
 Where runs go: `tracking.tracking_uri`, else the env var MLFLOW_TRACKING_URI (a server), else the embedded
-store `sqlite:///<abs run.root>/mlflow.db` with artifacts in `<run.root>/mlartifacts`.
+store `sqlite:///<abs run.root>/mlflow.db` with artifacts in `<run.root>/mlartifacts`. An experiment created
+here keeps its artifacts at `tracking.artifact_location`, else under the storage root when that is a bucket
+(`<run.storage>/mlartifacts`: pipeline/storage.py); a tracking server decides its own
+(`--artifacts-destination`; cluster.yaml points it at the same bucket).
 
 The tracker talks to MLflow through an explicit `MlflowClient` and run id, never the fluent
 `mlflow.start_run` global state, so it behaves the same in the driver, in a Ray Train worker and in a
@@ -39,6 +42,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `train/tokens_seen`        | training tokens consumed so far, all workers together          |
 | metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
 | metric | `train/bad_steps`          | optimizer steps skipped so far for a non-finite loss/gradient  |
+| metric | `train/data_wait`          | share of the logging window's wall clock spent waiting for the next batch (0..1) |
 | metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
 | metric | `val/ppl`                  | exp(val/loss)                                                  |
 | metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
@@ -62,6 +66,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
+
+from pipeline.storage import artifact_location, check, is_uri, scheme
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -98,13 +104,14 @@ TRAIN_STEADY_STEPS = "train/steady_steps"
 TRAIN_TOKENS_SEEN = "train/tokens_seen"
 TRAIN_ACCURACY = "train/accuracy"
 TRAIN_BAD_STEPS = "train/bad_steps"
+TRAIN_DATA_WAIT = "train/data_wait"  # pipeline/train/loop.py's DATA_WAIT
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
 METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_PER_S_PER_GPU,
            TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
            TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
-           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
@@ -190,6 +197,21 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
     if not os.access(directory, os.W_OK):
         raise TrackingError(f"the MLflow store directory {directory} for {uri} is not writable; "
                             f"set run.root or tracking.tracking_uri to a writable location")
+
+
+def check_artifact_location(cfg: "Config") -> None:
+    """Before any work: the artifact location of a new experiment (tracking.artifact_location, or the storage
+    root's mlartifacts/ when run.storage is a bucket) can be written, and MLflow can write there (boto3 for
+    s3://). One line naming the location and the fix otherwise. A server decides its own artifacts."""
+    location = artifact_location(cfg)
+    if not location or not is_uri(location):
+        return
+    if scheme(location) == "s3":
+        try:
+            import boto3  # noqa: F401  (MLflow's S3 artifact store)
+        except ImportError:
+            raise TrackingError(f"MLflow artifacts go to {location}, which needs boto3: pip install boto3") from None
+    check(location, what="the MLflow artifact location", write=True)
 
 
 def pin_tracking_uri(cfg: "Config") -> "Config":
@@ -279,12 +301,14 @@ class Tracker:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
-        location = None
+        location = artifact_location(self.cfg) or None  # the storage root's, when it is a bucket
         db = _local_path(self.tracking_uri) if self.tracking_uri.startswith("sqlite:") else None
-        if db is not None:
+        if db is not None and location is None:
             # MLflow's default artifact root for a SQL store is ./mlruns under whatever the cwd is; keep the
             # artifacts next to the database instead.
             location = (db.resolve().parent / LOCAL_ARTIFACTS_DIR).as_uri()
+        elif location is not None and not is_uri(location):
+            location = Path(location).resolve().as_uri()
         try:
             return self.client.create_experiment(name, artifact_location=location)
         except MlflowException:

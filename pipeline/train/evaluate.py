@@ -2,6 +2,7 @@
 
     python pipeline/run.py eval --checkpoint runs/<run>/checkpoints/phase0/step_000200
     python pipeline/run.py eval --resume runs/<run>          # the run's latest checkpoint
+    python pipeline/run.py eval --checkpoint s3://bucket/longtrain/<run>/ray/phase0/checkpoint_... --resume <run>
 
 The metrics (eval/loss, eval/ppl, eval/accuracy) are also logged, at the checkpoint's step, to the MLflow run
 that trained the checkpoint (found through the run directory's run.json), without changing its status.
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import from_dict
+from pipeline.storage import is_uri, local_copy
 from pipeline.train.engine import CheckpointError, Engine, read_checkpoint_meta
 
 
@@ -20,23 +22,27 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
     (or `dataset_dir`), in batches of the run's train.batch_size."""
     from pipeline.data.shards import check_compatible, eval_reader, load_manifest
 
-    meta = read_checkpoint_meta(checkpoint)
-    cfg = from_dict(meta["config"])
-    dataset_dir = dataset_dir or meta.get("dataset_dir")
-    if not dataset_dir:
-        raise CheckpointError(f"checkpoint {checkpoint} does not name its dataset; pass the dataset directory")
-    manifest = load_manifest(dataset_dir)
-    check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
-    engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size)
-    engine.load(checkpoint, weights_only_model=True)
+    with local_copy(checkpoint) as local:  # a checkpoint on object storage: a temporary local copy
+        meta = read_checkpoint_meta(local)
+        cfg = from_dict(meta["config"])
+        dataset_dir = dataset_dir or meta.get("dataset_dir")
+        if not dataset_dir:
+            raise CheckpointError(f"checkpoint {checkpoint} does not name its dataset; pass the dataset directory")
+        manifest = load_manifest(dataset_dir)
+        check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
+        engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size)
+        engine.load(local, weights_only_model=True)
     m = engine.evaluate(eval_reader(dataset_dir, cfg.train.batch_size), max_batches=max_batches)
     return {"eval/loss": m["val/loss"], "eval/ppl": m["val/ppl"], "eval/accuracy": m["val/accuracy"]}
 
 
 def run_dir_of_checkpoint(checkpoint: str | Path) -> Path | None:
-    """The run directory (the nearest parent holding run.json) of a checkpoint under it, else None."""
+    """The run directory (the nearest parent holding run.json) of a local checkpoint under it, else None (a
+    checkpoint on object storage: pass the run with --resume)."""
     from pipeline.train.run_dir import RUN_FILE
 
+    if is_uri(checkpoint):
+        return None
     for parent in Path(checkpoint).resolve().parents:
         if (parent / RUN_FILE).is_file():
             return parent
@@ -69,6 +75,7 @@ def log_eval_to_run(checkpoint: str | Path, metrics: dict[str, float], run_dir: 
     if run is None:
         return None
     check_tracking_uri(run[0])
-    step = read_checkpoint_meta(checkpoint).get("counters", {}).get("step", 0)
+    with local_copy(checkpoint) as local:
+        step = read_checkpoint_meta(local).get("counters", {}).get("step", 0)
     log_metrics_to_run(run[0], run[1], metrics, step)
     return run

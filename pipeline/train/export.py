@@ -288,22 +288,26 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     from safetensors.torch import save_file
 
     from model.tiers import get_tier
+    from pipeline.data.shards import DatasetError, load_manifest, tokenizer_location
+    from pipeline.storage import local_copy
     from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
 
-    checkpoint, out = Path(checkpoint), Path(out_dir).resolve()
+    out = Path(out_dir).resolve()
     if (out.exists() or out.is_symlink()) and not overwrite:  # before any work
         raise ExportError(f"--out {out} already exists; pass --overwrite to replace it or choose another directory")
-    meta = read_checkpoint_meta(checkpoint)
-    check_exportable(meta, f"checkpoint {checkpoint}")
-    require_tokenizers()
+    with local_copy(checkpoint) as local:  # a checkpoint on object storage: a temporary local copy
+        meta = read_checkpoint_meta(local)
+        check_exportable(meta, f"checkpoint {checkpoint}")
+        require_tokenizers()
+        dataset_dir = meta.get("dataset_dir", "")
+        try:  # the dataset the checkpoint names (local or on object storage): its manifest and tokenizer
+            manifest = load_manifest(dataset_dir).to_dict()
+            sp_location = tokenizer_location(dataset_dir)
+        except (DatasetError, FileNotFoundError) as exc:
+            raise ExportError(f"tokenizer for checkpoint {checkpoint} not found ({exc}); the checkpoint names its "
+                              f"dataset, which must still exist") from None
+        state = load_model_state(local, meta)  # either layout: a sharded (FSDP) checkpoint is consolidated here
     tier, tie, vocab = get_tier(meta["tier"]), bool(meta.get("tie_embeddings", True)), int(meta["vocab_size"])
-    dataset_dir = Path(meta.get("dataset_dir", ""))
-    sp_model = dataset_dir / "tokenizer.model"
-    if not sp_model.is_file():
-        raise ExportError(f"tokenizer for checkpoint {checkpoint} not found at {sp_model}; the checkpoint names "
-                          f"its dataset directory, which must still exist")
-    manifest_path = dataset_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     special = {k: int(manifest.get(k, d)) for k, d in (("pad_id", 0), ("unk_id", 1), ("bos_id", 2), ("eos_id", 3))}
     if commit is None:
         from pipeline.tracking.tracker import git_commit  # imports no MLflow at module level
@@ -314,7 +318,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
                           float(metrics["val/loss"]) if "val/loss" in metrics else None,
                           manifest.get("settings_hash"), commit)
 
-    state = load_model_state(checkpoint, meta)  # either layout: a sharded (FSDP) checkpoint is consolidated here
     weights = hf_state_dict(state, tier, tie)
     dtype = state["tok_emb.weight"].dtype
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -323,7 +326,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(tier, vocab, tie, special, dtype), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(special), indent=2) + "\n")
-        write_tokenizer(sp_model, tmp, special, tier.max_seq_len)
+        with local_copy(sp_location) as sp_model:
+            write_tokenizer(sp_model, tmp, special, tier.max_seq_len)
         source = manifest.get("source", {})
         dataset = source.get("name") or source.get("path") or source.get("kind")
         (tmp / "README.md").write_text(model_card(result, vocab, tie, tier, dataset))

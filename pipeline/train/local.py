@@ -12,6 +12,7 @@ from pipeline.train.engine import Engine
 from pipeline.train.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.data.shards import ShardReader, check_trainable, eval_reader, load_manifest
+from pipeline.storage import absolute, local_copy
 from pipeline.train.run_dir import AUDIT_DIR
 
 
@@ -31,7 +32,8 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     if ckpts.latest() is not None:
         engine.load(ckpts.latest())
     elif init_from is not None:
-        engine.load(init_from)
+        with local_copy(init_from) as d:  # the previous phase's checkpoint may be on object storage
+            engine.load(d)
         engine.epoch, engine.cursor, engine.phase = 0, 0, phase  # a new phase starts its dataset afresh
     t = cfg.train
 
@@ -42,7 +44,7 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
         return eval_reader(dataset_dir, t.batch_size)
 
     audit = AuditLog(run_dir / AUDIT_DIR / "rank_0.jsonl") if audit_data else None
-    extra = {"dataset_dir": str(Path(dataset_dir).resolve()), "phase": phase}
+    extra = {"dataset_dir": absolute(dataset_dir), "phase": phase}
     hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
                            on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens))
     try:

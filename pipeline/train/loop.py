@@ -20,6 +20,9 @@ import torch
 from pipeline.train.engine import Engine, StepOutcome
 
 BatchIter = Iterator[dict[str, torch.Tensor]]
+# Share of the logging window's wall-clock time spent waiting for the next batch (starting an epoch's
+# stream included): ~0 when the data keeps up with the step (the tracker's stable name).
+DATA_WAIT = "train/data_wait"
 
 
 class DataExhaustedError(ValueError):
@@ -41,13 +44,15 @@ class StopRequest:
 
     In a plain process the first Ctrl+C (or SIGTERM) sets it and a second Ctrl+C interrupts at once;
     handlers are installed only in the main thread. Ray Train workers cannot see the driver's Ctrl+C,
-    so the driver creates `stop_file` and workers read it. `poll` is collective under DDP (every rank
-    calls it at the same steps and they agree), so all workers stop at the same step.
+    so the driver creates `stop_file` and workers look for it: a local path, or a URI in the run's storage
+    when the workers run on other machines (a look costs one HEAD request, at log steps only; a failed look
+    counts as no request). `poll` is collective under DDP (every rank calls it at the same steps and they
+    agree), so all workers stop at the same step.
     """
 
     def __init__(self, stop_file: str | Path | None = None) -> None:
         self.requested = False
-        self.stop_file = Path(stop_file) if stop_file else None
+        self.stop_file = str(stop_file) if stop_file else None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopRequest":
@@ -67,7 +72,7 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def poll(self, device: torch.device) -> bool:
-        local = self.requested or (self.stop_file is not None and self.stop_file.exists())
+        local = self.requested or (self.stop_file is not None and _stop_file_exists(self.stop_file))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             flag = torch.tensor([1.0 if local else 0.0], device=device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
@@ -97,12 +102,15 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
     hooks = hooks or Hooks()
     max_steps = max_steps or t.max_steps
     result = FitResult(step=engine.step, stopped_early=False)
+    window_start = time.perf_counter()
     it = iter(train_batches(engine.epoch, engine.cursor))
+    waited = time.perf_counter() - window_start  # seconds of this logging window spent waiting for data
     bar = _progress_bar(engine, max_steps, enabled=progress and engine.rank == 0)
     try:
         while engine.step < max_steps:
             micro = []
             while len(micro) < t.grad_accum:
+                w0 = time.perf_counter()
                 batch = next(it, None)
                 if batch is None:  # end of epoch: the next one starts at sequence 0 in a new order
                     if engine.cursor == 0:
@@ -112,7 +120,9 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                             "data or lower train.batch_size")
                     engine.epoch, engine.cursor = engine.epoch + 1, 0
                     it = iter(train_batches(engine.epoch, 0))
+                    waited += time.perf_counter() - w0
                     continue
+                waited += time.perf_counter() - w0
                 micro.append(batch)
                 engine.cursor += batch["tokens"].shape[0] * engine.world_size
             outcome = engine.train_step(micro)
@@ -126,6 +136,9 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
             stopping = stop is not None and (step % t.log_every == 0 or last) and stop.poll(engine.device)
             if step % t.log_every == 0 or last or stopping:
                 result.last_train = engine.pull_train_metrics()
+                now = time.perf_counter()
+                result.last_train[DATA_WAIT] = waited / max(now - window_start, 1e-9)
+                waited, window_start = 0.0, now
                 bar.set_postfix(loss=f"{result.last_train['train/loss']:.3f}",
                                 ppl=f"{result.last_train['train/ppl']:.1f}",
                                 tok_s=f"{result.last_train['train/tokens_per_s']:.0f}",
@@ -211,25 +224,62 @@ class LocalCheckpoints:
         return found[-1] if found else None
 
 
+def _stop_file_exists(location: str) -> bool:
+    from pipeline.storage import StorageError, exists
+
+    try:
+        return exists(location)
+    except (StorageError, OSError):  # a blip of the object store is not a stop request
+        return False
+
+
 class AuditLog:
-    """Append-only record of the seq_ids each step consumed (one JSON line per step, flushed per line),
-    so a run's data order can be checked after the fact: exactly once per epoch, across restarts."""
+    """Append-only record of the seq_ids each step consumed (one JSON line per step), so a run's data order can
+    be checked after the fact: exactly once per epoch, across restarts.
+
+    On a local path every line is flushed as it is written. Object storage cannot append: the log is kept in
+    memory and the whole object rewritten at `flush` (each checkpoint, and at the end), starting from what an
+    earlier attempt of the same rank left; lines after the last flush belong to steps that a restart redoes."""
 
     def __init__(self, path: str | Path, extra: dict | None = None):
-        self.path, self.extra = Path(path), dict(extra or {})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", buffering=1)
+        from pipeline.storage import is_local, read_bytes, resolve
+
+        self.path, self.extra = str(path), dict(extra or {})
+        self._f, self._lines, self._dirty = None, [], False
+        if is_local(self.path):
+            local = Path(resolve(self.path)[1])
+            local.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(local, "a", buffering=1)
+        else:
+            try:
+                self._lines.append(read_bytes(self.path).decode())
+            except FileNotFoundError:
+                pass
 
     def write(self, engine: Engine, outcome: StepOutcome, micro: list[dict[str, torch.Tensor]]) -> None:
         import json
         import os
 
         ids = [int(i) for b in micro for i in b["seq_id"]]
-        self._f.write(json.dumps({"step": engine.step, "time": time.time(), "skipped": outcome.skipped, "epoch": engine.epoch,
-                                  "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids}) + "\n")
+        line = json.dumps({"step": engine.step, "time": time.time(), "skipped": outcome.skipped, "epoch": engine.epoch,
+                           "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids}) + "\n"
+        if self._f is not None:
+            self._f.write(line)
+        else:
+            self._lines.append(line)
+            self._dirty = True
+
+    def flush(self) -> None:
+        if self._f is None and self._dirty:
+            from pipeline.storage import write_text
+
+            write_text(self.path, "".join(self._lines))
+            self._dirty = False
 
     def close(self) -> None:
-        self._f.close()
+        self.flush()
+        if self._f is not None:
+            self._f.close()
 
 
 def standard_hooks(tracker=None, audit: AuditLog | None = None,

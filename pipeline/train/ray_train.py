@@ -17,6 +17,14 @@ FSDP2 and rank 0 prints which and why. Under FSDP every worker writes its own sh
 own directory and reports it; Ray Train merges the reported directories into one checkpoint directory in storage
 and registers it only once every worker has reported (pipeline/train/checkpoint.py, sharded layout). A run resumed
 with another ray.num_workers reads that checkpoint resharded.
+
+Where things are. A worker is handed locations, never a path that exists only on the driver's machine when
+the workers may run elsewhere: the dataset (a URI in the dataset store), Ray Train's storage (checkpoints;
+`ray.storage_path`, by default <run.storage>/<run>/ray) and the run's storage (<run.storage>/<run>: the stop
+request, the data audit). With run.storage a bucket, a cluster needs no shared filesystem; with bare local
+paths on a cluster whose workers run on other nodes, the run is refused before any worker starts
+(pipeline/ray_runtime.py require_shared). Storage problems (endpoint, bucket, credentials) are one line,
+also before any worker starts.
 """
 from __future__ import annotations
 
@@ -30,14 +38,16 @@ from typing import Any
 
 from pipeline.config import Config, from_flat
 from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet_ray_train_worker
-from pipeline.ray_runtime import ensure_ray, use_gpu, worker_cpus
+from pipeline.ray_runtime import ensure_ray, require_shared, use_gpu, worker_cpus, workers_may_be_elsewhere
+from pipeline.storage import (absolute, check, delete, exists, is_local, join, local_copy, location_of, native,
+                              ray_storage, resolve, run_storage, write_bytes)
 
 # Light on purpose: Ray Train's controller and Tune's trial processes import this module (to unpickle
 # train_loop_per_worker). The engine, the model and numba load only in the training workers, inside
 # train_loop_per_worker (torch itself still loads there: Ray's TorchTrainer imports it).
 from pipeline.train.run_dir import AUDIT_DIR
 
-STOP_FILE = "STOP"  # <run_dir>/STOP: the driver's Ctrl+C, seen by every worker
+STOP_FILE = "STOP"  # <run storage>/STOP: the driver's Ctrl+C, seen by every worker
 # Every report carries the worker group's placement group, so whoever ends the run early (a sweep's scheduler
 # stopping a trial) can give its resources back: pipeline/sweep/tune.py's ReleaseTrialResources.
 PLACEMENT_GROUP_KEY = "ray/placement_group"
@@ -57,7 +67,7 @@ class TrainStartError(RuntimeError):
 @dataclass
 class TrainOutcome:
     run_dir: Path
-    checkpoint: Path | None  # the latest checkpoint directory (local storage) or None
+    checkpoint: Path | str | None  # the latest checkpoint: a local directory, a URI on object storage, or None
     metrics: dict[str, Any]
     mlflow_run_id: str | None
     stopped: bool = False  # a Ctrl+C stopped it (after a checkpoint) before max_steps
@@ -94,9 +104,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         with restored.as_directory() as d:
             meta = engine.load(d)
     elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
-        meta = engine.load(lc["init_from"])
+        with local_copy(lc["init_from"]) as d:  # on object storage: a temporary local copy
+            meta = engine.load(d)
         engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
-    run_dir = Path(lc["run_dir"])
+    run_storage = lc["run_storage"]
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
     if rank == 0:
         _announce_parallel(engine, meta, tracker)
@@ -118,7 +129,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         import torch
 
         node = ray.get_runtime_context().get_node_id()  # threads: Ray's OMP_NUM_THREADS = the worker's CPUs
-        audit = AuditLog(run_dir / AUDIT_DIR / f"rank_{rank}.jsonl",
+        audit = AuditLog(join(run_storage, AUDIT_DIR, f"rank_{rank}.jsonl"),
                          extra={"node": node, "threads": torch.get_num_threads()})
     extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
     required = lc.get("required_metric")
@@ -132,6 +143,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
             raise MissingMetricError(f"the report at step {e.step} has no {required} (it has: "
                                      f"{', '.join(sorted(metrics))}); a sweep's metric must be in every checkpoint's "
                                      f"report: pick one of those, or log at every checkpoint (train.log_every)")
+        if audit is not None:  # the steps up to this checkpoint are recorded wherever the log lives
+            audit.flush()
         report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics,
                   PLACEMENT_GROUP_KEY: ray.get_runtime_context().get_placement_group_id() or ""}
         with tempfile.TemporaryDirectory() as tmp:
@@ -148,7 +161,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     try:
         fit(engine, train_batches, val_batches,
             standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
-            progress=rank == 0, stop=StopRequest(run_dir / STOP_FILE))
+            progress=rank == 0, stop=StopRequest(join(run_storage, STOP_FILE)))
     finally:
         if audit is not None:
             audit.close()
@@ -208,19 +221,25 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     from pipeline.data.shards import check_compatible, check_trainable, load_manifest
 
     run_dir = Path(run_dir).resolve()
+    dataset_dir = absolute(dataset_dir)
     manifest = load_manifest(dataset_dir)
     check_compatible(manifest, seq_len=cfg.data.seq_len)
     check_trainable(manifest, dataset_dir, cfg.train.batch_size, cfg.ray.num_workers)
     if init_from is not None:
-        check_checkpoint_fits(read_checkpoint_meta(init_from), cfg.model.tier, manifest.vocab_size, init_from)
+        init_from = absolute(init_from)
+        with local_copy(init_from) as d:
+            check_checkpoint_fits(read_checkpoint_meta(d), cfg.model.tier, manifest.vocab_size, init_from)
     ensure_ray(cfg.ray.address, cfg)
     check_fits_cluster(cfg)  # START_TIMEOUT_ENV, when set here, reaches Ray Train's controller
-    storage = Path(cfg.ray.storage_path).resolve() if cfg.ray.storage_path else run_dir / "ray"
-    if "://" in cfg.ray.storage_path:  # s3://bucket/prefix (a cluster's shared storage) is a URI, not a path
-        storage = cfg.ray.storage_path
+    run_store, storage = run_storage(cfg, run_dir), ray_storage(cfg, run_dir)
+    check_places_for_workers(cfg, {"the dataset": dataset_dir, "ray.storage_path": storage,
+                                   "the run's storage": run_store, "the previous phase's checkpoint": init_from or ""})
+    for what, where in (("ray.storage_path", storage), ("the run's storage", run_store)):
+        check(where, what=what, write=True)  # endpoint, bucket, credentials: one line, before any worker
     run_name = f"phase{phase}"
-    lc = {"config": cfg.flat(), "dataset_dir": str(Path(dataset_dir).resolve()), "vocab_size": manifest.vocab_size,
-          "run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id, "init_from": str(init_from) if init_from else None,
+    storage_fs, storage_path = resolve(storage)
+    lc = {"config": cfg.flat(), "dataset_dir": dataset_dir, "vocab_size": manifest.vocab_size,
+          "run_storage": run_store, "mlflow_run_id": mlflow_run_id, "init_from": init_from,
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
           "required_metric": required_metric, "interactive": interactive()}
     trainer = TorchTrainer(
@@ -230,7 +249,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                                                resources_per_worker={"CPU": worker_cpus(cfg)},
                                                placement_strategy=cfg.ray.placement_strategy),
         run_config=ray.train.RunConfig(
-            name=run_name, storage_path=str(storage),
+            # Ray Train opens its storage with the same filesystem as everything else here (endpoint, region)
+            name=run_name, storage_path=storage_path, storage_filesystem=None if is_local(storage) else storage_fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
                                                          checkpoint_score_attribute="val/loss",
                                                          checkpoint_score_order="min"),
@@ -243,7 +263,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
             callbacks=callbacks),
     )
     try:
-        result = fit_with_clean_stop(trainer, run_dir / STOP_FILE)
+        result = fit_with_clean_stop(trainer, join(run_store, STOP_FILE))
     except Exception as exc:  # noqa: BLE001 -- a failure to start becomes one line; anything else goes on up
         start_error = _start_failure(exc, cfg.ray.max_failures + 1)
         if start_error is None:
@@ -251,10 +271,25 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         raise TrainStartError(f"{_request_text(cfg)}: {start_error}; {_cluster_text()}. Free the resources, "
                               f"lower ray.num_workers / ray.cpus_per_worker, or wait longer per attempt with "
                               f"{START_TIMEOUT_ENV}") from None
-    ckpt = Path(result.checkpoint.path) if result.checkpoint is not None else None
+    ckpt = (native(location_of(result.checkpoint.filesystem, result.checkpoint.path, storage))
+            if result.checkpoint is not None else None)
     metrics = dict(result.metrics or {})
     stopped = metrics.get("step", 0) < (max_steps or cfg.train.max_steps)
     return TrainOutcome(run_dir, ckpt, metrics, mlflow_run_id, stopped)
+
+
+def check_places_for_workers(cfg: Config, places: dict[str, str]) -> None:
+    """Before any worker starts: every place the workers open must be one they can reach. A bare local path
+    (dataset, checkpoints, run storage) or a local MLflow store on a cluster whose workers run on other nodes is
+    refused with one line naming the fix."""
+    require_shared(cfg, places)
+    from pipeline.tracking.tracker import TrackingError, _local_path
+
+    uri = cfg.tracking.tracking_uri
+    if cfg.tracking.enabled and uri and _local_path(uri) is not None and workers_may_be_elsewhere(cfg):
+        raise TrackingError(f"the MLflow store {uri} is a file on this machine, but rank 0 may run on another node "
+                            "and log there; set MLFLOW_TRACKING_URI (or tracking.tracking_uri) to an MLflow server "
+                            "every node reaches (cluster.yaml runs one on the head)")
 
 
 # ------------------------------------------------------------------------------- resources, start failures
@@ -312,17 +347,17 @@ def _start_failure(exc: BaseException, attempts: int) -> str | None:
     return f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}"
 
 
-def fit_with_clean_stop(trainer, stop_file: Path):
+def fit_with_clean_stop(trainer, stop_file: str):
     """trainer.fit(), where the first Ctrl+C makes every worker checkpoint and stop at the same step.
 
     Ray Train's own Ctrl+C handler aborts the run without a checkpoint, and it only installs itself from
     the main thread; so fit() runs in a helper thread while the main thread turns Ctrl+C into the stop
-    file the workers poll. A second Ctrl+C interrupts at once. In a Tune trial (not the main thread)
-    this is plain trainer.fit().
+    file the workers poll (a local path, or an object in the run's storage). A second Ctrl+C interrupts at
+    once. In a Tune trial (not the main thread) this is plain trainer.fit().
     """
     if threading.current_thread() is not threading.main_thread():
         return trainer.fit()
-    stop_file.unlink(missing_ok=True)
+    delete(stop_file)
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -332,10 +367,9 @@ def fit_with_clean_stop(trainer, stop_file: Path):
             box["error"] = exc
 
     def on_sigint(signum, frame) -> None:
-        if stop_file.exists():
+        if exists(stop_file):
             raise KeyboardInterrupt
-        stop_file.parent.mkdir(parents=True, exist_ok=True)
-        stop_file.touch()
+        write_bytes(stop_file, b"")
         print("\nstop requested: the workers checkpoint and stop at their next log step "
               "(Ctrl+C again to abort without a checkpoint)", flush=True)
 
@@ -347,7 +381,7 @@ def fit_with_clean_stop(trainer, stop_file: Path):
             thread.join(0.2)
     finally:
         signal.signal(signal.SIGINT, previous)
-        stop_file.unlink(missing_ok=True)
+        delete(stop_file)
     if "error" in box:
         raise box["error"]
     return box["result"]

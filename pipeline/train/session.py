@@ -3,7 +3,9 @@ and the artifacts at the end. `python pipeline/run.py train` builds one of these
 
 A run directory holds run.json (config, phases, MLflow run id, datasets, latest checkpoint, phases
 done), the Ray Train storage (ray/) or local checkpoints (checkpoints/), training_curves.png and the
-data audit when asked for. Rerunning with --resume continues from what run.json and the checkpoints say.
+data audit when asked for. With run.storage a bucket (s3://...), Ray Train's storage and the data audit are
+under <run.storage>/<run name>/ instead, the datasets under <run.storage>/datasets/, and run.json records
+their URIs. Rerunning with --resume continues from what run.json and the checkpoints say.
 
 Phases (a curriculum such as TinyStories then FineWeb-Edu) come from a YAML list:
 
@@ -24,6 +26,8 @@ from typing import Any
 
 from pipeline.config import Config, ConfigError
 from pipeline.console import stage
+from pipeline.storage import check, is_uri, join, native, storage_root
+from pipeline.storage import pin as pin_storage
 from pipeline.train.run_dir import RUN_FILE, write_run_file
 
 # Fields that fix the model's shape or the token ids: they cannot change between phases.
@@ -81,7 +85,7 @@ def load_phases(path: str | None, cfg: Config) -> list[Phase]:
 
 @dataclass
 class SessionResult:
-    checkpoint: Path | None
+    checkpoint: Path | str | None  # a local directory, or a URI on object storage
     cfg: Config
     ui_command: str
     dataset_dirs: list[str]
@@ -94,8 +98,9 @@ class TrainSession:
                  audit_data: bool = False):
         from pipeline.tracking.tracker import pin_tracking_uri
 
-        # Workers may run in another directory or on another node: pin paths and the tracking store.
-        cfg = cfg.replace({"run.root": str(Path(cfg.run.root).resolve())})
+        # Workers may run in another directory or on another node: pin paths, the storage root and the tracking
+        # store (the driver's environment, $LONGTRAIN_STORAGE and MLFLOW_TRACKING_URI, goes nowhere else).
+        cfg = pin_storage(cfg.replace({"run.root": str(Path(cfg.run.root).resolve())}))
         self.cfg = pin_tracking_uri(cfg) if cfg.tracking.enabled else cfg
         self.run_dir, self.phases = Path(run_dir).resolve(), phases
         self.use_ray, self.audit_data = use_ray, audit_data
@@ -110,13 +115,17 @@ class TrainSession:
     def run(self, resume: bool = False) -> SessionResult:
         from pipeline.data.stages import prepare_main
         from pipeline.data.shards import load_manifest
-        from pipeline.tracking.tracker import check_tracking_uri, open_tracker, resolve_tracking_uri
+        from pipeline.tracking.tracker import (check_artifact_location, check_tracking_uri, open_tracker,
+                                               resolve_tracking_uri)
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
         record = self._record(config=cfg.flat(), phases=[asdict(p) for p in self.phases], status="running",
                               audit_data=self.audit_data)
+        if is_uri(storage_root(cfg)):  # the bucket: endpoint, existence, credentials, before anything else
+            check(storage_root(cfg), what="run.storage", write=True)
         if cfg.tracking.enabled:
             check_tracking_uri(resolve_tracking_uri(cfg))  # fail fast, before any data or worker work
+            check_artifact_location(cfg)
         if cfg.tracking.register_model:  # and not after hours of training
             from pipeline.train.export import check_exportable, require_tokenizers
 
@@ -135,7 +144,7 @@ class TrainSession:
         if cfg.tracking.system_metrics:
             tracker.start_system_metrics(cfg.tracking.system_metrics_interval_s)
         datasets: list[str] = list(record.get("datasets", []))
-        checkpoint = Path(record["checkpoint"]) if record.get("checkpoint") else None
+        checkpoint = native(record["checkpoint"]) if record.get("checkpoint") else None
         tokenizer = record.get("tokenizer") or cfg.data.tokenizer
         end_step, pcfg = 0, cfg
         status = "FAILED"
@@ -150,7 +159,7 @@ class TrainSession:
                     continue
                 dataset = sized.dataset if sized is not None and i == 0 else prepare_main(pcfg)
                 manifest = load_manifest(dataset)
-                tokenizer = tokenizer or str(Path(dataset) / "tokenizer.model")
+                tokenizer = tokenizer or join(str(dataset), manifest.tokenizer_file)
                 datasets = (datasets + [str(dataset)])[: i + 1]
                 record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
                 tracker.log_dataset_input(manifest, dataset)
@@ -202,7 +211,7 @@ class TrainSession:
         self.cfg, self.phases = sized.cfg, [Phase(sized.cfg.train.max_steps)]
         return sized
 
-    def _register(self, tracker, checkpoint: Path, name: str) -> None:
+    def _register(self, tracker, checkpoint: Path | str, name: str) -> None:
         """Export the final checkpoint to <run_dir>/hf_model and register it as a version of `name`."""
         from pipeline.train.export import export_checkpoint, register_export
 

@@ -1,5 +1,7 @@
-"""A real cluster: `ray start --head`, a second node joining with `ray start --address`, `ray job submit` of
-the main job training with one worker per node, and `ray stop`.
+"""A real cluster with no shared filesystem: `ray start --head`, a second node joining with `ray start --address`
+in a mount namespace of its own where the driver's run root and dataset caches are empty tmpfs mounts,
+`ray job submit` of the main job training with one worker per node on a dataset that is only in the bucket
+(the session's S3 server), and `ray stop`. Any read of a driver-local path on the second node fails the job.
 
 It runs in a private PID namespace (unshare) with its own HOME and Ray temp dir, so `ray stop` stops those
 nodes and nothing else on the machine (for example the test session's own Ray instance); it needs root for
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import storage
 from tests.conftest import _free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,10 +34,12 @@ def _unshare_ok() -> str | None:
 
 
 @pytest.mark.slow
-def test_ray_job_submit_runs_the_pipeline_on_a_two_node_cluster(tmp_path, test_runs_root):
-    """`ray start --head`, a second node joining it with `ray start --address`, `ray job submit` of the main job
-    with one Train worker per node (STRICT_SPREAD), then `ray stop`. The job reuses the session's prepared `test`
-    dataset (its run root) and trains, evaluates and samples on the cluster."""
+def test_ray_job_submit_runs_the_pipeline_on_a_two_node_cluster(tmp_path, test_runs_root, s3_dataset,
+                                                                  mlflow_server):
+    """`ray start --head`, a second node joining it with `ray start --address` unable to see the driver's files,
+    `ray job submit` of the main job with one Train worker per node (STRICT_SPREAD), then `ray stop`. The job's
+    run.storage is the bucket, where the session's `test` dataset already is (found by its content hash); it
+    trains, evaluates and samples on the cluster, and tracks to the session's MLflow server."""
     why = _unshare_ok()
     if why:
         pytest.fail(f"cannot isolate `ray stop` from other Ray instances: {why}")
@@ -47,7 +52,13 @@ def test_ray_job_submit_runs_the_pipeline_on_a_two_node_cluster(tmp_path, test_r
     # the job's unpacked working dir (the driver's cwd) once its Train worker no longer used it.
     (port, dash, agent, agent_grpc, client, metrics, env_agent,
      agent2, agent_grpc2, metrics2, env_agent2) = _free_ports(11)
-    prepared = {str(p.parent) for p in (test_runs_root / "datasets").glob("*/manifest.json")}
+    job_root = tmp_path / "runs"  # the driver's run root: run.json and curves only, all else in the bucket
+    job_root.mkdir()
+    (job_root / "CANARY").write_text("the second node must not see this")
+    hidden = [job_root, test_runs_root, s3_dataset.run_root]  # the driver's run roots and local dataset cache
+    masks = " && ".join(f"mount -t tmpfs tmpfs {d}" for d in hidden)
+    storage_root = next(o for o in s3_dataset.overrides if o.startswith("--run.storage=")).split("=", 1)[1]
+    data_args = " ".join(o for o in s3_dataset.overrides if not o.startswith("--run.root="))
     script = textwrap.dedent(f"""
         set -u
         export HOME={scratch}/home PATH={BIN}:$PATH
@@ -60,18 +71,21 @@ def test_ray_job_submit_runs_the_pipeline_on_a_two_node_cluster(tmp_path, test_r
             --temp-dir={scratch}/ray --disable-usage-stats > {scratch}/start.log 2>&1 \\
             || {{ cat {scratch}/start.log; exit 3; }}
         export RAY_AUTH_MODE=token  # clients of a token-authenticated cluster say so
-        ray start --address=127.0.0.1:{port} --num-cpus=8 --min-worker-port=0 --max-worker-port=0 \\
+        # The second node, as a machine of its own: a mount namespace where the driver's run roots are empty.
+        unshare --mount --propagation private bash -c '{masks} && test ! -e {job_root}/CANARY && \\
+            exec ray start --address=127.0.0.1:{port} --num-cpus=8 --min-worker-port=0 --max-worker-port=0 \\
             --dashboard-agent-listen-port={agent2} --dashboard-agent-grpc-port={agent_grpc2} \\
             --metrics-export-port={metrics2} --runtime-env-agent-port={env_agent2} --temp-dir={scratch}/ray2 \\
-            --disable-usage-stats             > {scratch}/start2.log 2>&1 || {{ cat {scratch}/start2.log; ray stop --force > /dev/null 2>&1; exit 5; }}
+            --disable-usage-stats' > {scratch}/start2.log 2>&1 || {{ cat {scratch}/start2.log; ray stop --force > /dev/null 2>&1; exit 5; }}
         cd {ROOT}
         A=http://127.0.0.1:{dash}
         # The job agent comes up a little after `ray start` returns: retry only that refusal, for 90 s at most.
         deadline=$((SECONDS + 90))
         while :; do
             timeout 420 ray job submit --address $A --working-dir . -- \\
-                python pipeline/run.py --preset test --run.root={test_runs_root} --run.name=job \\
-                --train.sample_tokens=0 --ray.num_workers=2 --ray.placement_strategy=STRICT_SPREAD --audit-data \\
+                python pipeline/run.py --preset test {data_args} --run.root={job_root} --run.name=job \\
+                --tracking.tracking_uri={mlflow_server[0]} --tracking.experiment=cluster \\
+                --ray.num_workers=2 --ray.placement_strategy=STRICT_SPREAD --audit-data \\
                 > {scratch}/submit.log 2>&1
             rc=$?
             grep -q "No available agent" {scratch}/submit.log && [ $SECONDS -lt $deadline ] || break
@@ -97,16 +111,20 @@ def test_ray_job_submit_runs_the_pipeline_on_a_two_node_cluster(tmp_path, test_r
         shutil.rmtree(scratch, ignore_errors=True)
     assert proc.returncode == 0, f"rc={proc.returncode} jobs={jobs!r}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     assert "SUCCEEDED" in jobs and "succeeded" in proc.stdout
-    run_dir = test_runs_root / "job"
+    run_dir = job_root / "job"
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "finished" and record["phases_done"] == 1
-    assert Path(record["checkpoint"], "model.safetensors").is_file()
+    assert record["checkpoint"].startswith(f"{storage_root}/job/ray/phase0/checkpoint_")
+    assert storage.is_file(storage.join(record["checkpoint"], "model.safetensors"))
     assert "compare runs in the MLflow UI" in proc.stdout and "eval/loss=" in proc.stdout
-    assert len(record["datasets"]) == 1 and record["datasets"][0] in prepared, (record["datasets"], prepared)
-    # One Train worker per node: each rank's audit names the node it ran on, both of the cluster's nodes.
+    assert record["datasets"] == [s3_dataset.dataset]  # the bucket's, found by its content hash
+    assert {p.name for p in job_root.iterdir()} == {"CANARY", "job"}  # no dataset, no checkpoint on the driver
+    # One Train worker per node: each rank's audit (in the bucket) names the node it ran on, both of the nodes.
     alive = {n["node_id"] for n in json.loads(nodes_json) if n.get("state") == "ALIVE"}
-    per_rank = {int(f.stem.split("_")[1]): {json.loads(ln)["node"] for ln in f.read_text().splitlines() if ln.strip()}
-                for f in (run_dir / "data_audit").glob("rank_*.jsonl")}
+    audits = storage.glob(f"{storage_root}/job/data_audit/rank_*.jsonl")
+    per_rank = {int(a.rsplit("_", 1)[1].split(".")[0]): {json.loads(ln)["node"] for ln in
+                                                         storage.read_text(a).splitlines() if ln.strip()}
+                for a in audits}
     assert sorted(per_rank) == [0, 1], per_rank
     (n0,), (n1,) = per_rank[0], per_rank[1]
     assert n0 != n1, "both workers ran on the same node"

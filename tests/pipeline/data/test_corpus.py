@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -92,9 +93,9 @@ def test_resolve_files_dir_glob_file_and_errors(tmp_path):
     (tmp_path / "sub").mkdir()
     for name in ("b.txt", "a.jsonl", "sub/c.parquet", "skip.csv", ".hidden.txt"):
         (tmp_path / name).write_text("x")
-    names = [p.relative_to(tmp_path).as_posix() for p in resolve_files(str(tmp_path))]
+    names = [Path(p).relative_to(tmp_path).as_posix() for p in resolve_files(str(tmp_path))]
     assert names == ["a.jsonl", "b.txt", "sub/c.parquet"]  # sorted, recursive, unsupported/hidden skipped
-    assert [p.name for p in resolve_files(str(tmp_path / "*.txt"))] == ["b.txt"]  # glob skips dot files too
+    assert [Path(p).name for p in resolve_files(str(tmp_path / "*.txt"))] == ["b.txt"]  # glob skips dot files too
     with pytest.raises(DataSourceError, match="does not exist"):
         resolve_files(str(tmp_path / "nope"))
     with pytest.raises(DataSourceError, match="matches no"):

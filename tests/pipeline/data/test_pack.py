@@ -118,7 +118,9 @@ def test_split_is_deterministic_and_shards_are_sized(messy_dataset):
     assert 0 < m.rows("val") < 0.15 * len(is_val)  # val_fraction 0.05 of a few hundred rows
     for split, shards in m.shards.items():
         assert all(s.rows == cfg.data.rows_per_shard for s in shards[:-1]) and 0 < shards[-1].rows
-        assert [s.file for s in shards] == [f"{split}-{k:05d}.parquet" for k in range(len(shards))]
+        build = shards[0].file.split("/")[0]  # every file of the dataset in one build directory
+        assert build.startswith("build-") and m.tokenizer_file == f"{build}/tokenizer.model"
+        assert [s.file for s in shards] == [f"{build}/{split}-{k:05d}.parquet" for k in range(len(shards))]
     assert validate_dataset(out).ok
 
 
@@ -196,7 +198,9 @@ def test_same_settings_same_bytes_whatever_the_parallelism(ray_session, tok_path
     a, b = load_manifest(out), load_manifest(again)
     assert (a.extra["tokenize_actors"], b.extra["tokenize_actors"]) == (2, 1)  # three files: blocks for both
     assert a.settings_hash == b.settings_hash  # the actor count is not part of the key...
-    assert a.shards == b.shards  # ...because it cannot change a byte
+    same = {split: [(s.file.split("/", 1)[1], s.rows, s.sha256) for s in lst] for split, lst in a.shards.items()}
+    assert same == {split: [(s.file.split("/", 1)[1], s.rows, s.sha256) for s in lst]  # ...because it cannot
+                    for split, lst in b.shards.items()}  # change a byte (each build has a directory of its own)
 
 
 def test_cache_reuses_and_changed_settings_rebuild(ray_session, tok_path, tmp_path):
@@ -226,7 +230,7 @@ def test_builtin_corpus_trains_its_tokenizer(test_runs_root):
     assert cfg.data.source == "builtin" and cfg.data.tokenizer == ""
     out = prepare(cfg)
     m = load_manifest(out)
-    tok = Tokenizer(out / "tokenizer.model")
+    tok = Tokenizer(out / m.tokenizer_file)
     assert m.vocab_size == tok.vocab_size == cfg.data.vocab_size and m.tokenizer_sha256 == tok.sha256
     assert (m.pad_id, m.unk_id, m.bos_id, m.eos_id) == (0, 1, 2, 3)
     assert m.counts["documents"] == cfg.data.max_documents and m.source["kind"] == "builtin"
@@ -266,7 +270,7 @@ def test_sigkill_midway_leaves_no_manifest_and_the_rerun_validates(ray_session, 
                             start_new_session=True)
     try:
         deadline = time.time() + 180
-        while not (out / f".hold-{stage}").exists():
+        while not list(out.glob(f"build-*/.hold-{stage}")):
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.time() < deadline, "prepare never reached the hold point"
             time.sleep(0.2)
@@ -277,16 +281,21 @@ def test_sigkill_midway_leaves_no_manifest_and_the_rerun_validates(ray_session, 
             os.killpg(proc.pid, signal.SIGKILL)
         proc.stderr.close()
     assert not (out / MANIFEST_FILE).exists()
-    assert (out / "_parts").is_dir()  # really killed mid-build: the intermediate files are still there
+    killed = [p.name for p in out.glob("build-*") if p.is_dir()]
+    assert len(killed) == 1 and (out / killed[0] / "_parts").is_dir()  # really killed mid-build: its files are there
     if stage == "shards":
-        assert list(out.glob("train-*.parquet"))
+        assert list(out.glob("build-*/train-*.parquet"))
     with pytest.raises(DatasetError, match="manifest.json is missing"):
         load_manifest(out)
     report = validate_dataset(out)
     assert not report.ok and "manifest.json is missing" in report.errors[0]
     cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(root), data__dataset_dir=str(out))
     assert prepare(cfg) == out
-    assert validate_dataset(out).ok and not (out / "_parts").exists() and not list(out.glob(".hold-*"))
+    assert validate_dataset(out).ok and not list(out.glob("build-*/.hold-*"))
+    # the rerun built anew and removed the killed build (its process is gone), parts and all
+    builds = {p.name for p in out.glob("build-*") if p.is_dir()}
+    assert builds == {load_manifest(out).tokenizer_file.split("/")[0]} and killed[0] not in builds
+    assert not list(out.glob("build-*/_parts"))
 
 
 def test_a_small_corpus_starts_no_idle_tokenizer_actors(ray_session, tok_path, tmp_path, recwarn):

@@ -238,7 +238,7 @@ def test_page_checksums_catch_corruption_even_with_a_matching_manifest(copy_of):
 
 def test_tokenizer_hash_mismatch_is_reported(copy_of, tmp_path):
     other = train_tokenizer(sample_docs(30, 1000), 400, tmp_path / "other.model")
-    shutil.copyfile(other, copy_of / "tokenizer.model")
+    shutil.copyfile(other, copy_of / load_manifest(copy_of).tokenizer_file)
     report = validate_dataset(copy_of)
     assert not report.ok
     assert any("tokenizer.model sha256" in e and "another tokenizer" in e for e in report.errors)

