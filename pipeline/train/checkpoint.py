@@ -38,6 +38,7 @@ import pickle
 import shutil
 import tempfile
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -294,10 +295,21 @@ def _load_full_into_sharded(engine, directory: Path, weights_only_model: bool) -
     _set_rng_state(engine, state["rng"])
 
 
+def _dcp_load(state: dict[str, Any], reader, no_dist: bool) -> None:
+    """dcp.load in place. With no_dist (one process reading a sharded checkpoint whole: eval, generate, export, or an
+    unsharded run resuming one) DCP warns that torch.distributed is not initialised, which is the intent here."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized",
+                                    category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=no_dist)
+
+
 def _load_sharded(engine, directory: Path, meta: dict[str, Any], weights_only_model: bool) -> None:
     """DCP fills templates shaped like this engine's own state (sharded under FSDP, whole tensors otherwise), so
     the worker count that wrote the checkpoint does not matter."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_state_dict)
 
@@ -305,7 +317,7 @@ def _load_sharded(engine, directory: Path, meta: dict[str, Any], weights_only_mo
     reader = _safe_reader(directory / SHARDED_DIR)
     if weights_only_model:
         model_sd = get_model_state_dict(engine.module)
-        dcp.load({"model": model_sd}, storage_reader=reader, no_dist=not engine.sharded)
+        _dcp_load({"model": model_sd}, reader, no_dist=not engine.sharded)
         _check_keys(*engine.module.load_state_dict(model_sd, strict=False), directory)
         return
     # For a fresh optimizer get_state_dict first creates AdamW's state (one step with zero gradients at lr 0,
@@ -313,7 +325,7 @@ def _load_sharded(engine, directory: Path, meta: dict[str, Any], weights_only_mo
     model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer, options=opts)
     state = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
              "rng": _rng_state(engine)}
-    dcp.load(state, storage_reader=reader, no_dist=not engine.sharded)
+    _dcp_load(state, reader, no_dist=not engine.sharded)
     set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
                    optim_state_dict={**optim_sd, **state["optim"]}, options=opts)
     engine.scheduler.load_state_dict(meta["scheduler"])
@@ -332,7 +344,6 @@ def load_model_state(directory: str | os.PathLike, meta: dict[str, Any] | None =
         from safetensors.torch import load_file
 
         return load_file(str(directory / "model.safetensors"))
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = _safe_reader(directory / SHARDED_DIR)
@@ -342,7 +353,7 @@ def load_model_state(directory: str | os.PathLike, meta: dict[str, Any] | None =
                 if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
     if not template:
         raise CheckpointError(f"checkpoint {directory} holds no model weights; use another checkpoint")
-    dcp.load({"model": template}, storage_reader=reader, no_dist=True)
+    _dcp_load({"model": template}, reader, no_dist=True)
     return {k[len(MODEL_PREFIX):]: v for k, v in template.items()}
 
 
