@@ -38,7 +38,6 @@ Parts: 1. reference (pure torch: the oracle and the CPU path)  2. the simulator 
 """
 from __future__ import annotations
 
-import math
 import time
 
 import torch

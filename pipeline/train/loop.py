@@ -98,7 +98,7 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
     `epoch`; the engine's (epoch, cursor) say where to resume, so a restored engine continues at the
     exact next sequence. Each micro-batch advances the cursor by batch_size x world_size sequences.
     """
-    cfg, t = engine.cfg, engine.cfg.train
+    t = engine.cfg.train
     hooks = hooks or Hooks()
     max_steps = max_steps or t.max_steps
     result = FitResult(step=engine.step, stopped_early=False)

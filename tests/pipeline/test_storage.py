@@ -7,8 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from pipeline import storage
 from pipeline.config import load_config
 from pipeline.data.builds import LEASE_TTL_S, Build, machine_id, remove_stale, removable
