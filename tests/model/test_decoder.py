@@ -34,7 +34,8 @@ def test_known_parameter_counts():
     for name in TIERS:
         with torch.device("meta"):
             counts[name] = build_model(name, 32000).num_params()
-    assert counts == {"nano": 2_154_816, "A": 26_450_304, "B": 109_529_856, "C": 341_099_520, "D": 757_016_064}
+    assert counts == {"nano": 2_154_816, "A": 26_450_304, "B": 109_529_856, "C": 341_099_520, "D": 757_016_064,
+                      "E": 1_504_299_008, "F": 2_936_855_040}
 
 
 def test_gqa_shrinks_key_value_projections():
