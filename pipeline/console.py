@@ -24,6 +24,14 @@ def interactive() -> bool:
     return sys.stdout.isatty()
 
 
+def plain_worker_prefixes() -> None:
+    """In a log file or a pipe, the `(RayTrainWorker pid=...)` prefix Ray puts on every worker line carries no
+    colour codes. Ray's driver wraps it in ANSI colours whatever its stdout is, unless RAY_COLOR_PREFIX=0; a person
+    at a terminal keeps them. An explicit RAY_COLOR_PREFIX wins."""
+    if not interactive():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 def stage(name: str, detail: str = "") -> None:
     """A stage banner: `==> train: tier nano, 200 steps` (bold in a terminal)."""
     line = f"==> {name}" + (f": {detail}" if detail else "")

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # `python pipeline/run.py`: make the project impo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import Config, ConfigError, from_flat, load_config  # noqa: E402
-from pipeline.console import quiet_mlflow, stage  # noqa: E402
+from pipeline.console import plain_worker_prefixes, quiet_mlflow, stage  # noqa: E402
 from pipeline.train.run_dir import find_run, new_run_dir, read_run_file  # noqa: E402
 
 STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune", "export")
@@ -184,6 +184,7 @@ def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: li
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     quiet_mlflow()
+    plain_worker_prefixes()
     try:
         if args.stage == "validate":
             from pipeline.data.stages import validate_main

@@ -134,8 +134,8 @@ def test_bad_command_lines_get_one_clear_line(args, message, bad_command_line_ru
 @pytest.mark.slow
 def test_the_main_job_reads_well_in_a_log_file(test_runs_root):
     """`python pipeline/run.py` (every stage) with its output going to a file, as in CI or `ray job logs`:
-    its own local Ray (dashboard URL printed), stage banners, plain progress lines, and none of Ray's
-    placement-group-cleaner or deprecation noise."""
+    its own local Ray (dashboard URL printed), stage banners, plain progress lines without colour codes, and none
+    of Ray's placement-group-cleaner or deprecation noise."""
     res = run_cli("--preset", "test", f"--run.root={test_runs_root}", "--run.name=console", "--max-new-tokens=8",
                   timeout=400)
     out = res.stdout + res.stderr
@@ -147,6 +147,7 @@ def test_the_main_job_reads_well_in_a_log_file(test_runs_root):
     assert any(ln.endswith("eta 0m00s") and "step 8/8" in ln for ln in lines), out  # plain progress lines
     noise = [ln for ln in lines if "PlacementGroupCleaner" in ln or "deprecated" in ln.lower() or "Traceback" in ln]
     assert not noise, "\n".join(noise)
+    assert "\x1b[" not in out, "terminal colour codes in a log file"  # Ray colours worker prefixes unless told
     assert len(lines) <= 150, f"{len(lines)} lines:\n{out}"
 
 
