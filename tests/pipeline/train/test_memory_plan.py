@@ -1,7 +1,7 @@
 """The memory model (pipeline/train/memory_plan.py) against memory that was measured: the CPU counter on real
 training steps (one process, and two FSDP workers through the plan command's --measure), the largest micro-batch
 the measured search finds, and the H100 peaks committed under bench/results/; the plan command's answers, the
-fit table in docs/scaling.md, and what train.parallel=auto chooses.
+fit table in docs/scaling.md and README.md, and what train.parallel=auto chooses.
 
 On CPU every tensor is counted (pipeline/train/memory_limit.py), so the model can be held to a few percent there:
 3% for the attention family with and without activation checkpointing and for FSDP shards, 7% for resonance.
@@ -120,6 +120,6 @@ def test_auto_shards_only_when_a_full_copy_does_not_fit():
 
 
 def test_the_fit_table_in_the_docs_is_the_models():
-    text = (ROOT / "docs" / "scaling.md").read_text()
     table = fit_table(load_config("gpu", {}), 32000, ["D", "E", "F"], [1, 8, 64], limit_gib=80)
-    assert table in text, "docs/scaling.md's fit table differs from the memory model's; regenerate it with\n" + table
+    for doc in ("docs/scaling.md", "README.md"):
+        assert table in (ROOT / doc).read_text(), f"{doc}'s fit table differs from the memory model's; regenerate it:\n" + table
