@@ -1,15 +1,17 @@
-"""Everything on object storage, against the session's real S3 server (SeaweedFS, tests/conftest.py `s3_bucket`):
-a corpus in the bucket prepared into a dataset in the bucket, validated, trained, resumed, evaluated, sampled and
-exported from there with run.storage the one bucket setting; a prepare killed midway and its rerun; and one
-clear line for every bad URI and credential, before any worker starts.
+"""Everything on object storage, against the session's real S3 server (SeaweedFS, tests/conftest.py `s3_bucket`): a
+corpus in the bucket prepared into a dataset in the bucket, validated, trained (stopped with Ctrl+C), resumed,
+evaluated, sampled and exported from there with run.storage the one bucket setting; a prepare killed midway and its
+rerun; and one clear line for every bad URI and credential, before any worker starts.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,9 +32,10 @@ def _record(run_dir: Path) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
 
-def test_the_whole_pipeline_on_object_storage(s3_bucket, s3_dataset, capsys, tmp_path):
-    """prepare (s3 corpus -> s3 store) -> validate -> train -> --resume -> eval -> generate -> export, with every
-    dataset, checkpoint, audit and MLflow artifact in the bucket and none of them on the driver's disk."""
+def test_the_whole_pipeline_on_object_storage(s3_bucket, s3_dataset, ray_address, capsys, tmp_path):
+    """prepare (s3 corpus -> s3 store) -> validate -> train, stopped by Ctrl+C -> --resume -> eval -> generate ->
+    export, with every dataset, checkpoint, audit and MLflow artifact in the bucket and none of them on the driver's
+    disk."""
     dataset, overrides, run_root = s3_dataset.dataset, ["--preset", "test", *s3_dataset.overrides], s3_dataset.run_root
     assert dataset.startswith(f"{s3_bucket}/store/datasets/")
     m = load_manifest(dataset)
@@ -42,30 +45,51 @@ def test_the_whole_pipeline_on_object_storage(s3_bucket, s3_dataset, capsys, tmp
     assert main(["validate", dataset]) == 0
     assert "OK" in capsys.readouterr().out
 
-    # train 4 steps; the data audit and the checkpoints go to <run.storage>/<run>/
-    args = [*overrides, "--run.name=s3run", "--train.sample_tokens=4", "--audit-data"]
-    assert main(["train", *args, "--train.max_steps=4"]) == 0
+    # train in a subprocess and stop it with Ctrl+C after a few steps: the driver writes the stop request into
+    # <run.storage>/<run>/STOP in the bucket, the workers checkpoint there and stop at the same step
+    steps = 120
+    args = [*overrides, "--run.name=s3run", "--train.sample_tokens=4", "--audit-data", f"--train.max_steps={steps}",
+            "--train.log_every=1", "--train.checkpoint_every=40", "--train.eval_every=40", "--address", ray_address]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pipeline" / "run.py"), "train", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(300, proc.kill)
+    watchdog.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(rf"step (\d+)/{steps} ", line)
+            if m and int(m.group(1)) >= 3:
+                proc.send_signal(signal.SIGINT)
+                break
+        out = "".join(lines) + proc.communicate(timeout=300)[0]
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 0, out[-4000:]
+    assert "stop requested" in out and "--resume" in out, out[-4000:]
     run_dir = run_root / "s3run"
     record = _record(run_dir)
     first = record["checkpoint"]
+    assert record["status"] == "stopped", record
     assert first.startswith(f"{s3_bucket}/store/s3run/ray/phase0/checkpoint_") and record["datasets"] == [dataset]
     assert not (run_dir / "ray").exists() and not (run_dir / "data_audit").exists()
+    assert not storage.exists(f"{s3_bucket}/store/s3run/STOP"), "the stop request outlived the run"
+    with storage.local_copy(first) as local:
+        stopped_at = json.loads((local / "meta.json").read_text())["counters"]["step"]
+    assert 3 <= stopped_at < steps
 
-    # --resume: what a run stopped with Ctrl+C at step 4 of 8 leaves in run.json; Ray Train restores the
-    # checkpoint from the bucket and the workers go on at step 5, reading the same dataset
-    write_stopped = {**record, "phases": [{"steps": 8, "overrides": {}}], "status": "stopped"}
-    write_stopped.pop("phases_done", None)
-    (run_dir / "run.json").write_text(json.dumps(write_stopped))
-    assert main(["train", "--resume", str(run_dir), "--train.max_steps=8", "--preset", "test"]) == 0
+    # --resume: Ray Train restores the checkpoint from the bucket and the workers go on at the next step,
+    # reading the same dataset, to the end
+    assert main(["train", "--resume", str(run_dir)]) == 0
     record = _record(run_dir)
     assert record["status"] == "finished" and record["checkpoint"] != first
     with storage.local_copy(record["checkpoint"]) as local:
         meta = json.loads((local / "meta.json").read_text())
-    assert meta["counters"]["step"] == 8 and meta["dataset_dir"] == dataset
+    assert meta["counters"]["step"] == steps and meta["dataset_dir"] == dataset
     audit = [json.loads(line) for line in storage.read_text(f"{s3_bucket}/store/s3run/data_audit/rank_0.jsonl")
              .splitlines()]
-    assert [r["step"] for r in audit] == list(range(1, 9))  # steps 1-4, then 5-8 after the resume: none twice
-    assert len({r["pid"] for r in audit[:4]} | {r["pid"] for r in audit[4:]}) == 2
+    assert [r["step"] for r in audit] == list(range(1, steps + 1))  # before the stop, then after it: none twice
+    assert {r["pid"] for r in audit[:stopped_at]}.isdisjoint({r["pid"] for r in audit[stopped_at:]})
 
     out = capsys.readouterr().out
     assert main(["eval", "--resume", str(run_dir)]) == 0
