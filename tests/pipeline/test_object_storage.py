@@ -107,6 +107,33 @@ def test_the_whole_pipeline_on_object_storage(s3_bucket, s3_dataset, ray_address
     assert any("/samples/step_" in a for a in artifacts)  # written by rank 0, in its worker
 
 
+def test_a_sweep_on_object_storage(s3_bucket, s3_dataset, tmp_path, capsys):
+    """A Tune sweep with run.storage the bucket: every trial trains on the bucket's dataset and checkpoints into
+    the bucket, Tune's experiment state goes there too, and the driver's disk holds only the sweep's report."""
+    space = tmp_path / "bs.yaml"
+    space.write_text("metric: val/loss\nmode: min\nscheduler: {type: fifo}\n"
+                     "resources_per_trial: {num_workers: 1, cpus_per_worker: 1, use_gpu: 'false'}\n"
+                     "fixed: {ray.max_failures: 0, train.max_steps: 4, train.eval_every: 2, train.checkpoint_every: 2,"
+                     " train.eval_batches: 1, train.sample_tokens: 0}\n"
+                     "params: {train.batch_size: {grid: [1, 2]}}\n")
+    assert main(["tune", "--space", str(space), "--preset", "test", *s3_dataset.overrides, "--run.name=s3sweep"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "| ok |" in line]
+    assert len(rows) == 2, out[-3000:]
+    store = f"{s3_bucket}/store/tune/s3sweep"
+    last_step: dict[str, int] = {}  # trial -> its latest checkpoint's step, each trial in a storage of its own
+    for meta_file in storage.glob(f"{store}/trials/*/ray/**/meta.json"):
+        meta = json.loads(storage.read_text(meta_file))
+        assert meta["dataset_dir"] == s3_dataset.dataset
+        trial = meta_file.split("/trials/")[1].split("/")[0]
+        last_step[trial] = max(last_step.get(trial, 0), meta["counters"]["step"])
+    assert sorted(last_step.values()) == [4, 4], last_step
+    assert storage.glob(f"{store}/ray_tune/s3sweep/experiment_state-*.json"), "Tune's state is not in the bucket"
+    local = s3_dataset.run_root / "tune" / "s3sweep"
+    assert {p.name for p in local.iterdir()} >= {"sweep_table.md", "best_preset.yaml"}
+    assert not list(local.rglob("meta.json")) and not list(local.rglob("*.safetensors"))
+
+
 def _held_prepare(args: list[str], ray_address: str, out: str) -> tuple[subprocess.Popen, str]:
     """`prepare` in a subprocess, held after its shards are written (LONGTRAIN_PREPARE_HOLD): (process, marker)."""
     env = {**os.environ, "LONGTRAIN_PREPARE_HOLD": "shards", "PYTHONPATH": str(ROOT)}
