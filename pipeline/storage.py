@@ -11,8 +11,8 @@ for any other protocol it knows (wrapped in pyarrow's PyFileSystem). Credentials
 Google SDKs look, never from the config: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN),
 AWS_PROFILE and ~/.aws, or the node's instance role; GOOGLE_APPLICATION_CREDENTIALS or the metadata server.
 An S3-compatible store (MinIO, SeaweedFS, Cloudflare R2, GCS's S3 API) is named by the AWS SDKs' own endpoint
-setting, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (e.g. http://minio:9000), which boto3 (MLflow's artifacts)
-and Ray read too. Every process resolves its own filesystem from its own environment: only locations travel
+setting, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (e.g. http://minio:9000), or the profile's `endpoint_url` in
+~/.aws/config, all of which boto3 (MLflow's artifacts) reads too. Every process resolves its own filesystem from its own environment: only locations travel
 between processes, never credentials.
 
 A bare path names this machine's disk; a URI names storage that every node of a cluster can open (a shared
@@ -103,7 +103,7 @@ def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
         return _local(), "/" + rest.lstrip("/")
     if sch == "s3":
         bucket = rest.split("/", 1)[0]
-        env = tuple(os.environ.get(k, "") for k in (*ENDPOINT_ENVS, "AWS_REGION", "AWS_DEFAULT_REGION"))
+        env = (endpoint(), *(os.environ.get(k, "") for k in ("AWS_REGION", "AWS_DEFAULT_REGION")))
         # A filesystem per set of credentials too (it resolves them when it is made): a changed key is used.
         creds = hashlib.sha256("\0".join(os.environ.get(k, "") for k in _CREDENTIAL_ENVS).encode()).hexdigest()
         return _s3(bucket, env, creds), rest.rstrip("/")
@@ -126,12 +126,11 @@ def _local() -> pafs.FileSystem:
 
 @functools.lru_cache(maxsize=32)
 def _s3(bucket: str, env: tuple[str, ...], creds: str) -> pafs.FileSystem:
-    """S3FileSystem for a bucket: the endpoint of AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (its http:// or https://
-    decides the scheme), the region of AWS_REGION / AWS_DEFAULT_REGION, else the bucket's own (AWS only), and
-    credentials from the SDK's default chain (environment, profile, instance role). `env` and a hash of the
-    credential settings key the cache."""
-    endpoint = env[0] or env[1]
-    region = env[2] or env[3]
+    """S3FileSystem for a bucket: the endpoint of `endpoint()` (its http:// or https:// decides the scheme), the
+    region of AWS_REGION / AWS_DEFAULT_REGION, else the bucket's own (AWS only), and credentials from the SDK's
+    default chain (environment, profile, instance role). `env` (endpoint, the two region settings) and a hash of
+    the credential settings key the cache."""
+    endpoint, region = env[0], env[1] or env[2]
     kw: dict = {"connect_timeout": CONNECT_TIMEOUT_S}
     if endpoint:
         kw["endpoint_override"] = endpoint
@@ -157,8 +156,38 @@ def _fsspec(sch: str, text: str) -> tuple[pafs.FileSystem, str]:
 
 
 def endpoint() -> str:
-    """The S3 endpoint this process uses ("" = AWS's own)."""
-    return next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), "")
+    """The S3 endpoint this process uses ("" = AWS's own), looked up as the AWS SDKs do: AWS_ENDPOINT_URL_S3,
+    AWS_ENDPOINT_URL, then the profile's `endpoint_url` in ~/.aws/config (its `services` section's s3 entry
+    first), unless AWS_IGNORE_CONFIGURED_ENDPOINT_URLS is true."""
+    from_env = next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), "")
+    if from_env:
+        return from_env
+    keys = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
+    config = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    with contextlib.suppress(OSError):
+        return _configured_endpoint(tuple(os.environ.get(k, "") for k in keys), os.stat(config).st_mtime_ns)
+    return ""
+
+
+@functools.lru_cache(maxsize=8)
+def _configured_endpoint(env: tuple[str, ...], mtime: int) -> str:
+    """The endpoint_url that ~/.aws/config gives S3 for the profile ("" if none); `env` and the file's mtime key
+    the cache. A profile that does not exist gives "": the credentials lookup reports it."""
+    try:
+        import botocore.exceptions
+        import botocore.session
+        from botocore.configprovider import ConfiguredEndpointProvider
+    except ImportError:  # boto3 is a dependency; without it only the environment variables count
+        return ""
+    try:
+        session = botocore.session.Session()
+        if str(session.get_config_variable("ignore_configured_endpoint_urls")).lower() == "true":
+            return ""
+        found = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=session.get_scoped_config(),
+                                           client_name="s3").provide()
+    except botocore.exceptions.BotoCoreError:
+        return ""
+    return found or ""
 
 
 def location_of(fs: pafs.FileSystem, path: str, like: str) -> str:
@@ -192,7 +221,7 @@ def explain(exc: BaseException, location: str, what: str = "") -> StorageError:
     sch = scheme(location)
     if any(s in msg for s in _UNREACHABLE):
         where = f"endpoint {endpoint()}" if sch == "s3" and endpoint() else "the object store"
-        fix = ("set AWS_ENDPOINT_URL to the S3-compatible server's URL (http://host:port)" if sch == "s3"
+        fix = ("set AWS_ENDPOINT_URL (or endpoint_url in ~/.aws/config) to the S3-compatible server's URL (http://host:port)" if sch == "s3"
                else "check the network")
         return StorageError(f"cannot reach {where} for {named} ({detail}); is it running and reachable from this "
                             f"machine? {fix}")

@@ -134,6 +134,25 @@ def test_a_sweep_on_object_storage(s3_bucket, s3_dataset, tmp_path, capsys):
     assert not list(local.rglob("meta.json")) and not list(local.rglob("*.safetensors"))
 
 
+def test_an_endpoint_set_only_in_the_aws_config_file_reaches_the_bucket(s3_bucket, s3_dataset, tmp_path,
+                                                                        monkeypatch, capsys):
+    """No AWS_ENDPOINT_URL: the profile's endpoint_url in ~/.aws/config (AWS_CONFIG_FILE here) names the store."""
+    endpoint = storage.endpoint()
+    for k in (*storage.ENDPOINT_ENVS, "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    config = tmp_path / "config"
+    config.write_text(f"[profile lab]\nendpoint_url = {endpoint}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_PROFILE", "lab")
+    storage._s3.cache_clear()  # no filesystem made from the environment's endpoint is reused
+    try:
+        storage.check(f"{s3_bucket}/store", what="run.storage", write=True)
+        assert main(["validate", s3_dataset.dataset]) == 0
+        assert "OK" in capsys.readouterr().out
+    finally:
+        storage._s3.cache_clear()
+
+
 def _held_prepare(args: list[str], ray_address: str, out: str) -> tuple[subprocess.Popen, str]:
     """`prepare` in a subprocess, held after its shards are written (LONGTRAIN_PREPARE_HOLD): (process, marker)."""
     env = {**os.environ, "LONGTRAIN_PREPARE_HOLD": "shards", "PYTHONPATH": str(ROOT)}

@@ -78,3 +78,31 @@ def _start(pid: int) -> float:
     import psutil
 
     return psutil.Process(pid).create_time()
+
+
+def test_the_s3_endpoint_comes_from_where_the_aws_sdks_look(tmp_path, monkeypatch):
+    """AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, then the profile's endpoint_url in the config file (its
+    `services` section's s3 entry before the profile's own), none when AWS_IGNORE_CONFIGURED_ENDPOINT_URLS."""
+    for k in (*storage.ENDPOINT_ENVS, "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
+        monkeypatch.delenv(k, raising=False)
+    config = tmp_path / "config"
+    config.write_text("[default]\nendpoint_url = http://default-store:9000\n\n"
+                      "[profile lab]\nendpoint_url = http://lab-any:9000\nservices = lab-services\n\n"
+                      "[services lab-services]\ns3 =\n  endpoint_url = http://lab-s3:8333\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    assert storage.endpoint() == "http://default-store:9000"
+    monkeypatch.setenv("AWS_PROFILE", "lab")
+    assert storage.endpoint() == "http://lab-s3:8333"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://env-any:9000")
+    assert storage.endpoint() == "http://env-any:9000"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://env-s3:9000")
+    assert storage.endpoint() == "http://env-s3:9000"
+    for k in storage.ENDPOINT_ENVS:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    assert storage.endpoint() == ""
+    monkeypatch.delenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")  # the credential lookup names a missing profile, not this
+    assert storage.endpoint() == ""
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "absent"))
+    assert storage.endpoint() == ""
