@@ -21,6 +21,11 @@ on the same or another worker count, and sharded -> one process or DDP (DCP asse
 process group). `load_model_state` consolidates a sharded checkpoint in one process, sized from its metadata, with
 no manual step: eval, generate and export read FSDP checkpoints as they read full ones.
 
+On object storage (`load` given an s3:// or gs:// location: a resumed Ray Train worker, a new phase) a sharded
+checkpoint is read in place: each worker fetches only the byte ranges of the tensors its load plan names, so no
+node downloads the whole model and optimizer state. A full checkpoint, needed whole, is copied to a temporary
+directory first.
+
 Atomic: a checkpoint is written to a temporary sibling directory and renamed into place; under FSDP every worker
 writes into a directory of the same name (shared storage: the same one; Ray Train: each its own), a barrier
 follows, then rank 0 renames and, after a second barrier, a worker whose own temporary directory is still there
@@ -76,50 +81,142 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's metadata")
 
 
-def _safe_reader(path: Path):
-    """A DCP FileSystemReader whose metadata is unpickled by _MetadataUnpickler (module docstring)."""
+RANGE_MAX = 64 << 20  # back-to-back ranges of one shard file are fetched in one GET up to this size
+FETCH_THREADS = 16  # GETs in flight per worker
+
+
+def _safe_reader(path: str | os.PathLike):
+    """A DCP FileSystemReader whose metadata is unpickled by _MetadataUnpickler (module docstring). For a location
+    on object storage it reads only the byte ranges this worker's load plan names (ranged GETs, back-to-back
+    ranges merged, several in flight; a gap is never read) instead of whole shard files; `bytes_read` counts them."""
+    import io
+    import posixpath
+    from contextlib import contextmanager
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
+    from pipeline.storage import is_local, read_bytes, resolve
+
+    location = str(path)
+    remote = not is_local(location)
+
+    class _Ranges:
+        """The reader's filesystem on object storage: DCP opens each shard file through it, and is handed nothing
+        to read from (read_data fetched the ranges first)."""
+
+        def init_path(self, p: str | os.PathLike, **kwargs: Any) -> str:
+            return str(p)
+
+        def concat_path(self, p: str | os.PathLike, suffix: str) -> str:
+            return posixpath.join(str(p), suffix)
+
+        @contextmanager
+        def create_stream(self, p: str | os.PathLike, mode: str):
+            yield None
+
     class SafeReader(FileSystemReader):
+        bytes_read = 0
+        _fetched: dict[tuple[str, int, int], bytes] | None = None
+
+        def __init__(self, p: str) -> None:
+            super().__init__(p)
+            if remote:
+                self.fs, self.path = _Ranges(), p
+
         def read_metadata(self, *args: Any, **kwargs: Any):  # FileSystemReader's, with the safe unpickler
-            meta_path = Path(self._get_metadata_path(kwargs.get("rank")))
+            meta_path = self._get_metadata_path(kwargs.get("rank"))
+            where = posixpath.dirname(str(meta_path)) if remote else Path(meta_path).parent
             try:
-                with self.fs.create_stream(meta_path, "rb") as f:
-                    md = _MetadataUnpickler(f).load()
+                if remote:
+                    md = _MetadataUnpickler(io.BytesIO(read_bytes(str(meta_path)))).load()
+                else:
+                    with self.fs.create_stream(Path(meta_path), "rb") as f:
+                        md = _MetadataUnpickler(f).load()
             except FileNotFoundError:
-                raise CheckpointError(f"{meta_path.parent} has no .metadata; the sharded checkpoint is incomplete, "
+                raise CheckpointError(f"{where} has no .metadata; the sharded checkpoint is incomplete, "
                                       f"use an earlier one") from None
             except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
                 raise CheckpointError(f"{meta_path} is not DCP metadata this version reads ({exc}); use an "
                                       f"earlier checkpoint") from None
             if any(isinstance(v, BytesStorageMetadata) for v in md.state_dict_metadata.values()):
-                raise CheckpointError(f"{meta_path.parent} holds pickled objects, which longtrain never writes and "
+                raise CheckpointError(f"{where} holds pickled objects, which longtrain never writes and "
                                       f"does not load; it was not written by longtrain")
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
 
-    return SafeReader(str(path))
+        def read_data(self, plan, planner):
+            if not remote:
+                return super().read_data(plan, planner)
+            self._fetched = self._fetch({(s.relative_path, s.offset, s.length) for s in
+                                         (self.storage_data[item.storage_index] for item in plan.items)})
+            try:
+                return super().read_data(plan, planner)
+            finally:
+                self._fetched = None
+
+        def _slice_file(self, file, sinfo):
+            if self._fetched is None:
+                return super()._slice_file(file, sinfo)
+            return io.BytesIO(self._fetched[(sinfo.relative_path, sinfo.offset, sinfo.length)])
+
+        def _fetch(self, wanted: set[tuple[str, int, int]]) -> dict[tuple[str, int, int], bytes]:
+            """Every wanted (file, offset, length), read in merged ranges: a worker's slice of the checkpoint."""
+            from concurrent.futures import ThreadPoolExecutor
+
+            runs: list[tuple[str, int, int, list[tuple[str, int, int]]]] = []  # (file, start, end, its pieces)
+            for key in sorted(wanted):
+                name, offset, length = key
+                if runs and runs[-1][0] == name and offset <= runs[-1][2] \
+                        and offset + length - runs[-1][1] <= RANGE_MAX:
+                    runs[-1] = (name, runs[-1][1], max(runs[-1][2], offset + length), runs[-1][3] + [key])
+                else:
+                    runs.append((name, offset, offset + length, [key]))
+
+            def get(run: tuple[str, int, int, list]) -> bytes:
+                fs, file = resolve(posixpath.join(location, run[0]))
+                with fs.open_input_file(file) as f:
+                    return f.read_at(run[2] - run[1], run[1])
+
+            out: dict[tuple[str, int, int], bytes] = {}
+            with ThreadPoolExecutor(FETCH_THREADS) as pool:
+                for (name, start, end, keys), data in zip(runs, pool.map(get, runs)):
+                    self.bytes_read += len(data)
+                    view = memoryview(data)
+                    for key in keys:
+                        out[key] = view[key[1] - start:key[1] - start + key[2]]
+            return out
+
+    return SafeReader(location)
 
 
-def _shard_files(directory: Path) -> set[str]:
+def _shard_files(directory: str | os.PathLike) -> set[str]:
     """The files a sharded checkpoint's metadata says hold its tensors."""
-    md = _safe_reader(directory / SHARDED_DIR).read_metadata()
+    md = _safe_reader(_join(directory, SHARDED_DIR)).read_metadata()
     return {info.relative_path for info in md.storage_data.values()}
+
+
+def _join(directory: str | os.PathLike, *names: str) -> str:
+    from pipeline.storage import join
+
+    return join(str(directory), *names)
 
 
 # ------------------------------------------------------------------------------------------ meta.json
 def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    """meta.json of a checkpoint, after checking that the files of its layout are all there."""
-    directory = Path(directory)
-    meta_path = directory / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); pass a checkpoint directory "
-                              f"written by longtrain, e.g. runs/<run>/checkpoints/step_000100")
+    """meta.json of a checkpoint (a local path or a location on object storage), after checking that the files
+    of its layout are all there."""
+    from pipeline.storage import StorageError, is_file, read_text
+
+    meta_path = _join(directory, "meta.json")
     try:
-        meta = json.loads(meta_path.read_text())
+        text = read_text(meta_path)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, StorageError):
+        raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); pass a checkpoint directory "
+                              f"written by longtrain, e.g. runs/<run>/checkpoints/step_000100") from None
+    try:
+        meta = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{meta_path} is corrupt ({exc.msg}); use an earlier checkpoint") from None
     if meta.get("format") not in READABLE_FORMATS:
@@ -133,7 +230,7 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
     else:
         raise CheckpointError(f"{directory} has checkpoint layout {layout!r}; this version reads {FULL} and {SHARDED}")
     for name in needed:
-        if not (directory / name).is_file():
+        if not is_file(_join(directory, name)):
             raise CheckpointError(f"checkpoint {directory} lacks {name}; it is incomplete, use an earlier one")
     return meta
 
@@ -236,16 +333,25 @@ def _save_sharded(engine, directory: Path, extra: dict[str, Any] | None) -> Path
 # ------------------------------------------------------------------------------------------ loading
 def load(engine, directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
     """Restore what save() wrote, from either layout into either kind of engine; returns meta.json. Checks tier,
-    vocabulary and model family first. Under FSDP every worker must call it."""
+    vocabulary and model family first. Under FSDP every worker must call it.
+
+    `directory` may be a location on object storage: a sharded checkpoint is then read in place, each worker
+    fetching only the byte ranges of its own shards (meta.json's `read_bytes` and `shard_bytes` in the returned
+    dict say how much of how much); a full one, which every worker needs whole, is copied to a temporary
+    directory first."""
+    from pipeline.storage import is_local, local_copy
+
     meta = read_checkpoint_meta(directory)
     check_checkpoint_fits(meta, engine.cfg.model.tier, engine.vocab_size, directory, mixer=engine.cfg.model.mixer)
-    directory = Path(directory)
     if meta["layout"] == SHARDED:
-        _load_sharded(engine, directory, meta, weights_only_model)
+        _load_sharded(engine, str(directory), meta, weights_only_model)
+    elif not is_local(str(directory)):
+        with local_copy(directory) as local:
+            return load(engine, local, weights_only_model)
     elif engine.sharded:
-        _load_full_into_sharded(engine, directory, weights_only_model)
+        _load_full_into_sharded(engine, Path(directory), weights_only_model)
     else:
-        _load_full(engine, directory, weights_only_model)
+        _load_full(engine, Path(directory), weights_only_model)
     if not weights_only_model:
         c = meta["counters"]
         engine.step, engine.epoch, engine.cursor = c["step"], c["epoch"], c["cursor"]
@@ -307,18 +413,20 @@ def _dcp_load(state: dict[str, Any], reader, no_dist: bool) -> None:
         dcp.load(state, storage_reader=reader, no_dist=no_dist)
 
 
-def _load_sharded(engine, directory: Path, meta: dict[str, Any], weights_only_model: bool) -> None:
+def _load_sharded(engine, directory: str, meta: dict[str, Any], weights_only_model: bool) -> None:
     """DCP fills templates shaped like this engine's own state (sharded under FSDP, whole tensors otherwise), so
-    the worker count that wrote the checkpoint does not matter."""
+    the worker count that wrote the checkpoint does not matter. Records in `meta` the bytes of shards this worker
+    read (read_bytes) and their total (shard_bytes)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                          set_state_dict)
 
     opts = StateDictOptions(flatten_optimizer_state_dict=True)
-    reader = _safe_reader(directory / SHARDED_DIR)
+    reader = _safe_reader(_join(directory, SHARDED_DIR))
     if weights_only_model:
         model_sd = get_model_state_dict(engine.module)
         _dcp_load({"model": model_sd}, reader, no_dist=not engine.sharded)
         _check_keys(*engine.module.load_state_dict(model_sd, strict=False), directory)
+        _count_read(meta, reader)
         return
     # For a fresh optimizer get_state_dict first creates AdamW's state (one step with zero gradients at lr 0,
     # which leaves the weights as they are), so there are tensors to read the saved moments into.
@@ -332,6 +440,12 @@ def _load_sharded(engine, directory: Path, meta: dict[str, Any], weights_only_mo
     for group, lr in zip(engine.optimizer.param_groups, engine.scheduler.get_last_lr()):
         group["lr"] = lr  # what the last scheduler step set (the template's groups start at the base lr)
     _set_rng_state(engine, state["rng"])
+    _count_read(meta, reader)
+
+
+def _count_read(meta: dict[str, Any], reader) -> None:
+    meta["read_bytes"] = reader.bytes_read  # 0 on a local disk, where DCP reads the files itself
+    meta["shard_bytes"] = sum(info.length for info in reader.storage_data.values())
 
 
 def load_model_state(directory: str | os.PathLike, meta: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:

@@ -101,11 +101,9 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     restored = ray.train.get_checkpoint()
     meta = None
     if restored is not None:
-        with restored.as_directory() as d:
-            meta = engine.load(d)
+        meta = _load_restored(engine, restored)
     elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
-        with local_copy(lc["init_from"]) as d:  # on object storage: a temporary local copy
-            meta = engine.load(d)
+        meta = engine.load(lc["init_from"])  # on object storage: sharded read in place, full copied first
         engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
     run_storage = lc["run_storage"]
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
@@ -165,6 +163,25 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     finally:
         if audit is not None:
             audit.close()
+
+
+def _load_restored(engine, restored) -> dict[str, Any]:
+    """Ray Train's checkpoint into the engine. On object storage a sharded (FSDP) checkpoint is read in place:
+    each worker fetches only the byte ranges of its own shards, so no node downloads the whole model and
+    optimizer. A full checkpoint, which every worker needs whole, comes through Ray's as_directory (one
+    download per node, shared by its workers)."""
+    from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
+
+    scheme = {"s3": "s3", "gcs": "gs"}.get(getattr(restored.filesystem, "type_name", ""))
+    location = f"{scheme}://{restored.path.lstrip('/')}" if scheme else None
+    if location and read_checkpoint_meta(location)["layout"] == SHARDED:
+        meta = engine.load(location)
+        if engine.rank == 0:
+            print(f"resume: read {meta['read_bytes'] / 2**20:,.1f} MiB of the checkpoint's "
+                  f"{meta['shard_bytes'] / 2**20:,.1f} MiB of shards from {location} (this worker's part)", flush=True)
+        return meta
+    with restored.as_directory() as d:
+        return engine.load(d)
 
 
 def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:

@@ -2,7 +2,8 @@
 reports its own shards, Ray merges them into one checkpoint; a batch size the memory model says cannot fit is
 recorded as oom without running), then the trial's run resumed on one worker from that checkpoint (resharded),
 ending where a run that never stopped ends; and the two workers' checkpoint exported to a Hugging Face directory
-that transformers loads, with the model's logits. The exactness checks beside it (FSDP against DDP, bitwise
+that transformers loads, with the model's logits. The run's storage is the session's S3 bucket (a cluster's
+setting): the shards go there, and the resumed worker reads them in place with ranged GETs. The exactness checks beside it (FSDP against DDP, bitwise
 resume, 1 -> 2) run the same engine without Ray, in seconds: tests/pipeline/train/test_fsdp.py."""
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ SPACE = {
 }
 
 
-def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, tmp_path, capfd):
+def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, s3_bucket, tmp_path, capfd):
+    from pipeline import storage
     from pipeline.data.shards import ShardReader, load_manifest
     from pipeline.sweep.report import OK, OOM
     from pipeline.sweep.tune import run_sweep
@@ -35,7 +37,9 @@ def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, tmp_pa
     from pipeline.train.loop import fit
     from pipeline.train.ray_train import run_training
 
-    cfg, ds = build_dataset(tmp_path / "data", overrides={"tracking.enabled": False, "run.name": "fsdp-sweep"})
+    store = f"{s3_bucket}/fsdp-ray-{tmp_path.name}"
+    cfg, ds = build_dataset(tmp_path / "data", overrides={"tracking.enabled": False, "run.name": "fsdp-sweep",
+                                                          "run.storage": store})
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump(SPACE))
     sweep = run_sweep(cfg, space)
@@ -44,11 +48,14 @@ def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, tmp_pa
     trial = rows[4]
     assert trial.status == OK and trial.steps == 4
     run_dir = sweep.sweep_dir / "trials" / trial.trial_id
-    (ckpt,) = [p for p in (run_dir / "ray" / "phase0").glob("checkpoint_*") if p.is_dir()]
-    meta = read_checkpoint_meta(ckpt)
+    assert not (run_dir / "ray").exists()  # the checkpoints are in the bucket
+    (meta_file,) = storage.glob(f"{store}/tune/fsdp-sweep/trials/{trial.trial_id}/ray/phase0/checkpoint_*/meta.json")
+    ckpt_uri = meta_file.rsplit("/", 1)[0]
+    meta = read_checkpoint_meta(ckpt_uri)
     assert (meta["layout"], meta["world_size"], meta["counters"]["step"]) == ("sharded", 2, 4)
-    shards = sorted(p.name for p in (ckpt / "sharded").iterdir())
+    shards = sorted(storage.basename(p) for p in storage.glob(f"{ckpt_uri}/sharded/*"))
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], "Ray did not merge both workers' shards"
+    ckpt = storage.download(ckpt_uri, tmp_path / "ckpt")
     hf_dir = export_checkpoint(ckpt, tmp_path / "hf").out_dir  # consolidated on load
 
     # the trial's run continued to step 8 on one worker with the same global batch (its schedule still the trial's
@@ -60,6 +67,8 @@ def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, tmp_pa
     assert "parallel: fsdp over 2 worker(s) (train.parallel=fsdp)" in out
     assert "resume: checkpoint written by 2 worker(s) (sharded layout), resumed on 1" in out
     assert "global batch changes" not in out
+    # one worker holds the whole state: it read all of the shards, in place
+    assert f"of shards from {ckpt_uri} (this worker's part)" in out, out[-3000:]
     assert read_checkpoint_meta(second.checkpoint)["counters"]["step"] == 8 and second.metrics["step"] == 8
 
     # a run that never stopped: the one-process engine over the same rows
@@ -69,7 +78,8 @@ def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, tmp_pa
     last = fit(ref, lambda e, s: ShardReader(ds, "train", t.batch_size, seed=t.seed, epoch=e, start=s), None,
                max_steps=8, progress=False).last_train
     assert second.metrics["train/loss"] == pytest.approx(last["train/loss"], rel=1e-5)  # the mean over steps 5-8
-    got = load_model_state(second.checkpoint)
+    with storage.local_copy(second.checkpoint) as local:
+        got = load_model_state(local)
     for name, want in ref.module.decoder.state_dict().items():
         torch.testing.assert_close(got[name], want, **WEIGHT_TOL, msg=name)
 
