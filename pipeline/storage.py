@@ -12,8 +12,8 @@ Google SDKs look, never from the config: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_K
 AWS_PROFILE and ~/.aws, or the node's instance role; GOOGLE_APPLICATION_CREDENTIALS or the metadata server.
 An S3-compatible store (MinIO, SeaweedFS, Cloudflare R2, GCS's S3 API) is named by the AWS SDKs' own endpoint
 setting, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (e.g. http://minio:9000), or the profile's `endpoint_url` in
-~/.aws/config, all of which boto3 (MLflow's artifacts) reads too. Every process resolves its own filesystem from its own environment: only locations travel
-between processes, never credentials.
+~/.aws/config, all of which boto3 (MLflow's artifacts) reads too. Every process resolves its own filesystem from
+its own environment: only locations travel between processes, never credentials.
 
 A bare path names this machine's disk; a URI names storage that every node of a cluster can open (a shared
 filesystem mounted at the same path everywhere is file:///that/path). So a Ray worker on another node is never
@@ -198,6 +198,13 @@ def location_of(fs: pafs.FileSystem, path: str, like: str) -> str:
     return f"{sch}://{path.lstrip('/')}"
 
 
+def ray_storage_args(location: str) -> dict:
+    """storage_path and storage_filesystem for a Ray Train or Tune RunConfig: Ray opens `location` with the same
+    filesystem as everything here (endpoint, region), not one it builds from the URI itself."""
+    fs, path = resolve(location)
+    return {"storage_path": path, "storage_filesystem": None if is_local(location) else fs}
+
+
 # ------------------------------------------------------------------------------------------ errors
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
@@ -221,8 +228,8 @@ def explain(exc: BaseException, location: str, what: str = "") -> StorageError:
     sch = scheme(location)
     if any(s in msg for s in _UNREACHABLE):
         where = f"endpoint {endpoint()}" if sch == "s3" and endpoint() else "the object store"
-        fix = ("set AWS_ENDPOINT_URL (or endpoint_url in ~/.aws/config) to the S3-compatible server's URL (http://host:port)" if sch == "s3"
-               else "check the network")
+        fix = ("set AWS_ENDPOINT_URL (or endpoint_url in ~/.aws/config) to the S3-compatible server's URL "
+               "(http://host:port)" if sch == "s3" else "check the network")
         return StorageError(f"cannot reach {where} for {named} ({detail}); is it running and reachable from this "
                             f"machine? {fix}")
     if any(s in msg for s in _NO_BUCKET):

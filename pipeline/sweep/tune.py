@@ -365,7 +365,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     from pipeline.data.shards import check_trainable, load_manifest
     from pipeline.tracking.tracker import check_tracking_uri, open_tracker, pin_tracking_uri, resolve_tracking_uri
     from pipeline.ray_runtime import ensure_ray
-    from pipeline.storage import absolute, is_local, join, resolve, run_storage
+    from pipeline.storage import absolute, join, ray_storage_args, run_storage
     from pipeline.storage import pin as pin_storage
 
     space = load_space(space_path, cfg)
@@ -415,9 +415,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
             tune_config=ray.tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=space.num_samples,
                                             scheduler=scheduler,
                                             max_concurrent_trials=space.max_concurrent_trials or _auto_concurrency(cfg)),
-            # Tune opens its storage with the same filesystem as everything else here (endpoint, region)
-            run_config=ray.tune.RunConfig(name=name, storage_path=resolve(storage)[1], verbose=1,
-                                          storage_filesystem=None if is_local(storage) else resolve(storage)[0],
+            run_config=ray.tune.RunConfig(name=name, **ray_storage_args(storage), verbose=1,
                                           callbacks=[ReleaseTrialResources()]),
         )
         rows = _rows(tuner.fit(), space, cfg)

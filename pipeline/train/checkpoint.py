@@ -331,23 +331,24 @@ def _save_sharded(engine, directory: Path, extra: dict[str, Any] | None) -> Path
 
 
 # ------------------------------------------------------------------------------------------ loading
-def load(engine, directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
+def load(engine, directory: str | os.PathLike, weights_only_model: bool = False,
+         meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Restore what save() wrote, from either layout into either kind of engine; returns meta.json. Checks tier,
     vocabulary and model family first. Under FSDP every worker must call it.
 
     `directory` may be a location on object storage: a sharded checkpoint is then read in place, each worker
     fetching only the byte ranges of its own shards (meta.json's `read_bytes` and `shard_bytes` in the returned
     dict say how much of how much); a full one, which every worker needs whole, is copied to a temporary
-    directory first."""
+    directory first. `meta`: what read_checkpoint_meta(directory) returned, when the caller has it already."""
     from pipeline.storage import is_local, local_copy
 
-    meta = read_checkpoint_meta(directory)
+    meta = meta or read_checkpoint_meta(directory)
     check_checkpoint_fits(meta, engine.cfg.model.tier, engine.vocab_size, directory, mixer=engine.cfg.model.mixer)
     if meta["layout"] == SHARDED:
         _load_sharded(engine, str(directory), meta, weights_only_model)
     elif not is_local(str(directory)):
         with local_copy(directory) as local:
-            return load(engine, local, weights_only_model)
+            return load(engine, local, weights_only_model, meta)
     elif engine.sharded:
         _load_full_into_sharded(engine, Path(directory), weights_only_model)
     else:

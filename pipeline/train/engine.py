@@ -373,10 +373,11 @@ class Engine:
         shards; all must call). pipeline/train/checkpoint.py describes both."""
         return checkpoint.save(self, directory, extra)
 
-    def load(self, directory: str | os.PathLike, weights_only_model: bool = False) -> dict[str, Any]:
-        """Restore the state written by save(), from either layout and any worker count; returns meta.json.
-        Checks tier, vocabulary and model family first."""
-        return checkpoint.load(self, directory, weights_only_model)
+    def load(self, directory: str | os.PathLike, weights_only_model: bool = False,
+             meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Restore the state written by save(), from either layout and any worker count, from a local directory
+        or object storage; returns meta.json. Checks tier, vocabulary and model family first."""
+        return checkpoint.load(self, directory, weights_only_model, meta)
 
     @contextlib.contextmanager
     def full_model(self) -> Iterator[nn.Module]:

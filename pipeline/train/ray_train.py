@@ -40,7 +40,7 @@ from pipeline.config import Config, from_flat
 from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet_ray_train_worker
 from pipeline.ray_runtime import ensure_ray, require_shared, use_gpu, worker_cpus, workers_may_be_elsewhere
 from pipeline.storage import (absolute, check, delete, exists, is_local, join, local_copy, location_of, native,
-                              ray_storage, resolve, run_storage, write_bytes)
+                              ray_storage, ray_storage_args, run_storage, write_bytes)
 
 # Light on purpose: Ray Train's controller and Tune's trial processes import this module (to unpickle
 # train_loop_per_worker). The engine, the model and numba load only in the training workers, inside
@@ -101,7 +101,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     restored = ray.train.get_checkpoint()
     meta = None
     if restored is not None:
-        meta = _load_restored(engine, restored)
+        meta = _load_restored(engine, restored, lc["ray_storage"])
     elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
         meta = engine.load(lc["init_from"])  # on object storage: sharded read in place, full copied first
         engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
@@ -165,21 +165,23 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
             audit.close()
 
 
-def _load_restored(engine, restored) -> dict[str, Any]:
+def _load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
     """Ray Train's checkpoint into the engine. On object storage a sharded (FSDP) checkpoint is read in place:
     each worker fetches only the byte ranges of its own shards, so no node downloads the whole model and
     optimizer. A full checkpoint, which every worker needs whole, comes through Ray's as_directory (one
     download per node, shared by its workers)."""
     from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
 
-    scheme = {"s3": "s3", "gcs": "gs"}.get(getattr(restored.filesystem, "type_name", ""))
-    location = f"{scheme}://{restored.path.lstrip('/')}" if scheme else None
-    if location and read_checkpoint_meta(location)["layout"] == SHARDED:
-        meta = engine.load(location)
-        if engine.rank == 0:
-            print(f"resume: read {meta['read_bytes'] / 2**20:,.1f} MiB of the checkpoint's "
-                  f"{meta['shard_bytes'] / 2**20:,.1f} MiB of shards from {location} (this worker's part)", flush=True)
-        return meta
+    location = location_of(restored.filesystem, restored.path, ray_storage)
+    if not is_local(location):
+        meta = read_checkpoint_meta(location)
+        if meta["layout"] == SHARDED:
+            meta = engine.load(location, meta=meta)
+            if engine.rank == 0:
+                print(f"resume: read {meta['read_bytes'] / 2**20:,.1f} MiB of the checkpoint's "
+                      f"{meta['shard_bytes'] / 2**20:,.1f} MiB of shards from {location} (this worker's part)",
+                      flush=True)
+            return meta
     with restored.as_directory() as d:
         return engine.load(d)
 
@@ -254,9 +256,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     for what, where in (("ray.storage_path", storage), ("the run's storage", run_store)):
         check(where, what=what, write=True)  # endpoint, bucket, credentials: one line, before any worker
     run_name = f"phase{phase}"
-    storage_fs, storage_path = resolve(storage)
     lc = {"config": cfg.flat(), "dataset_dir": dataset_dir, "vocab_size": manifest.vocab_size,
-          "run_storage": run_store, "mlflow_run_id": mlflow_run_id, "init_from": init_from,
+          "run_storage": run_store, "ray_storage": storage, "mlflow_run_id": mlflow_run_id, "init_from": init_from,
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
           "required_metric": required_metric, "interactive": interactive()}
     trainer = TorchTrainer(
@@ -266,8 +267,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                                                resources_per_worker={"CPU": worker_cpus(cfg)},
                                                placement_strategy=cfg.ray.placement_strategy),
         run_config=ray.train.RunConfig(
-            # Ray Train opens its storage with the same filesystem as everything else here (endpoint, region)
-            name=run_name, storage_path=storage_path, storage_filesystem=None if is_local(storage) else storage_fs,
+            name=run_name, **ray_storage_args(storage),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
                                                          checkpoint_score_attribute="val/loss",
                                                          checkpoint_score_order="min"),
