@@ -382,7 +382,14 @@ class Engine:
     @contextlib.contextmanager
     def full_model(self) -> Iterator[nn.Module]:
         """The decoder with whole (unsharded) parameters inside the block, for generation at evaluation steps.
-        Under FSDP every worker must enter it (the parameters are all-gathered on entry and freed on exit)."""
+
+        Under FSDP every worker must enter it (the parameters are all-gathered on entry and freed on exit), and what
+        it yields is NOT the sharded module but a plain twin built on the meta device whose parameters and buffers
+        are the gathered tensors themselves (no copy): running it fires no FSDP hook. That matters because only
+        rank 0 generates. A forward through the sharded modules on one rank alone would record that rank's own
+        forward order (FSDP's post_forward_order), and its next backward would prefetch, all-gather, a unit the
+        other ranks never gather: a hang. With the twin, the collectives are the unshard and reshard here, which
+        every rank runs in the same order."""
         if not self.sharded:
             yield self.module.decoder
             return
@@ -392,7 +399,26 @@ class Engine:
         for unit in units:
             unit.unshard()
         try:
-            yield self.module.decoder
+            yield _hookless_twin(self.module.decoder, self.cfg)
         finally:
             for unit in units:
                 unit.reshard()
+
+
+def _hookless_twin(decoder: nn.Module, cfg: Config) -> nn.Module:
+    """A plain (unsharded, uncompiled) decoder of the same tier whose parameters and buffers ARE `decoder`'s current
+    tensors: built on the meta device, then every tensor slot pointed at the original's. Call it while the sharded
+    decoder's parameters are unsharded; drop it before they are resharded (their storage is freed then)."""
+    with torch.device("meta"):
+        twin = build_model(cfg.model.tier, decoder.vocab_size, mixer=cfg.model.mixer,
+                           tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
+                           attention=cfg.model.attention)
+    for name, tensor in [*decoder.named_parameters(), *decoder.named_buffers()]:
+        owner, _, leaf = name.rpartition(".")
+        module = twin.get_submodule(owner) if owner else twin
+        slots = module._parameters if leaf in module._parameters else module._buffers
+        slots[leaf] = nn.Parameter(tensor.detach(), requires_grad=False) if slots is module._parameters else tensor
+    left = [n for n, t in [*twin.named_parameters(), *twin.named_buffers()] if t.is_meta]
+    if left:  # a tensor the sharded decoder does not have: the twin would compute with placeholders
+        raise RuntimeError(f"the generation twin of the sharded decoder lacks {left[:3]}")
+    return twin.eval()

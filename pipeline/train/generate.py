@@ -369,8 +369,10 @@ def eval_samples_hook(dataset_dir: str | Path, tracker, max_new_tokens: int):
         return None
     tokenizer = dataset_tokenizer(dataset_dir)  # local or on object storage, never a driver-only path
 
-    def hook(engine, metrics) -> None:
-        out = generate_texts(engine.module.decoder, tokenizer, list(SAMPLE_PROMPTS), max_new_tokens=max_new_tokens,
+    def hook(engine, metrics, decoder=None) -> None:
+        """decoder: what to generate with (under FSDP the whole-weight twin of Engine.full_model); default the
+        engine's own unsharded decoder."""
+        out = generate_texts(decoder if decoder is not None else engine.module.decoder, tokenizer, list(SAMPLE_PROMPTS), max_new_tokens=max_new_tokens,
                              seed=engine.step, compile_step=False)  # a few tokens per eval: never worth a compile
         body = "\n\n".join(f"### prompt {p!r} (step {engine.step}, val/loss {metrics.get('val/loss', float('nan')):.4f})"
                            f"\n{p}{t}" for p, t in zip(SAMPLE_PROMPTS, out.texts))

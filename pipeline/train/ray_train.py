@@ -28,6 +28,7 @@ also before any worker starts.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import tempfile
@@ -211,11 +212,12 @@ def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
 
 def _gathered(samples):
     """The eval-samples hook under FSDP: generation needs whole weights, so every worker enters the gather and
-    rank 0 (the one with a hook) generates inside it."""
+    rank 0 (the one with a hook) generates inside it, through the hook-free twin full_model yields: no sharded
+    module runs on rank 0 alone (engine.py full_model says why that would hang the next backward)."""
     def hook(engine, metrics) -> None:
-        with engine.full_model():
+        with engine.full_model() as decoder:
             if samples is not None:
-                samples(engine, metrics)
+                samples(engine, metrics, decoder)
 
     return hook
 
@@ -234,7 +236,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     restores the run by name). `init_from` starts from another checkpoint's full state (phases).
     """
     import ray.train
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from pipeline.train.engine import check_checkpoint_fits, read_checkpoint_meta
     from pipeline.data.shards import check_compatible, check_trainable, load_manifest
@@ -263,6 +265,9 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=lc,
+        # The process group's timeout bounds every collective's wait (gloo and NCCL): a rank that does not join one
+        # ends the attempt with one line instead of a silent hang (pipeline/train/collectives.py)
+        torch_config=TorchConfig(timeout_s=math.ceil(cfg.train.collective_timeout_s)),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu(cfg),
                                                resources_per_worker={"CPU": worker_cpus(cfg)},
                                                placement_strategy=cfg.ray.placement_strategy),
@@ -284,6 +289,13 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     except Exception as exc:  # noqa: BLE001 -- a failure to start becomes one line; anything else goes on up
         start_error = _start_failure(exc, cfg.ray.max_failures + 1)
         if start_error is None:
+            from pipeline.ray_runtime import find_cause
+            from pipeline.train.collectives import CollectiveTimeoutError
+
+            # a worker's one-line error, out of Ray's wrappers (TrainingFailedError's worker failures)
+            line = find_cause(exc, lambda e: isinstance(e, CollectiveTimeoutError))
+            if line is not None:
+                raise CollectiveTimeoutError(str(line)) from None
             raise
         raise TrainStartError(f"{_request_text(cfg)}: {start_error}; {_cluster_text()}. Free the resources, "
                               f"lower ray.num_workers / ray.cpus_per_worker, or wait longer per attempt with "

@@ -85,3 +85,29 @@ def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, s3_buc
 
     assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert_same_model(ckpt, hf_dir)
+
+
+@pytest.mark.parametrize("mixer", ["resonance", "attention"])
+def test_fsdp_run_with_eval_samples_finishes(mixer, ray_session, test_runs_root, capsys):
+    """The command that once hung after its first evaluation (rank 0 generated through the sharded resonance mixer
+    alone, and its next backward prefetched a gather the other worker never joined), through the CLI on two Ray
+    Train workers: it finishes, with samples logged at every evaluation. A regression ends within the collective
+    timeout with one line instead of hanging."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.run import main
+
+    name = f"fsdp-samples-{mixer}"
+    code = main(["train", "--preset", "test", f"--model.mixer={mixer}", "--train.parallel=fsdp",
+                 "--ray.num_workers=2", "--train.sample_tokens=16", "--train.eval_every=5", "--train.max_steps=20",
+                 "--train.collective_timeout_s=120", "--model.compile=off", f"--run.root={test_runs_root}",
+                 f"--run.name={name}"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    record = json.loads((test_runs_root / name / "run.json").read_text())
+    assert record["status"] == "finished"
+    client = MlflowClient(tracking_uri=f"sqlite:///{test_runs_root / 'mlflow.db'}")
+    run = client.get_run(record["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["longtrain.parallel"].startswith("fsdp")
+    samples = sorted(a.path for a in client.list_artifacts(run.info.run_id, "samples"))
+    assert samples == [f"samples/step_{s:06d}.txt" for s in (5, 10, 15, 20)]
