@@ -93,6 +93,10 @@ class TrainConfig:
     # all-reduced; fsdp = FSDP2, parameters, gradients and AdamW state sharded across the workers; auto = fsdp when
     # a full copy with its gradients, optimizer state and activations would not fit one worker's memory.
     parallel: str = "auto"
+    # Seconds a collective (the gradient all-reduce, FSDP's gathers, the metric all-reduces) waits for the other
+    # ranks before this attempt ends with one line naming the rank, the step and the collective
+    # (pipeline/train/collectives.py); the process group's timeout, gloo and NCCL alike
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -298,6 +302,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={beta} is invalid; it must be in [0, 1)")
     _one_of("train.precision", t.precision, ("auto", "bf16", "fp32"))
     _one_of("train.parallel", t.parallel, ("auto", "ddp", "fsdp"))
+    _positive("train.collective_timeout_s", t.collective_timeout_s)
     _positive("ray.num_workers", r.num_workers)
     _positive("ray.cpus_per_worker", r.cpus_per_worker, zero_ok=True)
     _positive("ray.max_failures", r.max_failures, zero_ok=True)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from pipeline.train.collectives import CollectiveWatch
 from pipeline.train.engine import Engine, StepOutcome
 
 BatchIter = Iterator[dict[str, torch.Tensor]]
@@ -101,6 +102,12 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
     t = engine.cfg.train
     hooks = hooks or Hooks()
     max_steps = max_steps or t.max_steps
+    # Every collective-bearing call runs inside a region of `watch`: one that fails or times out (a rank that did
+    # not join it) ends the run with one line naming this rank, the step and the collective (collectives.py).
+    watch = CollectiveWatch.for_engine(engine)
+    step_collective = {"ddp": "the gradient all-reduce (DDP)",
+                       "fsdp": "FSDP's parameter all-gathers and gradient reduce-scatters"}.get(engine.parallel,
+                                                                                                "the training step")
     result = FitResult(step=engine.step, stopped_early=False)
     window_start = time.perf_counter()
     it = iter(train_batches(engine.epoch, engine.cursor))
@@ -125,7 +132,8 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                 waited += time.perf_counter() - w0
                 micro.append(batch)
                 engine.cursor += batch["tokens"].shape[0] * engine.world_size
-            outcome = engine.train_step(micro)
+            with watch.region(step_collective, engine.step + 1):
+                outcome = engine.train_step(micro)
             if hooks.on_step:
                 hooks.on_step(engine, outcome, micro)
             if outcome.skipped:
@@ -133,9 +141,11 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
             bar.update(1)
             step, last = engine.step, engine.step == max_steps
             # Checked at log steps: under DDP this is a (tiny) collective every rank makes at the same step.
-            stopping = stop is not None and (step % t.log_every == 0 or last) and stop.poll(engine.device)
+            with watch.region("the stop-request all-reduce (at a log step)", step):
+                stopping = stop is not None and (step % t.log_every == 0 or last) and stop.poll(engine.device)
             if step % t.log_every == 0 or last or stopping:
-                result.last_train = engine.pull_train_metrics()
+                with watch.region("the training-metrics all-reduce (at a log step)", step):
+                    result.last_train = engine.pull_train_metrics()
                 now = time.perf_counter()
                 result.last_train[DATA_WAIT] = waited / max(now - window_start, 1e-9)
                 waited, window_start = 0.0, now
@@ -144,18 +154,23 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                                 tok_s=f"{result.last_train['train/tokens_per_s']:.0f}",
                                 lr=f"{result.last_train['train/lr']:.2e}", refresh=False)
                 if hooks.on_log:
-                    hooks.on_log(engine, result.last_train)
+                    with watch.region("the logging hook", step):
+                        hooks.on_log(engine, result.last_train)
             if val_batches is not None and (step % t.eval_every == 0 or last):
-                result.last_eval = engine.evaluate(val_batches(), max_batches=t.eval_batches)
+                with watch.region("the evaluation (its forwards and the metrics all-reduce)", step):
+                    result.last_eval = engine.evaluate(val_batches(), max_batches=t.eval_batches)
                 if hooks.on_eval:
-                    hooks.on_eval(engine, result.last_eval)
+                    with watch.region("the evaluation hook (the samples' whole-weight gather under FSDP)", step):
+                        hooks.on_eval(engine, result.last_eval)
             if hooks.on_checkpoint and (step % t.checkpoint_every == 0 or last or stopping):
-                hooks.on_checkpoint(engine, {**result.last_train, **result.last_eval})
+                with watch.region("the checkpoint (the report to Ray Train, the sharded save's barriers)", step):
+                    hooks.on_checkpoint(engine, {**result.last_train, **result.last_eval})
             if stopping:
                 result.stopped_early = True
                 break
     finally:
         bar.close()
+        watch.close()
     result.step = engine.step
     return result
 
