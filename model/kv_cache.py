@@ -87,7 +87,11 @@ class KVCache:
 
     def decode_span(self) -> int:
         """Slots the next one-token step attends over (a host int from `length`: see span_bucket)."""
-        return span_bucket(self.length + 1, self.n_slots)
+        return self.span_for(self.length)
+
+    def span_for(self, length: int) -> int:
+        """Slots a one-token step attends over when `length` tokens are cached (what decode_span says then)."""
+        return span_bucket(length + 1, self.n_slots)
 
     def advance(self, T: int) -> None:
         self.length += T

@@ -13,8 +13,10 @@ the output, all on the device, with no host sync inside the loop.
 The whole step in one CUDA graph. For a model with a graph-safe `decode_compute(tok, cache, span)` (model/decoder.py;
 any model that adds one to the `new_kv_cache` + `model(ids, kv_cache=cache)` protocol gets the same path), the
 step -- model, sampler (a fixed sequence of Numba launches on buffers prepared once per generation), EOS mask and
-output write -- is captured once per attention span bucket (model/kv_cache.py: a handful per generation) after
-WARMUP_STEPS eager steps, and each later token is one graph replay: one host call per token. The step can be
+output write -- is captured once per attention span bucket (model/kv_cache.py: a handful per generation), and each
+later token is one graph replay: one host call per token. `decode_plan` decides, from the spans ahead: after
+WARMUP_STEPS eager steps, a span is captured only once a step has run it eagerly (its compile and first launches
+happen outside the capture); the graphs share one memory pool. The step can be
 compiled first (`compile_step`: torch.compile of model + logits, default mode, which fuses the norms, RoPE, the
 softmax and the SwiGLU into a few Triton kernels and keeps the step graph-capturable), so a replay runs about a
 dozen kernels per layer instead of ~40. A model without `decode_compute` (only the generic protocol) runs the
@@ -135,8 +137,10 @@ class _DecodeLoop:
         self.done = torch.zeros(out.shape[0], dtype=torch.bool, device=device)
         self.col = torch.zeros(1, dtype=torch.int64, device=device)
         self.model_step, self.advances_itself = _step_fn(decoder, cache, compile_backend)
-        self.span_of = getattr(cache, "decode_span", None) if not self.advances_itself else None
+        # the span a step attends over when `length` tokens are cached; None for a model without spans
+        self.span_at = getattr(cache, "span_for", None) if not self.advances_itself else None
         self.graphs: dict = {}
+        self.pool = None  # one memory pool shared by every captured span (they replay one after another, never together)
 
     def emit(self, nxt: torch.Tensor) -> None:
         if self.eos_id is not None:
@@ -150,7 +154,12 @@ class _DecodeLoop:
         self.emit(self.sampler(self.model_step(self.tok, span)))
 
     def span(self) -> int | None:
-        return self.span_of() if self.span_of is not None else None
+        return self.span_at(self.cache.length) if self.span_at is not None else None
+
+    def spans(self, steps: int) -> list[int | None]:
+        """The span of each of the next `steps` steps (host arithmetic on cache.length; nothing runs)."""
+        now = self.cache.length
+        return [self.span_at(now + i) if self.span_at is not None else None for i in range(steps)]
 
     def check_room(self) -> None:
         """A clear error before a step the cache has no room for (host-side; any cache with length and max_len)."""
@@ -168,27 +177,42 @@ class _DecodeLoop:
 
     def capture(self, span, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         """Record the step for `span` (nothing runs: the device state and cache.length stay where they are)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, stream=stream, pool=self.pool):
             self.step(span)
         self.graphs[span] = graph
         return graph
 
-    def run_graphed(self, stream: torch.cuda.Stream) -> None:
-        """One real step by replay; a new span bucket is first run eagerly on the side stream (compiling there
-        if needed: never inside a capture) and then captured for the following steps."""
-        span = self.span()
-        graph = self.graphs.get(span)
-        if graph is None:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.run_eager()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.capture(self.span(), stream)
-            return
+    def replay(self, span) -> None:
+        """One real step by replaying `span`'s graph."""
         self.check_room()
-        graph.replay()
+        self.graphs[span].replay()
         self.cache.length += 1
+
+
+EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
+
+
+def decode_plan(spans: list, warmup: int = WARMUP_STEPS) -> list[str]:
+    """What each decode step does under CUDA graphs, from the span each one attends over (None for a model without
+    spans): EAGER (it runs), CAPTURE (its span's graph is recorded, then replayed for it) or REPLAY.
+
+    The first `warmup` steps run eagerly; after that a span is captured the first time a step attends over it
+    AGAIN, having run eagerly before. So a capture never meets a span for the first time: under torch.compile a
+    span that never ran would compile inside the capture, whose first launch synchronises and breaks it."""
+    plan, ran, captured = [], set(), set()
+    for i, span in enumerate(spans):
+        if span in captured:
+            plan.append(REPLAY)
+        elif i >= warmup and span in ran:
+            plan.append(CAPTURE)
+            captured.add(span)
+        else:
+            plan.append(EAGER)
+            ran.add(span)
+    return plan
 
 
 @torch.no_grad()
@@ -227,32 +251,47 @@ def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int
     t1 = time.perf_counter()
     loop = _DecodeLoop(decoder, cache, sampler, out, eos_id, backend)
     loop.emit(sampler(logits))  # token 0 (step 0 of every row's stream)
-    warm = min(WARMUP_STEPS, max_new_tokens - 1) if use_graph else min(1, max_new_tokens - 1)
+    steps = max_new_tokens - 1
+    plan = decode_plan(loop.spans(steps)) if use_graph else [EAGER] * steps
     side = torch.cuda.Stream(device) if use_graph else None
-    if side is not None:  # warm up on a side stream, as torch.cuda.graph asks; these are real steps
-        side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for _ in range(warm):
-            loop.run_eager()
-    if side is not None:
-        torch.cuda.current_stream(device).wait_stream(side)
-    graphed = False
-    if use_graph and 1 + warm < max_new_tokens:
-        try:
-            loop.capture(loop.span(), side)
-            graphed = True
-        except RuntimeError as exc:  # a capture that fails leaves the eager step, which is always correct
+    # warm-up: the steps up to the first capture (all of them when nothing is captured: then one, as timing goes)
+    warm = plan.index(CAPTURE) if CAPTURE in plan else min(steps, WARMUP_STEPS if use_graph else 1)
+    failed = False  # a capture failed: every later step runs eagerly (always correct)
+    t2 = cpu2 = None
+    for i, action in enumerate(plan):
+        if i == warm:
             _sync(device)
-            warnings.warn(f"CUDA-graph capture of the decode step failed, decoding eagerly: {exc}", stacklevel=2)
-    _sync(device)
-    t2, cpu2 = time.perf_counter(), time.process_time()
-    for _ in range(1 + warm, max_new_tokens):
-        loop.run_graphed(side) if graphed else loop.run_eager()
+            t2, cpu2 = time.perf_counter(), time.process_time()
+        span = loop.span()
+        if failed:
+            action = EAGER
+        if action == CAPTURE:
+            try:
+                side.wait_stream(torch.cuda.current_stream(device))
+                loop.capture(span, side)
+            except RuntimeError as exc:
+                _sync(device)
+                warnings.warn(f"CUDA-graph capture of the decode step failed, decoding eagerly: {exc}", stacklevel=2)
+                failed, action = True, EAGER
+                loop.graphs.clear()
+        if action != EAGER:
+            loop.replay(span)
+        elif side is not None:  # a graphed generation's eager steps run on the side stream, as its captures do
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                loop.run_eager()
+            torch.cuda.current_stream(device).wait_stream(side)
+        else:
+            loop.run_eager()
+    if t2 is None:  # too few steps to reach the decode phase
+        _sync(device)
+        t2, cpu2 = time.perf_counter(), time.process_time()
+    graphed = bool(loop.graphs)
     _sync(device)
     t3, cpu3 = time.perf_counter(), time.process_time()
     timings = GenerationTimings(prefill_tokens=sum(map(len, prompts)), prefill_s=t1 - t0,
                                 warmup_tokens=B * (1 + warm), warmup_s=t2 - t1,
-                                decode_tokens=B * (max_new_tokens - 1 - warm), decode_s=t3 - t2,
+                                decode_tokens=B * (steps - warm), decode_s=t3 - t2,
                                 decode_cpu_s=cpu3 - cpu2, cuda_graph=graphed, compiled=backend is not None,
                                 graphs=len(loop.graphs))
     return out, timings

@@ -188,3 +188,43 @@ def test_compiled_whole_step_graph_equals_eager_across_span_buckets():
                                               compile_step=True, **kw)
         assert timings.cuda_graph and timings.compiled and timings.graphs == 2
         assert torch.equal(graphed, eager), kw
+
+
+def test_a_decode_graph_is_captured_only_for_a_span_that_ran_at_every_prompt_length():
+    """The decode plan of a graphed generation (what generate_ids_timed follows), for every prompt length up to
+    9,000 and 64 new tokens, from the spans the real KV cache gives: the first WARMUP_STEPS steps run eagerly, a
+    span is captured only after a step ran it eagerly (never compiled or first launched inside a capture; prompt
+    lengths 254, 510, 766, ... cross a bucket right after the warm-up), captured once, and replayed after."""
+    from model.kv_cache import KVCache
+    from pipeline.train.generate import CAPTURE, EAGER, REPLAY, WARMUP_STEPS, _DecodeLoop, decode_plan
+
+    new = 64
+    crossing = 0
+    for prompt_len in range(1, 9001):
+        cache = KVCache(1, 1, prompt_len + new, n_kv_heads=1, head_dim=2, rope_base=10000.0)
+        cache.length = prompt_len  # after the prefill
+        loop = _DecodeLoop.__new__(_DecodeLoop)
+        loop.cache, loop.span_at = cache, cache.span_for
+        spans = loop.spans(new - 1)
+        assert spans[0] == cache.decode_span()
+        plan = decode_plan(spans)
+        assert plan[:WARMUP_STEPS] == [EAGER] * WARMUP_STEPS, prompt_len
+        ran, captured = set(), set()
+        for span, action in zip(spans, plan):
+            if action == EAGER:
+                ran.add(span)
+            elif action == CAPTURE:
+                assert span in ran and span not in captured, (prompt_len, span)
+                captured.add(span)
+            else:
+                assert action == REPLAY and span in captured, (prompt_len, span)
+        assert captured, prompt_len  # 63 steps always reach a replay
+        crossing += spans[WARMUP_STEPS] != spans[WARMUP_STEPS - 1]
+    assert crossing >= 24  # the prompt lengths whose first capture would have met a new span
+
+
+def test_a_model_without_spans_captures_after_the_warm_up():
+    from pipeline.train.generate import CAPTURE, EAGER, REPLAY, decode_plan
+
+    assert decode_plan([None] * 6, warmup=2) == [EAGER, EAGER, CAPTURE, REPLAY, REPLAY, REPLAY]
+    assert decode_plan([None] * 2, warmup=2) == [EAGER, EAGER]
