@@ -444,10 +444,14 @@ def _forward_chunks(hidden, weight, targets, ignore_index, chunk_size, z_loss, b
 
     loss_rows = torch.empty(N, dtype=torch.float32, device=device)
     correct_rows = torch.empty(N, dtype=torch.int32, device=device)
-    grad_h = torch.empty_like(hidden) if need_gh else None                               # (N, D) input dtype
+    # The gradients are of loss_sum: backward scales them by the incoming gradient (1 / tokens). fp16 holds them in
+    # fp32 until then, since a sum-scale gradient times 1 / 262,144 tokens lands among fp16's subnormals (below
+    # 6e-5): scaled first, cast after. bf16 has fp32's range and keeps the input dtype.
+    grad_dtype = torch.float32 if dtype == torch.float16 else dtype
+    grad_h = torch.empty(N, D, dtype=grad_dtype, device=device) if need_gh else None      # (N, D)
     n_chunks = -(-N // max(rows, 1))
-    # one chunk: grad_weight straight from one matmul in the weight's dtype; more: one fp32 accumulator
-    acc_dtype = logits_dtype if n_chunks == 1 else torch.float32
+    # one chunk: grad_weight straight from one matmul in the weight's dtype; more (or fp16): one fp32 accumulator
+    acc_dtype = logits_dtype if n_chunks == 1 and dtype != torch.float16 else torch.float32
     grad_w_acc = torch.empty(V, D, dtype=acc_dtype, device=device) if need_gw else None
     buf = torch.empty(min(rows, N), V, dtype=logits_dtype, device=device) if N else None  # reused by every chunk
 
@@ -473,8 +477,8 @@ def _forward_chunks(hidden, weight, targets, ignore_index, chunk_size, z_loss, b
     n_tokens = (targets != ignore_index).sum()
     n_correct = correct_rows.sum(dtype=torch.int64)
     grad_w = None
-    if need_gw:
-        grad_w = grad_w_acc if grad_w_acc.dtype == weight.dtype else grad_w_acc.to(weight.dtype)
+    if need_gw:  # fp16 keeps the fp32 accumulator until backward has scaled it (grad_dtype above)
+        grad_w = grad_w_acc if grad_w_acc.dtype in (weight.dtype, grad_dtype) else grad_w_acc.to(weight.dtype)
     return loss_sum, n_tokens, n_correct, grad_h, grad_w
 
 
@@ -488,6 +492,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         loss_sum, n_tokens, n_correct, grad_h, grad_w = _forward_chunks(
             hidden, weight, targets, ignore_index, chunk_size, z_loss, backend, need_gh, need_gw)
         ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)  # fp16's gradients wait in fp32 and are cast after the scaling
         ctx.backward_done = False
         ctx.mark_non_differentiable(n_tokens, n_correct)
         return loss_sum, n_tokens, n_correct
@@ -500,10 +505,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                "backward through one call only once (retain_graph re-use is not supported)")
         ctx.backward_done = True
         grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
         if grad_h is not None:
             grad_h.mul_(grad_loss)        # grad_loss: 0-dim fp32 on the device (e.g. 1 / n_tokens): no host sync
+            grad_h = grad_h.to(h_dtype)   # a no-op but for fp16
         if grad_w is not None:
             grad_w.mul_(grad_loss)
+            grad_w = grad_w.to(w_dtype)
         return grad_h, grad_w, None, None, None, None, None
 
 

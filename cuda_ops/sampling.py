@@ -39,6 +39,7 @@ Parts: 1. reference (pure torch: the oracle and the CPU path)  2. the simulator 
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -237,10 +238,18 @@ class Sampler:
         self._launch()
         self._calls += 1
         if self.graph_wanted and not capturing and self._calls >= 2:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records the launches; nothing runs, the step counter stays put
-                self._launch()
-            self._graph = graph
+            # torch.cuda.graph synchronises the device, collects garbage and empties the cache on entry: any of that,
+            # or the capture itself, may fail; the launches above already ran, so the tokens stand and later calls
+            # launch eagerly, as graph=False does
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # records the launches; nothing runs, the step counter stays put
+                    self._launch()
+                self._graph = graph
+            except RuntimeError as exc:
+                self.graph_wanted = False
+                warnings.warn(f"CUDA-graph capture of the sampler failed, sampling without a graph: {exc}",
+                              stacklevel=2)
         return self.out
 
 

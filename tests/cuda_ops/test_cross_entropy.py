@@ -250,3 +250,27 @@ def test_reference_rowwise_writes_low_precision_gradients_rounded_once():
     (l32, c32, g32), (l16, c16, g16) = outs
     assert torch.equal(l16, l32) and torch.equal(c16, c32) and g16.dtype == torch.bfloat16
     assert torch.equal(g16, g32.bfloat16())
+
+
+def test_fp16_gradients_are_scaled_before_they_are_rounded_to_fp16():
+    """fp16 inputs: the gradients are of the loss SUM until backward scales them by 1 / tokens. Held in fp16 at
+    sum scale, the weight's gradient over 16,384 tokens that agree (one target, one hidden direction) is ~1.2e5,
+    past fp16's 65,504: inf before the scaling could bring it back. Held in fp32 and rounded once after the
+    scaling, both gradients are the fp32 ones to fp16's rounding (half a subnormal's 6e-8 spacing, or 2^-11)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 16384, 16, 32
+    hidden = torch.full((n, d), 8.0) + torch.randn(n, d, generator=g).half().float() / 8  # fp16-exact values
+    weight = (torch.randn(v, d, generator=g) / 64).half().float()
+    targets = torch.zeros(n, dtype=torch.int64)
+    grads = {}
+    for dtype in (torch.float32, torch.float16):
+        h = hidden.to(dtype, copy=True).requires_grad_()
+        w = weight.to(dtype, copy=True).requires_grad_()
+        linear_cross_entropy(h, w, targets, reduction="mean", backend="reference").backward()
+        assert h.grad.dtype == w.grad.dtype == dtype
+        grads[dtype] = (h.grad.float(), w.grad.float())
+    assert (grads[torch.float32][1] * n).abs().max() > 65504  # the sum-scale weight gradient overflows fp16
+    assert (grads[torch.float32][0].abs() < 6.1e-5).float().mean() > 0.5  # hidden's: mostly fp16 subnormals
+    for got, want in zip(grads[torch.float16], grads[torch.float32]):
+        assert torch.isfinite(got).all()
+        assert ((got - want).abs() <= 3.0e-8 + want.abs() * 2.0**-11).all()

@@ -159,3 +159,21 @@ def test_sampler_records_into_a_callers_graph():
     for _ in range(3):
         graph.replay()
         assert torch.equal(out, ref(x))
+
+
+def test_a_failed_self_capture_falls_back_to_launches_with_a_warning(monkeypatch):
+    """The Sampler's second call captures its own graph (torch.cuda.graph synchronises, collects garbage and empties
+    the cache on entry). A failure there warns once and leaves the sampler launching eagerly, with the same tokens."""
+    logits = torch.randn(4, 1000, device="cuda")
+    want = [S.Sampler(4, 1000, device="cuda", top_p=0.9, seed=3, graph=False)(logits).clone() for _ in range(1)]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(torch.cuda, "graph", broken)
+    sampler = S.Sampler(4, 1000, device="cuda", top_p=0.9, seed=3)
+    first = sampler(logits).clone()
+    with pytest.warns(UserWarning, match="sampling without a graph: capture refused"):
+        sampler(logits)
+    assert torch.equal(first, want[0]) and not sampler.graph_wanted and sampler._graph is None
+    sampler(logits)  # no second warning, no capture
