@@ -87,6 +87,42 @@ def resolve_backend(device: torch.device | str, requested: str | None = None) ->
     return "numba"
 
 
+# The kernel families and the module of each (all resolve their backend through resolve_backend).
+KERNEL_FAMILIES = ("cross_entropy", "sampling", "resonance_scan")
+GPU_EXTRA_FIX = ("install the project's gpu extra on GPU nodes: pip install -e '.[gpu]' (numba-cuda with CUDA 13's "
+                 "NVVM and NVRTC; '.[gpu-cu12]' for a CUDA 12 driver)")
+
+
+def kernel_backends(device: torch.device | str) -> dict[str, tuple[str, str]]:
+    """family -> (backend, why) for tensors on `device`, as the `auto` dispatch (or LONGTRAIN_KERNELS) decides.
+    `why` says what a run on the reference path gives up and how to get the kernels, where that applies."""
+    device = torch.device(device)
+    choice, source = _requested_choice(None)
+    try:
+        backend = resolve_backend(device)
+    except KernelBackendError as exc:  # LONGTRAIN_KERNELS=numba where they cannot run: the first kernel call fails
+        return {family: ("unavailable", str(exc)) for family in KERNEL_FAMILIES}
+    if backend == "numba":
+        why = "Numba-CUDA kernels"
+    elif choice == "reference":
+        why = f"forced by {source}=reference"
+    elif device.type != "cuda":
+        why = f"the tensors are on the {device.type} (the Numba kernels need CUDA tensors; the reference is the CPU path)"
+    else:
+        why = (f"{numba_cuda_status()[1]}: fp32 matmuls and an fp32 copy of the output head instead of the kernels; "
+               f"{GPU_EXTRA_FIX}")
+    return {family: (backend, why) for family in KERNEL_FAMILIES}
+
+
+def describe_backends(device: torch.device | str) -> str:
+    """One line for the console and an MLflow tag: `cross_entropy, sampling, resonance_scan: numba (Numba-CUDA
+    kernels)`, or the reference path with its reason."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for family, choice in kernel_backends(device).items():
+        groups.setdefault(choice, []).append(family)
+    return "; ".join(f"{', '.join(fams)}: {backend} ({why})" for (backend, why), fams in groups.items())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # torch <-> Numba interop (only called on the "numba" backend, i.e. with CUDA tensors)
 # ---------------------------------------------------------------------------------------------------------------

@@ -114,6 +114,7 @@ METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S,
            TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
+KERNELS_TAG = "longtrain.kernels"  # the backend each cuda_ops kernel family ran, and why when not Numba's
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
 LOCAL_DB_NAME = "mlflow.db"

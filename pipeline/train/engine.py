@@ -405,6 +405,21 @@ class Engine:
                 unit.reshard()
 
 
+def announce_kernels(engine: Engine, tracker=None) -> str:
+    """Once per run (rank 0): the backend each cuda_ops kernel family runs on this worker's device, and why when it
+    is not the Numba one, on the console and as the MLflow tag longtrain.kernels. A GPU node whose numba-cuda finds
+    no NVVM says so here instead of quietly training on the reference path."""
+    from cuda_ops.dispatch import describe_backends
+
+    line = describe_backends(engine.device)
+    print(f"kernels: {line}", flush=True)
+    if tracker is not None:
+        from pipeline.tracking.tracker import KERNELS_TAG
+
+        tracker.set_tags({KERNELS_TAG: line})
+    return line
+
+
 def _hookless_twin(decoder: nn.Module, cfg: Config) -> nn.Module:
     """A plain (unsharded, uncompiled) decoder of the same tier whose parameters and buffers ARE `decoder`'s current
     tensors: built on the meta device, then every tensor slot pointed at the original's. Call it while the sharded

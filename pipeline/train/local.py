@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import Config
-from pipeline.train.engine import Engine
+from pipeline.train.engine import Engine, announce_kernels
 from pipeline.train.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.data.shards import ShardReader, check_trainable, eval_reader, load_manifest
@@ -28,6 +28,7 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     engine = Engine(cfg, manifest.vocab_size)
     if cfg.train.parallel == "fsdp":
         print(f"parallel: none ({engine.parallel_reason})", flush=True)
+    announce_kernels(engine, tracker)
     ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
     if ckpts.latest() is not None:
         engine.load(ckpts.latest())

@@ -81,7 +81,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from pipeline.train.engine import Engine
+    from pipeline.train.engine import Engine, announce_kernels
     from pipeline.train.generate import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, fit, standard_hooks
     from pipeline.data.shards import eval_reader, ray_batches
@@ -110,6 +110,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
     if rank == 0:
         _announce_parallel(engine, meta, tracker)
+        announce_kernels(engine, tracker)
     t = cfg.train
     dataset_dir = lc["dataset_dir"]
 

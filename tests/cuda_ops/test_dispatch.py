@@ -91,3 +91,30 @@ def test_importing_cuda_ops_does_not_import_numba():
             "assert not loaded, loaded")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_every_family_names_its_backend_and_why(monkeypatch):
+    """What a run prints and tags once (pipeline/train/engine.py announce_kernels): CPU tensors take the reference
+    path and say why; a GPU whose numba-cuda finds no NVVM says so and names the fix (the gpu extra), instead of
+    quietly training on fp32 matmuls; a forced backend says who forced it."""
+    from cuda_ops import dispatch
+
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    cpu = dispatch.kernel_backends("cpu")
+    assert set(cpu) == set(dispatch.KERNEL_FAMILIES)
+    assert {b for b, _ in cpu.values()} == {"reference"} and "need CUDA tensors" in cpu["cross_entropy"][1]
+    assert dispatch.describe_backends("cpu").startswith("cross_entropy, sampling, resonance_scan: reference (")
+
+    monkeypatch.setattr(dispatch, "numba_cuda_status", lambda: (False, "numba-cuda finds no usable CUDA driver/NVVM"))
+    line = dispatch.describe_backends("cuda")
+    assert line.startswith("cross_entropy, sampling, resonance_scan: reference (numba-cuda finds no usable CUDA")
+    assert "pip install -e '.[gpu]'" in line
+
+    monkeypatch.setattr(dispatch, "numba_cuda_status", lambda: (True, "numba-cuda sees a CUDA device"))
+    assert dispatch.describe_backends("cuda") == "cross_entropy, sampling, resonance_scan: numba (Numba-CUDA kernels)"
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.kernel_backends("cuda")["sampling"] == (
+        "reference", f"forced by environment variable {dispatch.ENV_VAR}=reference")
+    monkeypatch.setenv(dispatch.ENV_VAR, "numba")
+    backend, why = dispatch.kernel_backends("cpu")["cross_entropy"]
+    assert backend == "unavailable" and "need CUDA" in why

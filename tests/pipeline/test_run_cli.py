@@ -145,6 +145,10 @@ def test_the_main_job_reads_well_in_a_log_file(test_runs_root):
     for name in ("prepare", "train", "eval", "generate"):
         assert any(ln.startswith(f"==> {name}") for ln in lines), f"no {name} banner:\n{out}"
     assert any(ln.endswith("eta 0m00s") and "step 8/8" in ln for ln in lines), out  # plain progress lines
+    # the kernels' backend, once, with the reason it is not the Numba one (rank 0's line, through Ray's log)
+    kernels = [ln for ln in lines if "kernels: " in ln]
+    assert len(kernels) == 1 and kernels[0].split("kernels: ", 1)[1].startswith(
+        "cross_entropy, sampling, resonance_scan: reference (the tensors are on the cpu"), out
     noise = [ln for ln in lines if "PlacementGroupCleaner" in ln or "deprecated" in ln.lower() or "Traceback" in ln]
     assert not noise, "\n".join(noise)
     assert "\x1b[" not in out, "terminal colour codes in a log file"  # Ray colours worker prefixes unless told
