@@ -106,6 +106,15 @@ def test_every_pipeline_command_parses_and_loads_its_config(doc, command, error,
         assert done.value.code == 0 and "\n  train.batch_size\n" in capsys.readouterr().out  # every field
         return
     args, rest = parse_args(argv)
+    # Hermetic: a documented file is one the repository holds (or a placeholder the reader fills in), never one a
+    # line before it writes somewhere else: such a file existed only on the machine that once ran that line.
+    for flag in ("space", "preset", "phases", "prompts_file"):
+        value = getattr(args, flag, None)
+        if value and not PLACEHOLDER.search(value) and (value.endswith((".yaml", ".yml", ".json", ".txt"))
+                                                        or "/" in value):
+            assert not Path(value).is_absolute() and (ROOT / value).resolve().is_relative_to(ROOT), (
+                f"{doc}: `python {command}` names {value}, outside the repository: commit the file (tune_spaces/ "
+                f"for a space) and name it by its path in the repository")
     if args.preset and PLACEHOLDER.search(args.preset):
         args.preset = None  # a preset the reader's own sweep writes (runs/tune/<sweep>/best_preset.yaml)
     try:
