@@ -24,6 +24,14 @@ def interactive() -> bool:
     return sys.stdout.isatty()
 
 
+def worker_print(line: str) -> None:
+    """A line from a Ray Train worker, once: Ray Train patches print() in its workers so each printed line reaches the
+    driver's console twice; the process's own stdout carries it once (as the progress lines do)."""
+    out = sys.__stdout__ or sys.stdout
+    out.write(line + "\n")
+    out.flush()
+
+
 def plain_worker_prefixes() -> None:
     """In a log file or a pipe, the `(RayTrainWorker pid=...)` prefix Ray puts on every worker line carries no
     colour codes. Ray's driver wraps it in ANSI colours whatever its stdout is, unless RAY_COLOR_PREFIX=0; a person

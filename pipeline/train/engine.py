@@ -405,14 +405,14 @@ class Engine:
                 unit.reshard()
 
 
-def announce_kernels(engine: Engine, tracker=None) -> str:
+def announce_kernels(engine: Engine, tracker=None, say=print) -> str:
     """Once per run (rank 0): the backend each cuda_ops kernel family runs on this worker's device, and why when it
     is not the Numba one, on the console and as the MLflow tag longtrain.kernels. A GPU node whose numba-cuda finds
     no NVVM says so here instead of quietly training on the reference path."""
     from cuda_ops.dispatch import describe_backends
 
     line = describe_backends(engine.device)
-    print(f"kernels: {line}", flush=True)
+    say(f"kernels: {line}")
     if tracker is not None:
         from pipeline.tracking.tracker import KERNELS_TAG
 

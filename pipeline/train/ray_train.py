@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, from_flat
-from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet_ray_train_worker
+from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet_ray_train_worker, worker_print
 from pipeline.ray_runtime import ensure_ray, require_shared, use_gpu, worker_cpus, workers_may_be_elsewhere
 from pipeline.storage import (absolute, check, delete, exists, is_local, join, local_copy, location_of, native,
                               ray_storage, ray_storage_args, run_storage, write_bytes)
@@ -110,7 +110,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
     if rank == 0:
         _announce_parallel(engine, meta, tracker)
-        announce_kernels(engine, tracker)
+        announce_kernels(engine, tracker, say=worker_print)
     t = cfg.train
     dataset_dir = lc["dataset_dir"]
 
@@ -180,9 +180,8 @@ def _load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
         if meta["layout"] == SHARDED:
             meta = engine.load(location, meta=meta)
             if engine.rank == 0:
-                print(f"resume: read {meta['read_bytes'] / 2**20:,.1f} MiB of the checkpoint's "
-                      f"{meta['shard_bytes'] / 2**20:,.1f} MiB of shards from {location} (this worker's part)",
-                      flush=True)
+                worker_print(f"resume: read {meta['read_bytes'] / 2**20:,.1f} MiB of the checkpoint's "
+                             f"{meta['shard_bytes'] / 2**20:,.1f} MiB of shards from {location} (this worker's part)")
             return meta
     with restored.as_directory() as d:
         return engine.load(d)
@@ -193,7 +192,7 @@ def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
     on a resume with another worker count, what became of the global batch (the data cursor counts global
     sequences, so the resume stays exact either way)."""
     if engine.world_size > 1 or engine.cfg.train.parallel != "auto":
-        print(f"parallel: {engine.parallel} over {engine.world_size} worker(s) ({engine.parallel_reason})", flush=True)
+        worker_print(f"parallel: {engine.parallel} over {engine.world_size} worker(s) ({engine.parallel_reason})")
     if tracker is not None:
         from pipeline.tracking.tracker import PARALLEL_TAG
 
@@ -207,8 +206,8 @@ def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
         note = "" if old_global == new_global else (f"; the global batch changes from {old_global} to {new_global} "
                                                     f"sequences per step (train.batch_size x train.grad_accum x "
                                                     f"workers): set them to keep {old_global}")
-        print(f"resume: checkpoint written by {before} worker(s) ({meta.get('layout', 'full')} layout), resumed on "
-              f"{engine.world_size}{note}", flush=True)
+        worker_print(f"resume: checkpoint written by {before} worker(s) ({meta.get('layout', 'full')} layout), "
+                     f"resumed on {engine.world_size}{note}")
 
 
 def _gathered(samples):
