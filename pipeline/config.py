@@ -33,6 +33,16 @@ class ModelConfig:
     activation_checkpointing: str = "none"  # none | all | every_<k> (every k-th block) | mixer (resonance only)
     attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
     mixer: str = "attention"  # attention (Llama-style decoder) | resonance (model/resonance.py); same tier names
+    # RoPE base and scaling (model/rope.py, docs/long-context.md); each may change per phase, the resonance family
+    # has no RoPE and ignores them
+    rope_theta: float = 0.0  # RoPE base; 0 = the tier's (500,000)
+    rope_scaling: str = "none"  # none | linear | yarn | llama3: positions scaled for a longer context than trained
+    rope_factor: float = 1.0  # linear, yarn, llama3: how many times the original length the context is scaled to
+    rope_original_max_len: int = 0  # yarn, llama3: the context length trained before scaling (e.g. 4096)
+    rope_beta_fast: float = 32.0  # yarn: dimensions turning more often than this in the original length are kept
+    rope_beta_slow: float = 1.0  # yarn: dimensions turning less often than this are fully interpolated
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original_max_len / this are divided by the factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_len / this are kept
 
 
 @dataclass
@@ -262,6 +272,7 @@ def validate(cfg: Config) -> None:
             f"model.activation_checkpointing={ac!r} is not allowed; choose none, all, every_<k> (k >= 1) or "
             "mixer (model.mixer=resonance)"
         )
+    _validate_rope(m)
     _one_of("data.source", d.source, ("builtin", "files", "hf"))
     if d.source == "files" and not d.path:
         raise ConfigError("data.path is empty; data.source=files needs a file, directory or glob in data.path")
@@ -309,6 +320,47 @@ def validate(cfg: Config) -> None:
                           f"be >= 1 (seconds between samples)")
     if tr.register_model and not tr.enabled:
         raise ConfigError("tracking.register_model needs tracking.enabled=true (the model is registered in MLflow)")
+
+
+# The RoPE fields each scaling uses; the others must keep their defaults (a value that would be ignored is an error).
+_ROPE_PARAMETERS = {"none": (), "linear": ("rope_factor",),
+                    "yarn": ("rope_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow"),
+                    "llama3": ("rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+                               "rope_high_freq_factor")}
+
+
+def _validate_rope(m: ModelConfig) -> None:
+    """model.rope_*: one line naming the field and what is allowed (model/rope.py RopeConfig holds the formulas)."""
+    if not (m.rope_theta == 0 or (math.isfinite(m.rope_theta) and m.rope_theta > 1)):
+        raise ConfigError(f"model.rope_theta={m.rope_theta!r} is invalid; it must be a RoPE base > 1 (e.g. 10000 or "
+                          f"500000), or 0 for the tier's")
+    _one_of("model.rope_scaling", m.rope_scaling, _ROPE_PARAMETERS)
+    defaults = ModelConfig()
+    for name in _ROPE_PARAMETERS["yarn"] + _ROPE_PARAMETERS["llama3"]:
+        value = getattr(m, name)
+        if name not in _ROPE_PARAMETERS[m.rope_scaling] and value != getattr(defaults, name):
+            users = [s for s, names in _ROPE_PARAMETERS.items() if name in names]
+            raise ConfigError(f"model.{name}={value!r} has no effect with model.rope_scaling={m.rope_scaling}; it "
+                              f"applies to {' | '.join(users)}: set model.rope_scaling, or leave it at "
+                              f"{getattr(defaults, name)!r}")
+        _positive(f"model.{name}", value, zero_ok=name == "rope_original_max_len")
+    if m.rope_scaling in ("yarn", "llama3"):
+        if m.rope_factor < 1:
+            raise ConfigError(f"model.rope_factor={m.rope_factor!r} is invalid with model.rope_scaling="
+                              f"{m.rope_scaling}; it must be >= 1 (the context grows by that factor)")
+        if m.rope_original_max_len < 1:
+            raise ConfigError(f"model.rope_scaling={m.rope_scaling} needs model.rope_original_max_len, the context "
+                              f"length the model was trained at before scaling (e.g. 4096)")
+    if m.rope_scaling == "yarn" and not float(m.rope_factor * m.rope_original_max_len).is_integer():
+        raise ConfigError(f"model.rope_factor={m.rope_factor!r} x model.rope_original_max_len="
+                          f"{m.rope_original_max_len} is not a whole number of tokens; YaRN's scaled context must be "
+                          f"(transformers derives the factor from it)")
+    if m.rope_scaling == "yarn" and not m.rope_beta_fast > m.rope_beta_slow:
+        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast!r} must be greater than model.rope_beta_slow="
+                          f"{m.rope_beta_slow!r} (YaRN's defaults: 32 and 1)")
+    if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor!r} must be greater than "
+                          f"model.rope_low_freq_factor={m.rope_low_freq_factor!r} (Llama 3's defaults: 4 and 1)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from model.flops import (attention_flops_per_pair, causal_pairs, matmul_flops_pe
                          within_document_causal_pairs)
 from model.flops import flops_per_token, resonance_flops_per_token
 from model.layers import checkpointed_layers
+from model.rope import RopeConfig
 from model.tiers import get_mixer_tier
 from pipeline.config import Config
 from pipeline.train import checkpoint
@@ -91,6 +92,28 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+_ROPE_NOTED = False  # the resonance family's "no RoPE" note is printed once per process
+
+
+def model_rope(cfg: Config, *, say: bool = True) -> RopeConfig | None:
+    """The RoPE base and scaling cfg.model asks for (model/rope.py RopeConfig), for build_model. The resonance
+    family has no RoPE: None, and, when model.rope_* differ from their defaults, a note printed once per process
+    (`say`: rank 0 only, under Ray Train)."""
+    global _ROPE_NOTED
+    m = cfg.model
+    if m.mixer != "attention":
+        if say and not _ROPE_NOTED and (m.rope_theta != 0 or m.rope_scaling != "none"):
+            _ROPE_NOTED = True
+            print(f"note: model.mixer={m.mixer} has no RoPE; model.rope_theta and model.rope_scaling are ignored",
+                  flush=True)
+        return None
+    tier = get_mixer_tier(m.tier, m.mixer)
+    return RopeConfig(theta=m.rope_theta or tier.rope_base, scaling=m.rope_scaling, factor=m.rope_factor,
+                      original_max_len=m.rope_original_max_len, beta_fast=m.rope_beta_fast,
+                      beta_slow=m.rope_beta_slow, low_freq_factor=m.rope_low_freq_factor,
+                      high_freq_factor=m.rope_high_freq_factor)
+
+
 class Engine:
     """Owns one worker's model, optimizer, scheduler and counters.
 
@@ -107,7 +130,7 @@ class Engine:
         configure_cuda_math()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every worker and every run
         tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
-        decoder = build_model(cfg.model.tier, vocab_size, mixer=cfg.model.mixer,
+        decoder = build_model(cfg.model.tier, vocab_size, mixer=cfg.model.mixer, rope=model_rope(cfg, say=rank == 0),
                               tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
                               attention=cfg.model.attention, activation_checkpointing=cfg.model.activation_checkpointing)
         decoder.to(self.device)
