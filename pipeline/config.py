@@ -401,7 +401,45 @@ def _test() -> dict[str, Any]:
             "train.sample_tokens": 8}
 
 
-PRESETS = {"cpu": _cpu, "gpu": _gpu, "fineweb-32k": _fineweb_32k, "test": _test}
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _long_32k() -> dict[str, Any]:
+    """The context-extension recipe (docs/long-context.md), two phases (_long_32k_phases) on the built-in corpus:
+    train short at RoPE base 10,000, then extend with YaRN and a re-warmup, tokens per step kept. On a GPU tier A at
+    4,096 then 32,768 tokens (8x); on a CPU nano at 256 then 1,024 (4x), a few minutes."""
+    if _cuda():
+        return {"model.tier": "A", "model.rope_theta": 10_000.0, "data.vocab_size": 32000, "data.seq_len": 4096,
+                "data.val_fraction": 0.1,  # the built-in corpus packs into ~19 rows of 32k: keep ~2 for validation
+                "train.batch_size": 8, "train.grad_accum": 1, "train.max_steps": 80, "train.lr": 1e-3,
+                "train.warmup_steps": 10, "train.log_every": 5, "train.eval_every": 20, "train.checkpoint_every": 40,
+                "ray.use_gpu": "true"}
+    return {"model.tier": "nano", "model.rope_theta": 10_000.0, "data.vocab_size": 2000, "data.seq_len": 256,
+            "train.batch_size": 8, "train.grad_accum": 1, "train.max_steps": 200, "train.lr": 3e-3,
+            "train.warmup_steps": 20, "train.eval_every": 50, "train.checkpoint_every": 100}
+
+
+def _long_32k_phases() -> list[dict[str, Any]]:
+    """long-32k's phases: the short context at the preset's seq_len, then 8x longer (GPU: 4,096 -> 32,768) or 4x
+    (CPU: 256 -> 1,024; nano's rows stay short enough to train in minutes) with YaRN over the short length."""
+    short, long_, factor, steps = (4096, 32768, 8.0, (60, 20)) if _cuda() else (256, 1024, 4.0, (150, 50))
+    return [{"name": "short", "steps": steps[0]},
+            {"name": "long", "steps": steps[1], "lr_warmup_steps": max(1, steps[1] // 5),
+             "overrides": {"data.seq_len": long_, "model.rope_scaling": "yarn", "model.rope_factor": factor,
+                           "model.rope_original_max_len": short}}]
+
+
+PRESETS = {"cpu": _cpu, "gpu": _gpu, "fineweb-32k": _fineweb_32k, "long-32k": _long_32k, "test": _test}
+PRESET_PHASES = {"long-32k": _long_32k_phases}  # presets that are several phases (pipeline/train/session.py)
+
+
+def preset_phases(name: str) -> list[dict[str, Any]] | None:
+    """The phases a named preset runs ([{steps, overrides, ...}], as a --phases file lists them), or None."""
+    make = PRESET_PHASES.get(name)
+    return make() if make is not None else None
 
 
 def default_preset() -> str:
