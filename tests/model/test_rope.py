@@ -60,8 +60,8 @@ def test_scaled_kv_cache_decoding_equals_the_full_forward(name):
     cache = model.new_kv_cache(batch_size=2, max_len=80)
     with torch.no_grad():
         full = model(tokens)
-        prefill = model(tokens[:, :12], kv_cache=cache)
-        steps = [model.decode_step(tokens[:, t], cache)[:, None] for t in range(12, 80)]
+        prefill = model(tokens[:, :60], kv_cache=cache)  # the cache's tables through prefill...
+        steps = [model.decode_step(tokens[:, t], cache)[:, None] for t in range(60, 80)]  # ...and the fixed step
     # the fixed-shape step's split-K matmuls round differently from the full forward's: 1e-4, as test_kv_cache.py
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, rtol=0, atol=1e-4)
     other = make_model(TINY_GPU, rope=SCALINGS["none"])
