@@ -51,7 +51,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils.checkpoint import checkpoint
 
 from model.kv_cache import KVCache, decode_compute, decode_step
-from model.rope import apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
+from model.rope import RopeConfig, apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
 from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
 from model.tiers import Tier, get_tier
 
@@ -288,7 +288,7 @@ class Decoder(TokenModel):
     RESIDUAL_WRITERS = ("attn.wo.weight", "mlp.w_down.weight")
 
     def __init__(self, tier: Tier, vocab_size: int, *, tie_embeddings: bool = True, doc_masking: bool = True,
-                 attention: str = "auto", activation_checkpointing: str = "none"):
+                 attention: str = "auto", activation_checkpointing: str = "none", rope: RopeConfig | None = None):
         super().__init__()
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention={attention!r} is not allowed; choose one of: {', '.join(ATTENTION_BACKENDS)}")
@@ -300,6 +300,8 @@ class Decoder(TokenModel):
                              "must be a multiple of n_kv_heads")
         self.tier, self.vocab_size = tier, vocab_size
         self.tie_embeddings, self.doc_masking, self.attention = tie_embeddings, doc_masking, attention
+        # RoPE base and scaling (model/rope.py): not weights, so a checkpoint carries over to other settings
+        self.rope = rope if rope is not None else RopeConfig(theta=tier.rope_base)
         self._build_shell(tier, vocab_size, tie_embeddings, activation_checkpointing, Block)
         self.init_weights()
 
@@ -314,7 +316,7 @@ class Decoder(TokenModel):
             dtype = torch.get_autocast_dtype(weight.device.type) if autocast else weight.dtype
         t = self.tier
         return KVCache(t.n_layers, batch_size, max_len, left_pad, n_kv_heads=t.n_kv_heads, head_dim=t.head_dim,
-                       rope_base=t.rope_base, dtype=dtype, device=weight.device)
+                       rope=self.rope, dtype=dtype, device=weight.device)
 
     def decode_step(self, tok: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """tok (B,) int64, one new token per row -> hidden (B, D): the fixed-shape step of model/kv_cache.py
@@ -365,7 +367,7 @@ class Decoder(TokenModel):
                 doc_ids = None
             positions = doc_positions(doc_ids) if doc_ids is not None else torch.arange(T, device=idx.device)[None]
             mask = self._mask(doc_ids, T, idx.device, B)
-            cos, sin = rope_cos_sin(positions, self.tier.head_dim, self.tier.rope_base)  # (B|1, T, 1, hd/2)
+            cos, sin = rope_cos_sin(positions, self.tier.head_dim, self.rope)  # (B|1, T, 1, hd/2)
 
         x = self.tok_emb(idx)  # (B, T, D)
         for i, block in enumerate(self.blocks):
@@ -380,14 +382,17 @@ class Decoder(TokenModel):
         return self.norm(x)  # (B, T, D)
 
 
-def build_model(tier_name: str, vocab_size: int, *, mixer: str = "attention", **kw) -> nn.Module:
-    """Decoder for the named tier (see model/tiers.py); kw: tie_embeddings, doc_masking, attention,
-    activation_checkpointing. mixer="resonance" builds model/resonance.py's ResonanceLM of that name instead
-    (the same forward, generation and loss-head interface)."""
+def build_model(tier_name: str, vocab_size: int, *, mixer: str = "attention", rope: RopeConfig | None = None,
+                **kw) -> nn.Module:
+    """Decoder for the named tier (see model/tiers.py); rope: the RoPE base and scaling (model/rope.py; None = the
+    tier's base, unscaled); kw: tie_embeddings, doc_masking, attention, activation_checkpointing. mixer="resonance"
+    builds model/resonance.py's ResonanceLM of that name instead (the same forward, generation and loss-head
+    interface); it has no positions to rotate, so `rope` does not apply to it (pipeline/train/engine.py
+    model_rope says so once)."""
     if mixer == "resonance":
         from model.resonance import build_resonance_model  # imports this module: resolved lazily
 
         return build_resonance_model(tier_name, vocab_size, **kw)
     if mixer != "attention":
         raise ValueError(f"mixer={mixer!r} is not allowed; choose attention or resonance")
-    return Decoder(get_tier(tier_name), vocab_size, **kw)
+    return Decoder(get_tier(tier_name), vocab_size, rope=rope, **kw)

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from model.rope import apply_rope, rope_table
+from model.rope import RopeConfig, apply_rope, rope_table
 
 SPAN_QUANTUM = 256  # slots per split-K chunk; spans and the allocated slots are multiples of it
 
@@ -49,11 +49,11 @@ class KVCache:
     k, v: (n_layers, B, n_kv_heads, slots, head_dim) in `dtype` (the dtype the keys are computed in: the
     model's, or the autocast dtype), slots = max_len rounded up to SPAN_QUANTUM (the extra slots are never
     visible). left_pad: optional (B,) int64, the number of left-pad tokens at the start of each row's prompt.
-    cos/sin: (slots, head_dim/2) RoPE tables in `dtype`.
+    cos/sin: (slots, head_dim/2) RoPE tables in `dtype`, from `rope` (a RopeConfig, or a bare base).
     """
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
-                 n_kv_heads: int, head_dim: int, rope_base: float, dtype: torch.dtype = torch.float32,
+                 n_kv_heads: int, head_dim: int, rope: RopeConfig | float, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         if left_pad is not None and tuple(left_pad.shape) != (batch_size,):
             raise ValueError(f"left_pad must have shape ({batch_size},), got {tuple(left_pad.shape)}")
@@ -71,7 +71,8 @@ class KVCache:
                                                                                 device=device)  # (B,)
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # the next slot to write
         self.slots = torch.arange(self.n_slots, device=device)  # (S,)
-        self.cos, self.sin = rope_table(self.n_slots, head_dim, rope_base, dtype=dtype, device=device)  # (S, hd/2)
+        # (S, hd/2): the model's RoPE base and scaling (model/rope.py), the same angles its training forward uses
+        self.cos, self.sin = rope_table(self.n_slots, head_dim, rope, dtype=dtype, device=device)
 
     def reset(self) -> None:
         self.length = 0

@@ -33,6 +33,16 @@ class ModelConfig:
     activation_checkpointing: str = "none"  # none | all | every_<k> (every k-th block) | mixer (resonance only)
     attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
     mixer: str = "attention"  # attention (Llama-style decoder) | resonance (model/resonance.py); same tier names
+    # RoPE base and scaling (model/rope.py, docs/long-context.md); each may change per phase, the resonance family
+    # has no RoPE and ignores them
+    rope_theta: float = 0.0  # RoPE base; 0 = the tier's (500,000)
+    rope_scaling: str = "none"  # none | linear | yarn | llama3: positions scaled for a longer context than trained
+    rope_factor: float = 1.0  # linear, yarn, llama3: how many times the original length the context is scaled to
+    rope_original_max_len: int = 0  # yarn, llama3: the context length trained before scaling (e.g. 4096)
+    rope_beta_fast: float = 32.0  # yarn: dimensions turning more often than this in the original length are kept
+    rope_beta_slow: float = 1.0  # yarn: dimensions turning less often than this are fully interpolated
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original_max_len / this are divided by the factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_len / this are kept
 
 
 @dataclass
@@ -266,6 +276,7 @@ def validate(cfg: Config) -> None:
             f"model.activation_checkpointing={ac!r} is not allowed; choose none, all, every_<k> (k >= 1) or "
             "mixer (model.mixer=resonance)"
         )
+    _validate_rope(m)
     _one_of("data.source", d.source, ("builtin", "files", "hf"))
     if d.source == "files" and not d.path:
         raise ConfigError("data.path is empty; data.source=files needs a file, directory or glob in data.path")
@@ -316,6 +327,47 @@ def validate(cfg: Config) -> None:
         raise ConfigError("tracking.register_model needs tracking.enabled=true (the model is registered in MLflow)")
 
 
+# The RoPE fields each scaling uses; the others must keep their defaults (a value that would be ignored is an error).
+_ROPE_PARAMETERS = {"none": (), "linear": ("rope_factor",),
+                    "yarn": ("rope_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow"),
+                    "llama3": ("rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+                               "rope_high_freq_factor")}
+
+
+def _validate_rope(m: ModelConfig) -> None:
+    """model.rope_*: one line naming the field and what is allowed (model/rope.py RopeConfig holds the formulas)."""
+    if not (m.rope_theta == 0 or (math.isfinite(m.rope_theta) and m.rope_theta > 1)):
+        raise ConfigError(f"model.rope_theta={m.rope_theta!r} is invalid; it must be a RoPE base > 1 (e.g. 10000 or "
+                          f"500000), or 0 for the tier's")
+    _one_of("model.rope_scaling", m.rope_scaling, _ROPE_PARAMETERS)
+    defaults = ModelConfig()
+    for name in _ROPE_PARAMETERS["yarn"] + _ROPE_PARAMETERS["llama3"]:
+        value = getattr(m, name)
+        if name not in _ROPE_PARAMETERS[m.rope_scaling] and value != getattr(defaults, name):
+            users = [s for s, names in _ROPE_PARAMETERS.items() if name in names]
+            raise ConfigError(f"model.{name}={value!r} has no effect with model.rope_scaling={m.rope_scaling}; it "
+                              f"applies to {' | '.join(users)}: set model.rope_scaling, or leave it at "
+                              f"{getattr(defaults, name)!r}")
+        _positive(f"model.{name}", value, zero_ok=name == "rope_original_max_len")
+    if m.rope_scaling in ("yarn", "llama3"):
+        if m.rope_factor < 1:
+            raise ConfigError(f"model.rope_factor={m.rope_factor!r} is invalid with model.rope_scaling="
+                              f"{m.rope_scaling}; it must be >= 1 (the context grows by that factor)")
+        if m.rope_original_max_len < 1:
+            raise ConfigError(f"model.rope_scaling={m.rope_scaling} needs model.rope_original_max_len, the context "
+                              f"length the model was trained at before scaling (e.g. 4096)")
+    if m.rope_scaling == "yarn" and not float(m.rope_factor * m.rope_original_max_len).is_integer():
+        raise ConfigError(f"model.rope_factor={m.rope_factor!r} x model.rope_original_max_len="
+                          f"{m.rope_original_max_len} is not a whole number of tokens; YaRN's scaled context must be "
+                          f"(transformers derives the factor from it)")
+    if m.rope_scaling == "yarn" and not m.rope_beta_fast > m.rope_beta_slow:
+        raise ConfigError(f"model.rope_beta_fast={m.rope_beta_fast!r} must be greater than model.rope_beta_slow="
+                          f"{m.rope_beta_slow!r} (YaRN's defaults: 32 and 1)")
+    if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor!r} must be greater than "
+                          f"model.rope_low_freq_factor={m.rope_low_freq_factor!r} (Llama 3's defaults: 4 and 1)")
+
+
 # ----------------------------------------------------------------------------------------------
 # Presets: small named functions deriving from the base. `default_preset()` picks by hardware.
 
@@ -354,7 +406,45 @@ def _test() -> dict[str, Any]:
             "train.sample_tokens": 8}
 
 
-PRESETS = {"cpu": _cpu, "gpu": _gpu, "fineweb-32k": _fineweb_32k, "test": _test}
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _long_32k() -> dict[str, Any]:
+    """The context-extension recipe (docs/long-context.md), two phases (_long_32k_phases) on the built-in corpus:
+    train short at RoPE base 10,000, then extend with YaRN and a re-warmup, tokens per step kept. On a GPU tier A at
+    4,096 then 32,768 tokens (8x); on a CPU nano at 256 then 1,024 (4x), a few minutes."""
+    if _cuda():
+        return {"model.tier": "A", "model.rope_theta": 10_000.0, "data.vocab_size": 32000, "data.seq_len": 4096,
+                "data.val_fraction": 0.1,  # the built-in corpus packs into ~19 rows of 32k: keep ~2 for validation
+                "train.batch_size": 8, "train.grad_accum": 1, "train.max_steps": 80, "train.lr": 1e-3,
+                "train.warmup_steps": 10, "train.log_every": 5, "train.eval_every": 20, "train.checkpoint_every": 40,
+                "ray.use_gpu": "true"}
+    return {"model.tier": "nano", "model.rope_theta": 10_000.0, "data.vocab_size": 2000, "data.seq_len": 256,
+            "train.batch_size": 8, "train.grad_accum": 1, "train.max_steps": 200, "train.lr": 3e-3,
+            "train.warmup_steps": 20, "train.eval_every": 50, "train.checkpoint_every": 100}
+
+
+def _long_32k_phases() -> list[dict[str, Any]]:
+    """long-32k's phases: the short context at the preset's seq_len, then 8x longer (GPU: 4,096 -> 32,768) or 4x
+    (CPU: 256 -> 1,024; nano's rows stay short enough to train in minutes) with YaRN over the short length."""
+    short, long_, factor, steps = (4096, 32768, 8.0, (60, 20)) if _cuda() else (256, 1024, 4.0, (150, 50))
+    return [{"name": "short", "steps": steps[0]},
+            {"name": "long", "steps": steps[1], "lr_warmup_steps": max(1, steps[1] // 5),
+             "overrides": {"data.seq_len": long_, "model.rope_scaling": "yarn", "model.rope_factor": factor,
+                           "model.rope_original_max_len": short}}]
+
+
+PRESETS = {"cpu": _cpu, "gpu": _gpu, "fineweb-32k": _fineweb_32k, "long-32k": _long_32k, "test": _test}
+PRESET_PHASES = {"long-32k": _long_32k_phases}  # presets that are several phases (pipeline/train/session.py)
+
+
+def preset_phases(name: str) -> list[dict[str, Any]] | None:
+    """The phases a named preset runs ([{steps, overrides, ...}], as a --phases file lists them), or None."""
+    make = PRESET_PHASES.get(name)
+    return make() if make is not None else None
 
 
 def default_preset() -> str:

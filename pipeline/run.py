@@ -15,7 +15,7 @@
     ray job submit --working-dir . -- python pipeline/run.py --address auto --run.storage=s3://bucket/longtrain
 
 Every config field can be overridden by its path (--train.batch_size=8); `--preset` picks a named
-preset (cpu, gpu, fineweb-32k, test) or a YAML file; the default preset is gpu when CUDA is present, else cpu.
+preset (cpu, gpu, fineweb-32k, long-32k, test) or a YAML file; the default preset is gpu when CUDA is present, else cpu.
 Every path that names data or results may be a URI (s3://, gs://, ...): data.path, run.storage (one bucket for
 datasets, checkpoints and artifacts), data.dataset_store, ray.storage_path, --checkpoint, validate's target.
 """
@@ -47,7 +47,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                     __import__("pipeline.config", fromlist=["field_types"]).field_types()))
     p.add_argument("stage", nargs="?", default="all", choices=STAGES)
     p.add_argument("target", nargs="?", help="validate: the dataset directory (a path or a URI)")
-    p.add_argument("--preset", help="cpu | gpu | fineweb-32k | test | a YAML preset file (default: by hardware)")
+    p.add_argument("--preset", help="cpu | gpu | fineweb-32k | long-32k | test | a YAML preset file (default: by "
+                                    "hardware)")
     p.add_argument("--resume", metavar="RUN", help="a run directory (or name under run.root) to continue")
     p.add_argument("--address", help="join this Ray cluster ('auto' = the running one); same as --ray.address")
     p.add_argument("--no-ray", action="store_true", help="train in this process with the Ray-free engine")
@@ -98,7 +99,7 @@ def stage_train(cfg: Config, args: argparse.Namespace):
         phases = [Phase(**p) for p in record["phases"]] if record.get("phases") else load_phases(None, cfg)
     else:
         run_dir = new_run_dir(cfg)
-        phases = load_phases(args.phases, cfg)
+        phases = load_phases(args.phases, cfg, preset=args.preset)  # a preset may bring its own (long-32k)
     audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))
     session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit)
     return run_dir, session.run(resume=bool(args.resume))

@@ -32,6 +32,7 @@ from model.flops import (attention_flops_per_pair, causal_pairs, matmul_flops_pe
                          within_document_causal_pairs)
 from model.flops import flops_per_token, resonance_flops_per_token
 from model.layers import checkpointed_layers
+from model.rope import RopeConfig
 from model.tiers import get_mixer_tier
 from pipeline.config import Config
 from pipeline.train import checkpoint
@@ -83,12 +84,49 @@ class StepOutcome:
     tokens: int  # tokens this worker trained on in the step
 
 
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup from 1/warmup to 1, then cosine from 1 to min_ratio at `total` steps."""
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, rewarmup_start: int = 0,
+              rewarmup_steps: int = 0) -> float:
+    """Linear warmup from 1/warmup to 1, then cosine from 1 to min_ratio at `total` steps. A re-warmup (a phase's
+    lr_warmup_steps, PhaseSchedule) multiplies that one schedule by a ramp from 1/rewarmup_steps to 1 over the steps
+    [rewarmup_start, rewarmup_start + rewarmup_steps): the cosine goes on underneath, there is no second schedule."""
     if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        factor = (step + 1) / warmup
+    else:
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        factor = min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if rewarmup_steps > 0 and rewarmup_start <= step < rewarmup_start + rewarmup_steps:
+        factor *= (step - rewarmup_start + 1) / rewarmup_steps
+    return factor
+
+
+@dataclass(frozen=True)
+class PhaseSchedule:
+    """Where the running phase starts in the one schedule, and what happens there (pipeline/train/session.py)."""
+    start_step: int = 0  # the optimizer step the phase starts at (the steps of the phases before it)
+    lr_warmup_steps: int = 0  # > 0: the learning rate ramps up again over this many steps from start_step
+    reset_optimizer: bool = False  # AdamW's moments start from zero at start_step (the weights carry over)
+
+
+_ROPE_NOTED = False  # the resonance family's "no RoPE" note is printed once per process
+
+
+def model_rope(cfg: Config, *, say: bool = True) -> RopeConfig | None:
+    """The RoPE base and scaling cfg.model asks for (model/rope.py RopeConfig), for build_model. The resonance
+    family has no RoPE: None, and, when model.rope_* differ from their defaults, a note printed once per process
+    (`say`: rank 0 only, under Ray Train)."""
+    global _ROPE_NOTED
+    m = cfg.model
+    if m.mixer != "attention":
+        if say and not _ROPE_NOTED and (m.rope_theta != 0 or m.rope_scaling != "none"):
+            _ROPE_NOTED = True
+            print(f"note: model.mixer={m.mixer} has no RoPE; model.rope_theta and model.rope_scaling are ignored",
+                  flush=True)
+        return None
+    tier = get_mixer_tier(m.tier, m.mixer)
+    return RopeConfig(theta=m.rope_theta or tier.rope_base, scaling=m.rope_scaling, factor=m.rope_factor,
+                      original_max_len=m.rope_original_max_len, beta_fast=m.rope_beta_fast,
+                      beta_slow=m.rope_beta_slow, low_freq_factor=m.rope_low_freq_factor,
+                      high_freq_factor=m.rope_high_freq_factor)
 
 
 class Engine:
@@ -107,7 +145,7 @@ class Engine:
         configure_cuda_math()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every worker and every run
         tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
-        decoder = build_model(cfg.model.tier, vocab_size, mixer=cfg.model.mixer,
+        decoder = build_model(cfg.model.tier, vocab_size, mixer=cfg.model.mixer, rope=model_rope(cfg, say=rank == 0),
                               tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
                               attention=cfg.model.attention, activation_checkpointing=cfg.model.activation_checkpointing)
         decoder.to(self.device)
@@ -162,8 +200,12 @@ class Engine:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=t.lr, betas=(t.beta1, t.beta2), fused=self.device.type == "cuda")
+        # A closure over self.schedule (not a bound method): LambdaLR then leaves it out of its state_dict, and a
+        # phase's re-warmup (start_phase) takes effect without rebuilding the scheduler.
+        self.schedule = PhaseSchedule()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
+            self.optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.max_steps, t.min_lr_ratio,
+                                                self.schedule.start_step, self.schedule.lr_warmup_steps))
 
         # Counters that make up the training state besides the tensors.
         self.step = 0
@@ -184,6 +226,18 @@ class Engine:
         self._steady = {"steps": 0, "tokens": 0, "seconds": 0.0, "attention_pairs": 0.0}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def start_phase(self, schedule: PhaseSchedule, fresh: bool) -> None:
+        """Enter a phase of the one schedule (call after load). `fresh`: the phase starts here, from the previous
+        phase's state (not a resume inside it), so reset_optimizer clears AdamW's moments now; either way the
+        learning rate follows the schedule with the phase's re-warmup from the current step on. Every worker calls
+        it (no collectives: under FSDP each clears its own shards' moments)."""
+        self.schedule = schedule
+        if fresh and schedule.reset_optimizer:
+            self.optimizer.state.clear()  # AdamW recreates zero moments (and its step count) at the next step
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------------------------------ step
     def _autocast(self):
@@ -425,7 +479,7 @@ def _hookless_twin(decoder: nn.Module, cfg: Config) -> nn.Module:
     tensors: built on the meta device, then every tensor slot pointed at the original's. Call it while the sharded
     decoder's parameters are unsharded; drop it before they are resharded (their storage is freed then)."""
     with torch.device("meta"):
-        twin = build_model(cfg.model.tier, decoder.vocab_size, mixer=cfg.model.mixer,
+        twin = build_model(cfg.model.tier, decoder.vocab_size, mixer=cfg.model.mixer, rope=model_rope(cfg, say=False),
                            tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
                            attention=cfg.model.attention)
     for name, tensor in [*decoder.named_parameters(), *decoder.named_buffers()]:

@@ -121,18 +121,48 @@ def hf_state_dict(state: dict[str, torch.Tensor], tier, tie_embeddings: bool) ->
     return {k: t.detach().contiguous().clone() for k, t in out.items()}
 
 
+def hf_rope(rope, tier) -> dict[str, Any]:
+    """config.json's RoPE keys for model/rope.py's RopeConfig: rope_theta at the top level and rope_scaling
+    (transformers 4.x: the scaling's parameters, None without one) and rope_parameters (5.x: the same with
+    rope_theta; 5.x takes a non-null rope_scaling first, so the two always agree), and max_position_embeddings.
+    The keys and formulas are those of transformers' modeling_rope_utils.py: linear {factor}; yarn {factor,
+    original_max_position_embeddings, beta_fast, beta_slow} (its attention factor, 0.1 ln(factor) + 1, is derived
+    from factor there as here, so it is not written); llama3 {factor, original_max_position_embeddings,
+    low_freq_factor, high_freq_factor}. For yarn max_position_embeddings is the scaled context (factor x original)
+    when that is a whole number, as transformers checks; otherwise the tier's longest context."""
+    if rope is None:
+        from model.rope import RopeConfig
+
+        rope = RopeConfig(theta=tier.rope_base)
+    scaling: dict[str, Any] | None = None
+    max_len = tier.max_seq_len
+    if rope.scaling == "linear":
+        scaling = {"rope_type": "linear", "factor": rope.factor}
+    elif rope.scaling == "yarn":
+        scaling = {"rope_type": "yarn", "factor": rope.factor,
+                   "original_max_position_embeddings": rope.original_max_len, "beta_fast": rope.beta_fast,
+                   "beta_slow": rope.beta_slow}
+        scaled = rope.factor * rope.original_max_len
+        max_len = int(scaled) if float(scaled).is_integer() else max_len
+    elif rope.scaling == "llama3":
+        scaling = {"rope_type": "llama3", "factor": rope.factor,
+                   "original_max_position_embeddings": rope.original_max_len,
+                   "low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor}
+    parameters = {**(scaling or {"rope_type": "default"}), "rope_theta": rope.theta}
+    return {"max_position_embeddings": max_len, "rope_theta": rope.theta, "rope_scaling": scaling,
+            "rope_parameters": parameters}
+
+
 def hf_config(tier, vocab_size: int, tie_embeddings: bool, special: dict[str, int],
-              dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for LlamaForCausalLM. rope_theta is written both at the top level (transformers 4.x) and
-    in rope_parameters (5.x); each version reads its own key and ignores the other."""
+              dtype: torch.dtype, rope=None) -> dict[str, Any]:
+    """config.json for LlamaForCausalLM; `rope`: the checkpoint's RoPE base and scaling (model/rope.py
+    RopeConfig; None = the tier's base, unscaled), written as hf_rope says."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab_size, "hidden_size": tier.d_model, "intermediate_size": tier.d_ff,
         "num_hidden_layers": tier.n_layers, "num_attention_heads": tier.n_heads,
         "num_key_value_heads": tier.n_kv_heads, "head_dim": tier.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": tier.max_seq_len, "rms_norm_eps": tier.norm_eps,
-        "rope_theta": tier.rope_base, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": tier.rope_base},
+        "rms_norm_eps": tier.norm_eps, **hf_rope(rope, tier),
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
         "tie_word_embeddings": tie_embeddings, "initializer_range": 0.02, "use_cache": True,
         "bos_token_id": special["bos_id"], "eos_token_id": special["eos_id"], "pad_token_id": special["pad_id"],
@@ -232,7 +262,7 @@ def write_tokenizer(model_path: str | Path, out_dir: Path, special: dict[str, in
 # Model card
 
 
-def model_card(r: ExportResult, vocab_size: int, tie: bool, tier, dataset: str | None) -> str:
+def model_card(r: ExportResult, vocab_size: int, tie: bool, tier, dataset: str | None, rope=None) -> str:
     val = f"{r.val_loss:.4f}" if r.val_loss is not None else "not evaluated"
     return f"""---
 library_name: transformers
@@ -248,7 +278,7 @@ A Llama-architecture causal language model trained with longtrain and exported t
 |---|---|
 | tier | {r.tier}: d_model {tier.d_model}, {tier.n_layers} layers, {tier.n_heads} heads ({tier.n_kv_heads} key/value), d_ff {tier.d_ff} |
 | vocabulary | {vocab_size} (SentencePiece BPE with byte fallback), embeddings {'tied' if tie else 'untied'} |
-| RoPE base | {tier.rope_base:g} |
+| RoPE | {rope.describe() if rope is not None else f"theta {tier.rope_base:,.0f}"} |
 | tokens seen | {r.tokens_seen:,} |
 | optimizer steps | {r.step:,} |
 | data manifest hash | {r.manifest_hash or 'unknown'} |
@@ -288,7 +318,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     from safetensors.torch import save_file
 
     from model.tiers import get_tier
+    from pipeline.config import from_dict
     from pipeline.data.shards import DatasetError, load_manifest, tokenizer_location
+    from pipeline.train.engine import model_rope
     from pipeline.storage import local_copy
     from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
 
@@ -308,6 +340,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
                               f"dataset, which must still exist") from None
         state = load_model_state(local, meta)  # either layout: a sharded (FSDP) checkpoint is consolidated here
     tier, tie, vocab = get_tier(meta["tier"]), bool(meta.get("tie_embeddings", True)), int(meta["vocab_size"])
+    rope = model_rope(from_dict(meta["config"]))  # the RoPE base and scaling the checkpoint's last phase used
     special = {k: int(manifest.get(k, d)) for k, d in (("pad_id", 0), ("unk_id", 1), ("bos_id", 2), ("eos_id", 3))}
     if commit is None:
         from pipeline.tracking.tracker import git_commit  # imports no MLflow at module level
@@ -324,13 +357,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config(tier, vocab, tie, special, dtype), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config(tier, vocab, tie, special, dtype, rope), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(special), indent=2) + "\n")
         with local_copy(sp_location) as sp_model:
             write_tokenizer(sp_model, tmp, special, tier.max_seq_len)
         source = manifest.get("source", {})
         dataset = source.get("name") or source.get("path") or source.get("kind")
-        (tmp / "README.md").write_text(model_card(result, vocab, tie, tier, dataset))
+        (tmp / "README.md").write_text(model_card(result, vocab, tie, tier, dataset, rope))
         _atomic_publish(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

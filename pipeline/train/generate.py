@@ -365,6 +365,7 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
     from pipeline.data.shards import DatasetError
     from pipeline.storage import local_copy
     from pipeline.train.checkpoint import CheckpointError, load_decoder_weights, read_checkpoint_meta
+    from pipeline.train.engine import model_rope
     from pipeline.train.hardware import default_device
 
     with local_copy(checkpoint) as local:
@@ -376,8 +377,8 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
             raise CheckpointError(f"tokenizer for checkpoint {checkpoint} not found ({exc}); the checkpoint names its "
                                   "dataset, which must still exist") from None
         device = device or default_device()
-        decoder = build_model(cfg.model.tier, meta["vocab_size"], mixer=cfg.model.mixer,
-                              tie_embeddings=cfg.model.tie_embeddings)
+        decoder = build_model(cfg.model.tier, meta["vocab_size"], mixer=cfg.model.mixer, rope=model_rope(cfg),
+                              tie_embeddings=cfg.model.tie_embeddings)  # the RoPE tables the checkpoint trained with
         load_decoder_weights(decoder, local, meta)  # either layout: a sharded checkpoint is consolidated here
     return prepare_for_generation(decoder, device), tokenizer
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import Config
-from pipeline.train.engine import Engine, announce_kernels
+from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
 from pipeline.train.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.data.shards import ShardReader, check_trainable, eval_reader, load_manifest
@@ -18,9 +18,10 @@ from pipeline.train.run_dir import AUDIT_DIR
 
 def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, tracker=None, *,
                 init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
-                audit_data: bool = False):
+                audit_data: bool = False, schedule: PhaseSchedule | None = None):
     """Train to max_steps (default cfg.train.max_steps); resumes from this phase's latest checkpoint if
-    there is one, else starts from `init_from` (the previous phase) or from scratch. Returns the
+    there is one, else starts from `init_from` (the previous phase) or from scratch. `schedule`: the phase's
+    place in the one LR schedule, its re-warmup and optimizer reset (engine.py PhaseSchedule). Returns the
     latest checkpoint directory and whether a Ctrl+C stopped the run early: (checkpoint, stopped)."""
     run_dir, dataset_dir = Path(run_dir), str(dataset_dir)
     manifest = load_manifest(dataset_dir)
@@ -30,12 +31,14 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
         print(f"parallel: none ({engine.parallel_reason})", flush=True)
     announce_kernels(engine, tracker)
     ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
-    if ckpts.latest() is not None:
+    resumed = ckpts.latest() is not None
+    if resumed:
         engine.load(ckpts.latest())
     elif init_from is not None:
         with local_copy(init_from) as d:  # the previous phase's checkpoint may be on object storage
             engine.load(d)
         engine.epoch, engine.cursor, engine.phase = 0, 0, phase  # a new phase starts its dataset afresh
+    engine.start_phase(schedule or PhaseSchedule(), fresh=not resumed)
     t = cfg.train
 
     def train_batches(epoch: int, start: int):

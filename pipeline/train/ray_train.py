@@ -28,6 +28,7 @@ also before any worker starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -81,7 +82,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from pipeline.train.engine import Engine, announce_kernels
+    from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
     from pipeline.train.generate import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, fit, standard_hooks
     from pipeline.data.shards import eval_reader, ray_batches
@@ -106,6 +107,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
         meta = engine.load(lc["init_from"])  # on object storage: sharded read in place, full copied first
         engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
+    engine.start_phase(PhaseSchedule(**lc.get("schedule", {})), fresh=restored is None)
     run_storage = lc["run_storage"]
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
     if rank == 0:
@@ -226,14 +228,16 @@ def _gathered(samples):
 def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, mlflow_run_id: str | None = None,
                  init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
                  audit_data: bool = False, callbacks: list | None = None,
-                 required_metric: str | None = None) -> TrainOutcome:
+                 required_metric: str | None = None, schedule=None) -> TrainOutcome:
     """Train with Ray Train. Checks inputs before any worker starts; returns the latest checkpoint.
 
     `callbacks` go to Ray Train's RunConfig (a Tune trial passes TuneReportCallback: pipeline/sweep/tune.py).
     `required_metric`: every report must carry it, or the workers fail with MissingMetricError (a sweep's metric).
 
     Rerunning with the same run_dir resumes from the latest checkpoint in its Ray storage (Ray Train
-    restores the run by name). `init_from` starts from another checkpoint's full state (phases).
+    restores the run by name). `init_from` starts from another checkpoint's full state (phases); `schedule`
+    (pipeline/train/engine.py PhaseSchedule) places the phase in the one LR schedule, with its re-warmup and
+    optimizer reset.
     """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -261,7 +265,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     lc = {"config": cfg.flat(), "dataset_dir": dataset_dir, "vocab_size": manifest.vocab_size,
           "run_storage": run_store, "ray_storage": storage, "mlflow_run_id": mlflow_run_id, "init_from": init_from,
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
-          "required_metric": required_metric, "interactive": interactive()}
+          "required_metric": required_metric, "interactive": interactive(),
+          "schedule": dataclasses.asdict(schedule) if schedule is not None else {}}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=lc,

@@ -16,11 +16,23 @@ Phases (a curriculum such as TinyStories then FineWeb-Edu) come from a YAML list
 
 Model, optimizer and scheduler state carry from one phase to the next; the learning-rate schedule
 spans all phases (one warmup, one cosine); later phases reuse the first phase's tokenizer.
+
+Context extension (docs/long-context.md) is a phase that raises data.seq_len and changes the RoPE settings:
+
+    - steps: 150
+    - steps: 60
+      lr_warmup_steps: 10          # optional: the learning rate ramps up again inside the one schedule
+      reset_optimizer: false       # optional: true starts AdamW's moments from zero (the weights carry over)
+      overrides: {data.seq_len: 1024, model.rope_scaling: yarn, model.rope_factor: 4, model.rope_original_max_len: 256}
+
+A phase that changes data.seq_len keeps the tokens per optimizer step of the phase before it: train.batch_size x
+train.grad_accum are adjusted (never more tokens per micro-batch) unless the phase sets either itself; the phase
+line says which.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +46,24 @@ from pipeline.train.run_dir import RUN_FILE, write_run_file
 _FIXED_ACROSS_PHASES = ("model.tier", "model.mixer", "model.tie_embeddings", "data.vocab_size", "data.tokenizer")
 
 
+_PHASE_KEYS = ("steps", "overrides", "name", "lr_warmup_steps", "reset_optimizer")
+
+
 @dataclass
 class Phase:
     steps: int
     overrides: dict[str, Any] = field(default_factory=dict)
+    lr_warmup_steps: int = 0  # > 0: a re-warmup over this many steps at the phase start, inside the one schedule
+    reset_optimizer: bool = False  # AdamW's moments start from zero at the phase start
+
+    def to_dict(self) -> dict[str, Any]:
+        """What run.json records: steps and overrides, and the optional keys only where set."""
+        out = {"steps": self.steps, "overrides": self.overrides}
+        if self.lr_warmup_steps:
+            out["lr_warmup_steps"] = self.lr_warmup_steps
+        if self.reset_optimizer:
+            out["reset_optimizer"] = True
+        return out
 
 
 def run_params(cfg: Config, manifest: Any) -> dict[str, Any]:
@@ -55,32 +81,95 @@ def run_params(cfg: Config, manifest: Any) -> dict[str, Any]:
             PARAM_MANIFEST_HASH: manifest.settings_hash}
 
 
-def load_phases(path: str | None, cfg: Config) -> list[Phase]:
-    """Phases from a YAML file, each validated against cfg; no file means one phase of train.max_steps."""
+def load_phases(path: str | None, cfg: Config, preset: str | None = None) -> list[Phase]:
+    """Phases from a YAML file, each validated against cfg; without a file, the phases of a preset that has them
+    (pipeline/config.py PRESET_PHASES, e.g. long-32k), else one phase of train.max_steps."""
+    from pipeline.config import preset_phases
+
     if not path:
-        return [Phase(cfg.train.max_steps)]
+        items = preset_phases(preset) if preset else None
+        return parse_phases(items, cfg, f"preset {preset}") if items else [Phase(cfg.train.max_steps)]
     import yaml
 
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--phases {path}: no such file")
-    doc = yaml.safe_load(p.read_text())
+    return parse_phases(yaml.safe_load(p.read_text()), cfg, f"--phases {path}")
+
+
+def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
+    """A list of phase mappings ({steps, overrides, name, lr_warmup_steps, reset_optimizer}), each validated
+    against cfg with one-line errors that name `where` and the phase."""
     if not isinstance(doc, list) or not doc:
-        raise ConfigError(f"--phases {path}: expected a YAML list of phases like [{{steps: 100, overrides: {{...}}}}]")
+        raise ConfigError(f"{where}: expected a YAML list of phases like [{{steps: 100, overrides: {{...}}}}]")
     phases = []
     for i, item in enumerate(doc):
-        if not isinstance(item, dict) or set(item) - {"steps", "overrides", "name"} or "steps" not in item:
-            raise ConfigError(f"--phases {path}: phase {i} must be a mapping with steps (and optional overrides)")
+        if not isinstance(item, dict) or set(item) - set(_PHASE_KEYS) or "steps" not in item:
+            raise ConfigError(f"{where}: phase {i} must be a mapping with steps (and optional overrides, name, "
+                              f"lr_warmup_steps, reset_optimizer)")
         steps, overrides = item["steps"], dict(item.get("overrides") or {})
         if not isinstance(steps, int) or steps <= 0:
-            raise ConfigError(f"--phases {path}: phase {i} steps={steps!r}; it must be a positive integer")
+            raise ConfigError(f"{where}: phase {i} steps={steps!r}; it must be a positive integer")
         fixed = [k for k in overrides if k in _FIXED_ACROSS_PHASES]
         if fixed:
-            raise ConfigError(f"--phases {path}: phase {i} changes {fixed}; the model and tokenizer stay the same "
+            raise ConfigError(f"{where}: phase {i} changes {fixed}; the model and tokenizer stay the same "
                               f"across phases, set them on the command line instead")
+        warmup, reset = item.get("lr_warmup_steps", 0), item.get("reset_optimizer", False)
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or not 0 <= warmup <= steps:
+            raise ConfigError(f"{where}: phase {i} lr_warmup_steps={warmup!r}; it must be an integer from 0 to the "
+                              f"phase's steps ({steps})")
+        if not isinstance(reset, bool):
+            raise ConfigError(f"{where}: phase {i} reset_optimizer={reset!r}; it must be true or false")
+        if i == 0 and (warmup or reset):
+            raise ConfigError(f"{where}: phase 0 sets {'lr_warmup_steps' if warmup else 'reset_optimizer'}, which "
+                              f"applies where a phase continues another; the first phase warms up with "
+                              f"train.warmup_steps")
         cfg.replace(overrides)  # unknown keys and bad values fail here, before anything runs
-        phases.append(Phase(steps, overrides))
+        phases.append(Phase(steps, overrides, warmup, reset))
     return phases
+
+
+def keep_tokens_per_step(before: Config, pcfg: Config, overrides: dict[str, Any]) -> tuple[Config, str]:
+    """The phase config `pcfg` with the tokens per optimizer step of the phase `before` it kept (across a change of
+    data.seq_len, or where pcfg's batch shape comes from the base config and not from the phase before), and a note
+    saying so for the phase line.
+
+    The rows per step become before's tokens per step / the new seq_len (rounded, at least 1), split into the
+    largest micro-batch that divides them without holding more tokens than before's micro-batch (so a longer
+    context never needs more memory per forward than the math requires) times grad_accum. A phase that sets
+    train.batch_size or train.grad_accum itself is taken as it is."""
+    b, p = before.train, pcfg.train
+    tokens_before = b.batch_size * b.grad_accum * before.data.seq_len
+    if "train.batch_size" in overrides or "train.grad_accum" in overrides:
+        return pcfg, (f"{p.batch_size} x {p.grad_accum} rows of {pcfg.data.seq_len:,} = "
+                      f"{p.batch_size * p.grad_accum * pcfg.data.seq_len:,} tokens per step (set explicitly by the "
+                      f"phase)")
+    rows = max(1, round(tokens_before / pcfg.data.seq_len))
+    most = max(1, b.batch_size * before.data.seq_len // pcfg.data.seq_len)  # rows per micro-batch, no more tokens
+    batch = max(d for d in range(1, min(rows, most) + 1) if rows % d == 0)
+    shape = f"{batch} x {rows // batch} rows of {pcfg.data.seq_len:,} = {rows * pcfg.data.seq_len:,} tokens per step"
+    if (batch, rows // batch) == (b.batch_size, b.grad_accum):
+        return pcfg.replace({"train.batch_size": batch, "train.grad_accum": b.grad_accum}), shape
+    pcfg = pcfg.replace({"train.batch_size": batch, "train.grad_accum": rows // batch})
+    kept = ("kept" if rows * pcfg.data.seq_len == tokens_before
+            else f"{tokens_before:,} before: the nearest whole number of rows")
+    return pcfg, f"{shape} ({kept}; train.batch_size x train.grad_accum adjusted from {b.batch_size} x {b.grad_accum})"
+
+
+def phase_line(i: int, phase: Phase, pcfg: Config, batch_note: str) -> str:
+    """`phase 1: seq_len 1,024, RoPE theta 10,000, yarn x4 from 256; 2 x 1 rows ...; re-warmup 10 steps`."""
+    from pipeline.train.engine import model_rope
+
+    rope = model_rope(pcfg, say=False)
+    parts = [f"seq_len {pcfg.data.seq_len:,}", f"RoPE {rope.describe()}" if rope is not None else "no RoPE",
+             batch_note]
+    if phase.lr_warmup_steps:
+        parts.append(f"learning rate re-warmed up over {phase.lr_warmup_steps} steps")
+    if phase.reset_optimizer:
+        parts.append("AdamW moments reset")
+    if i > 0:
+        parts.append("from the previous phase's weights")
+    return f"phase {i}: " + "; ".join(parts)
 
 
 @dataclass
@@ -117,9 +206,10 @@ class TrainSession:
         from pipeline.data.shards import load_manifest
         from pipeline.tracking.tracker import (check_artifact_location, check_tracking_uri, open_tracker,
                                                resolve_tracking_uri)
+        from pipeline.train.engine import PhaseSchedule
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
-        record = self._record(config=cfg.flat(), phases=[asdict(p) for p in self.phases], status="running",
+        record = self._record(config=cfg.flat(), phases=[p.to_dict() for p in self.phases], status="running",
                               audit_data=self.audit_data)
         if is_uri(storage_root(cfg)):  # the bucket: endpoint, existence, credentials, before anything else
             check(storage_root(cfg), what="run.storage", write=True)
@@ -138,7 +228,7 @@ class TrainSession:
             raise
         if sized is not None:
             cfg, total = sized.cfg, sized.cfg.train.max_steps
-            record = self._record(config=cfg.flat(), phases=[asdict(p) for p in self.phases])
+            record = self._record(config=cfg.flat(), phases=[p.to_dict() for p in self.phases])
         tracker = open_tracker(cfg, run_id=record.get("mlflow_run_id"), run_name=self.run_dir.name)
         self._record(mlflow_run_id=tracker.run_id)
         if cfg.tracking.system_metrics:
@@ -153,8 +243,10 @@ class TrainSession:
                 end_step += phase.steps
                 # Phases after the first reuse its tokenizer. The first phase keeps its own data.tokenizer, also on
                 # --resume: the recorded tokenizer file would change its dataset's cache key and rebuild the dataset.
+                before = pcfg
                 pcfg = cfg.replace({**phase.overrides, "train.max_steps": total,
                                     **({"data.tokenizer": tokenizer} if tokenizer and i > 0 else {})})
+                pcfg, batch_note = keep_tokens_per_step(pcfg if i == 0 else before, pcfg, phase.overrides)
                 if i < record.get("phases_done", 0):
                     continue
                 dataset = sized.dataset if sized is not None and i == 0 else prepare_main(pcfg)
@@ -171,17 +263,21 @@ class TrainSession:
                 where = (f"{pcfg.ray.num_workers} Ray Train worker(s)" if self.use_ray else "one process, no Ray")
                 stage("train", f"tier {pcfg.model.tier}, steps {end_step - phase.steps}..{end_step}"
                                f"{f' (phase {i})' if len(self.phases) > 1 else ''}, {where}; run {self.run_dir}")
+                if len(self.phases) > 1:
+                    print(phase_line(i, phase, pcfg, batch_note), flush=True)
+                schedule = PhaseSchedule(end_step - phase.steps, phase.lr_warmup_steps, phase.reset_optimizer)
                 if self.use_ray:
                     from pipeline.train.ray_train import run_training
 
                     out = run_training(pcfg, dataset, self.run_dir, mlflow_run_id=tracker.run_id, init_from=init_from,
-                                       max_steps=end_step, phase=i, audit_data=self.audit_data)
+                                       max_steps=end_step, phase=i, audit_data=self.audit_data, schedule=schedule)
                     checkpoint, stopped = out.checkpoint, out.stopped
                 else:
                     from pipeline.train.local import train_local
 
                     checkpoint, stopped = train_local(pcfg, dataset, self.run_dir, tracker, init_from=init_from,
-                                                      max_steps=end_step, phase=i, audit_data=self.audit_data)
+                                                      max_steps=end_step, phase=i, audit_data=self.audit_data,
+                                                      schedule=schedule)
                 if stopped:  # Ctrl+C: a checkpoint was written; `--resume` continues this phase
                     record = self._record(checkpoint=str(checkpoint) if checkpoint else None)
                     status = "KILLED"

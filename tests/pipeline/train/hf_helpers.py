@@ -47,14 +47,15 @@ def corpus_texts() -> list[str]:
     return texts
 
 
-def build_dataset(root: Path, *, vocab_size: int = 400, seq_len: int = 64, overrides: dict | None = None
-                  ) -> tuple[Config, Path]:
-    """(config, dataset dir): a files-source config whose prepared dataset already exists in data.dataset_dir."""
+def build_dataset(root: Path, *, vocab_size: int = 400, seq_len: int = 64, overrides: dict | None = None,
+                  tokenizer: Path | None = None) -> tuple[Config, Path]:
+    """(config, dataset dir): a files-source config whose prepared dataset already exists in data.dataset_dir.
+    `tokenizer`: an existing SentencePiece model to use (another build's), instead of training one."""
     root.mkdir(parents=True, exist_ok=True)
     texts = corpus_texts()
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    tok_path = train_tokenizer(texts, vocab_size, root / "source_tokenizer.model", num_threads=1)
+    tok_path = tokenizer or train_tokenizer(texts, vocab_size, root / "source_tokenizer.model", num_threads=1)
     ds = root / "dataset"
     cfg = load_config("test", {"data.source": "files", "data.path": str(corpus), "data.tokenizer": str(tok_path),
                                "data.vocab_size": vocab_size, "data.seq_len": seq_len, "data.dataset_dir": str(ds),
