@@ -154,10 +154,9 @@ def markdown(check: dict) -> str:
     lines += [f"Budget {check['budget_min']:g} min, {check['elapsed_s']:.0f} s used: `{check['command']}`", "",
               "| figure | goal | measured | pass/fail |", "|---|---|---|---|"]
     lines += [f"| {f['figure']} | {f['goal']} | {f['measured']} | {f['result']} |" for f in check["figures"]]
-    lines += ["", "| step | status | seconds | cap (s) | command | files or reason |", "|---|---|---|---|---|---|"]
+    lines += ["", "| step | status | seconds | cap (s) | command | files; reason |", "|---|---|---|---|---|---|"]
     for s in check["steps"]:
-        what = ", ".join(s["files"]) if s["status"] == "ok" and not s["reason"] else s["reason"]
-        what = what.replace("|", "\\|")
+        what = "; ".join(x for x in (", ".join(s["files"]), s["reason"]) if x).replace("|", "\\|")
         lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.0f} | {s['cap_s']:.0f} | `{s['command']}` | "
                      f"{what} |")
     return "\n".join(lines) + "\n"
