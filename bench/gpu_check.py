@@ -129,11 +129,11 @@ STEPS: list[Step] = [
     Step("fsdp", "headline", 210, "python bench/fsdp.py --cases D:2 E:1 --ac all --seq-len 32768 --steps 5",
          "python bench/fsdp.py --smoke", measures="FSDP on one GPU beside the unsharded engine: tiers D:2, E:1"),
     Step("default_run", "headline", 330, "python pipeline/run.py", "python pipeline/run.py --preset test",
-         kind="default_run", needs=("ray",), in_tmp=True, smoke_cap_s=420,
+         kind="default_run", needs=("ray",), in_tmp=True, smoke_cap_s=600,
          measures="the default run in an empty directory: console lines, wall time, final eval loss"),
     Step("sweep", "headline", 330, "python pipeline/run.py tune --space tune_spaces/one_gpu_bs.yaml --preset gpu",
          "python pipeline/run.py tune --space smoke_space.yaml --preset test", kind="sweep", needs=("ray",),
-         in_tmp=True, smoke_cap_s=480, smoke_files=(("smoke_space.yaml", SMOKE_SPACE),),
+         in_tmp=True, smoke_cap_s=600, smoke_files=(("smoke_space.yaml", SMOKE_SPACE),),
          measures="tier A x batch 1/2/4 with ASHA on one GPU: the trial table"),
     _mixer("mixer_32k_docmasked", "more", 90,
            "--seq-lens 32768 --steps 5 --gen-tokens 32 --doc-masking --saved-seq-len 0 --gen-batch-sizes",
@@ -433,7 +433,19 @@ def run_one(step: Step, cap: float, args, site: Path, work: Path, out: Path,
                stdout_tail=last_lines(tail(ran["stdout"]), 30), stderr_tail=last_lines(tail(ran["stderr"]), 10))
     if record is not None and step.kind != "bench":
         res["record"] = record
+        res["summary"] = summary(step.kind, record)
     return res, record
+
+
+def summary(kind: str, record: dict) -> str:
+    """One line of what a pytest, default-run or sweep step found, for the console."""
+    if kind == "pytest":
+        return ", ".join(f"{record[k]} {k}" for k in ("passed", "failed", "errors", "skipped"))
+    if kind == "default_run":
+        return f"{record['console_lines']} console lines, final eval loss {record.get('final_eval_loss', 'none')}"
+    if kind == "sweep":
+        return f"{len(record['trials'])} trial(s) in its table; best: {record.get('best', 'none')}"
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -497,7 +509,8 @@ def run(args: argparse.Namespace) -> int:
                     interrupted = res["reason"]
             print(f"    {res['status']}" + (f" in {res['seconds']:.1f} s" if res["status"] != "skipped" else "")
                   + (f": {res['reason']}" if res["reason"] else "")
-                  + (f" -> {', '.join(res['files'])}" if res["files"] else ""), flush=True)
+                  + (f" -> {', '.join(res['files'])}" if res["files"] else "")
+                  + (f" ({res['summary']})" if res.get("summary") else ""), flush=True)
             check["steps"].append(res)
             check["elapsed_s"] = round(time.monotonic() - t_start, 1)
             path = write_check(out, check, records, GOALS, args.fold)

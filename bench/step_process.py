@@ -95,13 +95,13 @@ def _signal(pids, sig) -> None:
             pass
 
 
-def stop_processes(proc: subprocess.Popen | None, marker: str, grace_s: float = 10.0) -> int:
+def stop_processes(proc: subprocess.Popen | None, marker: str, grace_s: float = 5.0) -> int:
     """Stop what the step left running: SIGINT to its process group first while its own process still runs (pytest
     then still writes its JUnit XML of the tests so far; a Python bench ends as on Ctrl-C), then SIGTERM to the group
     and every marked process, SIGKILL to what is left after `grace_s` each. Returns how many were running."""
     running = lambda: proc is not None and proc.poll() is None  # noqa: E731
     alive = lambda: set(marked_pids(marker)) | ({proc.pid} if running() else set())  # noqa: E731
-    pids = alive()
+    pids, was_running = alive(), running()
 
     def wait(done) -> None:
         deadline = time.monotonic() + grace_s
@@ -118,11 +118,12 @@ def stop_processes(proc: subprocess.Popen | None, marker: str, grace_s: float = 
             _signal(alive(), sig)
         wait((lambda: not running()) if sig == signal.SIGINT else (lambda: not alive()))
     _signal(alive(), signal.SIGKILL)
-    if proc is not None:
+    if was_running:  # the group's unmarked members too (a step that ended by itself is not signalled at all)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
+    if proc is not None:
         proc.wait()
     return len(pids)
 
