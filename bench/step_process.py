@@ -139,6 +139,19 @@ def last_lines(text: str, n: int = 5) -> list[str]:
     return (meaningful or [ln for ln in lines if ln.strip()])[-n:]
 
 
+def failure_lines(text: str) -> list[str]:
+    """Why a command failed, from its stderr: the exception line(s) of its last Python traceback, else its last
+    meaningful lines (the project's CLI prints one `error: ...` line)."""
+    lines = last_lines(text, 400)
+    for i in range(len(lines) - 1, -1, -1):
+        if "Traceback (most recent call last)" in lines[i]:
+            raised = [ln for ln in lines[i + 1:] if ln.strip() and not ln.startswith((" ", "\t"))]
+            if raised:
+                return raised[-3:]
+            break
+    return lines[-5:]
+
+
 def tail(path: Path, n_bytes: int = 200_000) -> str:
     """The end of a log file as text."""
     with open(path, "rb") as f:
@@ -167,7 +180,7 @@ def run_command(argv: list[str], *, cwd: Path, env: dict[str, str], cap_s: float
     left = stop_processes(proc, marker)
     seconds = time.monotonic() - t0
     if status == "ok" and rc != 0:
-        why = last_lines(tail(err_log)) or last_lines(tail(out_log))
+        why = failure_lines(tail(err_log)) or failure_lines(tail(out_log))
         status, reason = "failed", f"exit code {rc}: " + " | ".join(why)
     elif status == "ok" and left:
         reason = f"{left} process(es) it left running were stopped"

@@ -21,7 +21,7 @@ import pytest
 
 from bench import gpu_check
 from bench.gpu_report import measure_goal, merge, write_check
-from bench.step_process import make_site, step_env
+from bench.step_process import failure_lines, make_site, step_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "bench" / "gpu_check.py")
@@ -29,9 +29,7 @@ SCRIPT = str(REPO / "bench" / "gpu_check.py")
 FAILS = """import sys
 print("about to fail")
 sys.stderr.write("some/module.py:1: UserWarning: noise that is not the reason\\n")
-sys.stderr.write("RuntimeError: the injected failure\\n")
-sys.stderr.write("\\n")
-sys.exit(3)
+raise RuntimeError("the injected failure")
 """
 # Over its cap: it starts a process in a session of its own (as Ray's raylet does), which must be stopped too.
 SLEEPS = """import pathlib, subprocess, sys, time
@@ -87,9 +85,9 @@ def test_every_step_is_recorded_and_a_failure_a_timeout_or_a_budget_skip_stops_n
     assert {n: s["status"] for n, s in steps.items()} == {
         "fails": "failed", "decoder": "ok", "sleeps": "timeout", "env_check": "ok", "too_long": "skipped",
         "generate_short": "ok"}, {n: s["reason"] for n, s in steps.items()}
-    # the failure's reason: its exit code and its last meaningful stderr line, the warning and blank line left out
-    assert steps["fails"]["reason"] == "exit code 3: RuntimeError: the injected failure"
-    assert steps["fails"]["exit_code"] == 3 and steps["fails"]["stdout_tail"] == ["about to fail"]
+    # the failure's reason: its exit code and the exception its traceback ends with
+    assert steps["fails"]["reason"] == "exit code 1: RuntimeError: the injected failure"
+    assert steps["fails"]["exit_code"] == 1 and steps["fails"]["stdout_tail"] == ["about to fail"]
     assert steps["sleeps"]["reason"].startswith("over its cap of 8 s") and steps["sleeps"]["seconds"] >= 8
     assert not _alive(grandchild), "the process the timed-out step started in its own session was left running"
     assert steps["too_long"]["reason"].startswith("budget: its cap of 100000 s does not fit the ")
@@ -177,6 +175,17 @@ def test_a_stopped_check_stops_its_step_and_still_writes_its_results(tmp_path):
     assert [(s["name"], s["status"]) for s in check["steps"]] == [("sleeper", "interrupted"), ("later", "skipped")]
     assert check["steps"][0]["reason"] == "stopped by SIGTERM"
     assert check["steps"][1]["reason"] == "gpu_check was stopped (stopped by SIGTERM)"
+
+
+def test_a_failure_reads_as_its_exception_or_its_last_meaningful_lines():
+    chained = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    f()\n"
+               "KeyError: 'a'\n\nDuring handling of the above exception, another exception occurred:\n\n"
+               "Traceback (most recent call last):\n  File \"x.py\", line 3, in <module>\n"
+               "ValueError: the one that ended it\n  (a note)\n")
+    assert failure_lines(chained) == ["ValueError: the one that ended it"]
+    cli = "2026 WARNING something noisy\n\x1b[31merror: data.path 'x' matches no file; pass a glob\x1b[0m\n\n"
+    assert failure_lines(cli) == ["error: data.path 'x' matches no file; pass a glob"]
+    assert failure_lines("".join(f"line {i}\n" for i in range(9))) == [f"line {i}" for i in range(4, 9)]
 
 
 def test_the_shim_gives_numpy_row_stack_back_and_runs_the_sitecustomize_it_shadows(tmp_path):
