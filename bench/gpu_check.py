@@ -532,7 +532,7 @@ def print_list() -> None:
     print(f"{'step':<24}{'group':<10}{'cap s':>6}{'smoke':>7}  {'needs':<10}command")
     for s in STEPS:
         print(f"{s.name:<24}{s.group:<10}{s.cap_s:>6}{s.smoke_cap_s if s.smoke else '-':>7}  "
-              f"{','.join(s.needs) or '-':<10}{s.command}")
+              f"{','.join(s.needs) or '-':<10}{s.command}\n{'':<59}{s.measures}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
