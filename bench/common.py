@@ -39,11 +39,14 @@ def device_slug() -> str:
 
 
 def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
-    """Write {name, date, commit, device, **payload} atomically and return the path."""
+    """Write {name, date, commit, device, **payload} atomically and return the path. The commit is git's, else
+    LONGTRAIN_COMMIT's (set where the code is a copy without git), else "unknown"."""
     out_dir = Path(out_dir or RESULTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc)
-    record = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "commit": git_commit() or "unknown",
+    # LONGTRAIN_COMMIT: where the checkout is a copy without git (a lent GPU machine), bench/gpu_check.py --commit
+    commit = git_commit() or os.environ.get("LONGTRAIN_COMMIT") or "unknown"
+    record = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "commit": commit,
               "device": device_info(), **payload}
     path = out_dir / f"{name}-{device_slug()}-{now.strftime('%Y%m%d')}.json"
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".json")
