@@ -64,7 +64,8 @@ def _space(tmp_path: Path, doc: dict) -> Path:
 
 @pytest.mark.parametrize("doc, expected", [
     ({"params": {"train.batchsize": {"grid": [1, 2]}}},
-     ["params key 'train.batchsize' is not a config field; did you mean 'train.batch_size'?", "valid fields: model.tier,"]),
+     ["params key 'train.batchsize' is not a config field; did you mean 'train.batch_size'? `python pipeline/run.py "
+      "--help` lists every field"]),
     ({"params": {"train.lr": {"normal": [0, 1]}}},
      ["train.lr: {'normal': [0, 1]} is not a distribution", "loguniform ([lo, hi] float"]),
     ({"params": {"train.lr": {"loguniform": [0.0, 1e-3]}}}, ["loguniform needs lo > 0"]),
