@@ -106,6 +106,16 @@ _NO_RAY_FIELDS = ("ray.address", "ray.dashboard_host")
 _SOURCE_FIELDS = {"data.path": {"files", "hf"}, "data.text_column": {"files", "hf"}, "data.hf_name": {"hf"},
                   "data.hf_config": {"hf"}, "data.hf_split": {"hf"}, "data.hf_streaming": {"hf"}}
 _DATA_STAGES = {"all", "prepare", "train", "tune"}
+# Fields another field's value turns off: (field, is it off?, why).
+_OFF_BY = [
+    ("tracking.", lambda c: not c.tracking.enabled, "tracking.enabled=false, so nothing is logged to MLflow"),
+    ("tracking.system_metrics_interval_s", lambda c: not c.tracking.system_metrics,
+     "tracking.system_metrics=false, so no system metrics are sampled"),
+    ("data.max_bad_fraction", lambda c: c.data.on_bad_record == "error",
+     "with data.on_bad_record=error the first unreadable record fails the prepare, whatever the fraction"),
+    ("data.tokenizer_sample_bytes", lambda c: bool(c.data.tokenizer),
+     "data.tokenizer is given, so no tokenizer is trained and nothing is sampled for one"),
+]
 
 
 def unused_by_source(source: str, keys: Any, where: str = "") -> None:
@@ -135,6 +145,10 @@ def settle_fields(stage: str, typed: dict[str, Any], cfg: Config, *, no_ray: boo
             if key.startswith("ray.") and key not in _NO_RAY_FIELDS:
                 raise IgnoredSettingError(f"{key} is not used with --no-ray (one plain process, no Ray Train "
                                           f"workers); drop it, or drop --no-ray to train on Ray")
+    for prefix, off, why in _OFF_BY:
+        for key in typed:
+            if key.startswith(prefix) and key != "tracking.enabled" and off(cfg):
+                raise IgnoredSettingError(f"{key} is not used: {why}; drop it")
     if stage not in _DATA_STAGES:
         return cfg, notes
     if "data.path" in typed and "data.source" not in typed and cfg.data.source == "builtin":

@@ -40,6 +40,14 @@ MISTAKES = [
      "error: --address is not used by `eval` (it is for prepare, train and tune)"),
     (["train", "--checkpoint", "runs/x"],
      "error: --checkpoint runs/x is not used by `train` without --resume RUN: a new run starts from scratch"),
+    (["train", "--tracking.enabled=false", "--tracking.experiment=mine"],
+     "error: tracking.experiment is not used: tracking.enabled=false, so nothing is logged to MLflow; drop it"),
+    (["prepare", "--data.on_bad_record=error", "--data.max_bad_fraction=0.01"],
+     "error: data.max_bad_fraction is not used: with data.on_bad_record=error the first unreadable record fails the "
+     "prepare, whatever the fraction; drop it"),
+    (["prepare", "--data.tokenizer=tok.model", "--data.tokenizer_sample_bytes=1000000"],
+     "error: data.tokenizer_sample_bytes is not used: data.tokenizer is given, so no tokenizer is trained and nothing "
+     "is sampled for one; drop it"),
     (["validate", "runs/datasets/x", "--data.seq_len=128"],
      "error: --data.seq_len=128 is not used by `validate`: validate reads only the dataset directory it is given"),
     (["tune", "--space", BS_TIER, "--train.batch_size=4"],
