@@ -106,9 +106,11 @@ def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
     from pipeline.unused_settings import IgnoredSettingError, check_flags, settle_fields, typed_fields
 
     check_flags(args, parse_args([])[0])
-    if args.stage == "validate" and rest:
-        raise IgnoredSettingError(f"{rest[0]} is not used by `validate`: validate reads only the dataset directory "
-                                  f"it is given; drop it")
+    if args.stage == "validate":  # it reads no config: nothing to load (the default preset would import torch)
+        if rest:
+            raise IgnoredSettingError(f"{rest[0]} is not used by `validate`: validate reads only the dataset "
+                                      f"directory it is given; drop it")
+        return Config()
     overrides = parse_overrides(list(rest))
     if args.address:
         overrides["ray.address"] = args.address
