@@ -10,6 +10,7 @@ raise `ConfigError`, whose message is one line naming the field and what is allo
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import typing
@@ -26,8 +27,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    tier: str = "nano"
-    tie_embeddings: bool = True
+    tier: str = "nano"  # model size by name (python -m model lists each tier's parameter count)
+    tie_embeddings: bool = True  # the output projection shares the token embedding's weights
     doc_masking: bool = True  # no attention across document boundaries; positions restart per document
     compile: str = "auto"  # auto (on for CUDA) | on | off: regional torch.compile, one block at a time
     activation_checkpointing: str = "none"  # none | all | every_<k> (every k-th block) | mixer (resonance only)
@@ -47,75 +48,73 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # builtin | files | hf
+    source: str = "builtin"  # builtin | files | hf: where the text comes from (built-in needs no download)
     path: str = ""  # files: a file, directory or glob, local or a URI (s3://bucket/corpus/*.jsonl, gs://...)
-    text_column: str = "text"
+    text_column: str = "text"  # files (.jsonl/.json/.parquet) and hf: the field or column that holds the text
     hf_name: str = ""  # hf: dataset name, e.g. roneneldan/TinyStories
-    hf_config: str = ""
-    hf_split: str = "train"
-    hf_streaming: bool = False
-    max_documents: int = 0  # 0 = all
+    hf_config: str = ""  # hf: the dataset's configuration (subset) name, e.g. sample-10BT
+    hf_split: str = "train"  # hf: the split to read
+    hf_streaming: bool = False  # hf: stream the dataset from the Hub instead of downloading it first
+    max_documents: int = 0  # read at most this many documents of the source, in order; 0 = all
     tokenizer: str = ""  # an existing SentencePiece .model (path or URI); empty = train one
-    vocab_size: int = 32000
+    vocab_size: int = 32000  # tokenizer pieces (SentencePiece BPE with byte fallback; at least 256)
     tokenizer_sample_bytes: int = 20_000_000  # text sampled to train the tokenizer
     seq_len: int = 256  # tokens per training row; shards hold seq_len + 1
     # > 0: a corpus that packs into fewer rows than this at seq_len is packed again at the longest power-of-two
     # seq_len that gives at least this many (pipeline/train/sizing.py); 0: seq_len as set
-    min_rows: int = 0
-    val_fraction: float = 0.02
-    rows_per_shard: int = 2048
+    min_rows: int = 0  # > 0: pack again at a shorter seq_len when the corpus fills fewer rows
+    val_fraction: float = 0.02  # share of the packed rows held out for validation
+    rows_per_shard: int = 2048  # packed rows per Parquet shard file
     dataset_dir: str = ""  # this exact dataset directory (path or URI); empty = <data.dataset_store>/<content hash>
     dataset_store: str = ""  # where datasets are cached by content hash; empty = <run.storage>/datasets
-    split_seed: int = 0
+    split_seed: int = 0  # seed of the train/validation split
     tokenize_actors: int = 0  # 0 = one per core (local Ray) / per Ray CPU less one per node (cluster)
     # Unreadable records (a .jsonl line that is not JSON, a missing or non-string text field): skip = drop and
     # count them per file (manifest, validate report), failing only above max_bad_fraction of all records;
     # error = the first one fails the prepare.
-    on_bad_record: str = "skip"
-    max_bad_fraction: float = 0.001
+    on_bad_record: str = "skip"  # skip | error: what an unreadable record does
+    max_bad_fraction: float = 0.001  # skip: fail when more than this share of all records is unreadable
 
 
 @dataclass
 class TrainConfig:
     batch_size: int = 8  # micro-batch, sequences per worker per forward
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
     max_steps: int = 200  # optimizer steps
     max_epochs: float = 0.0  # > 0: max_steps is capped at this many passes over the training split; 0: no cap
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate (AdamW), after warmup
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    warmup_steps: int = 20  # linear warmup steps before the cosine decay
+    weight_decay: float = 0.1  # AdamW weight decay (matrices only)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # 0 disables clipping
-    seed: int = 1234
+    seed: int = 1234  # seed of the model's initialisation and the data order
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     ce_chunk_size: int = 0  # tokens per logits chunk in the fused cross-entropy; 0 = sized from the free memory
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
-    log_every: int = 10
-    eval_every: int = 50
-    eval_batches: int = 8
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
+    log_every: int = 10  # steps between training-metric logs (and Ctrl+C checks)
+    eval_every: int = 50  # steps between evaluations on the validation split
+    eval_batches: int = 8  # validation batches per evaluation during training
+    checkpoint_every: int = 50  # steps between checkpoints (and at the end)
+    keep_checkpoints: int = 2  # checkpoints kept: the best by val/loss and the latest
     sample_tokens: int = 48  # tokens generated per prompt at evaluation (0 = off)
     memory_limit_gib: float = 0.0  # > 0: train as on a device of this many GiB (OOM above it); 0 = the real device
     # How Ray Train workers share the model (pipeline/train/parallel.py): ddp = a full copy each, gradients
     # all-reduced; fsdp = FSDP2, parameters, gradients and AdamW state sharded across the workers; auto = fsdp when
     # a full copy with its gradients, optimizer state and activations would not fit one worker's memory.
-    parallel: str = "auto"
-    # Seconds a collective (the gradient all-reduce, FSDP's gathers, the metric all-reduces) waits for the other
-    # ranks before this attempt ends with one line naming the rank, the step and the collective
-    # (pipeline/train/collectives.py); the process group's timeout, gloo and NCCL alike
-    collective_timeout_s: float = 600.0
+    parallel: str = "auto"  # auto | ddp | fsdp: how Ray Train workers share the model
+    # The process group's timeout, gloo and NCCL alike (pipeline/train/collectives.py)
+    collective_timeout_s: float = 600.0  # seconds a collective waits for the other ranks before the attempt ends with one line naming the rank, the step and the collective
 
 
 @dataclass
 class RayConfig:
     address: str = ""  # empty = start a local Ray; "auto" = join the running cluster
-    num_workers: int = 1
-    use_gpu: str = "auto"  # auto | true | false
-    cpus_per_worker: int = 0  # 0 = auto: CPU training on a local Ray splits the cores; GPUs or a joined cluster: 1
-    max_failures: int = 3
+    num_workers: int = 1  # Ray Train workers (one per GPU on a GPU cluster)
+    use_gpu: str = "auto"  # auto (a GPU per worker when the cluster has GPUs) | true | false
+    cpus_per_worker: int = 0  # 0 = auto: a local CPU run splits the cores among workers; GPUs or a cluster: 1
+    max_failures: int = 3  # restarts from the latest checkpoint after a worker fails
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one worker per node)
     storage_path: str = ""  # Ray Train checkpoints (path or URI); empty = <run.storage>/<run name>/ray
     dashboard_host: str = "127.0.0.1"  # the local Ray's dashboard binds here (0.0.0.0 exposes it to the network)
@@ -124,14 +123,14 @@ class RayConfig:
 @dataclass
 class TrackingConfig:
     tracking_uri: str = ""  # empty = MLFLOW_TRACKING_URI, else sqlite:///<run.root>/mlflow.db
-    experiment: str = "longtrain"
-    enabled: bool = True
+    experiment: str = "longtrain"  # the MLflow experiment runs are logged to
+    enabled: bool = True  # track the run in MLflow (params, metrics, artifacts)
     system_metrics: bool = True  # CPU/memory/disk/network (+ GPU with pynvml) as system/* metrics of the run
     system_metrics_interval_s: float = 10.0  # seconds between samples (>= 1; each sample is one MLflow request)
     register_model: str = ""  # a name: at the end of training, export to Hugging Face format and register it
     # Artifacts of an experiment longtrain creates (path or URI); empty = <run.storage>/mlartifacts when run.storage
     # is a URI, else beside the local store's database. A tracking server decides its own (--artifacts-destination).
-    artifact_location: str = ""
+    artifact_location: str = ""  # where a new experiment keeps its artifacts
 
 
 @dataclass
@@ -140,7 +139,7 @@ class RunConfig:
     # One bucket (or directory) for datasets, checkpoints and MLflow artifacts: s3://bucket/longtrain on a cluster
     # with no shared filesystem. Empty = $LONGTRAIN_STORAGE, else run.root. Each place can be set apart
     # (data.dataset_store, ray.storage_path, tracking.artifact_location).
-    storage: str = ""
+    storage: str = ""  # one root for datasets, checkpoints and artifacts, a path or a bucket URI
     name: str = ""  # empty = generated from tier and time
 
 
@@ -191,11 +190,32 @@ def field_types() -> dict[str, type]:
     return dict(_FIELD_TYPES)
 
 
+def close_fields(key: str, n: int = 3) -> list[str]:
+    """The field paths a mistyped `key` most likely meant: the same name in another section first
+    (`train.tier` -> model.tier), else the nearest spellings of the whole path or of its last part."""
+    paths = list(_FIELD_TYPES)
+    leaf = key.split(".")[-1]
+    same = [p for p in paths if p.split(".")[-1] == leaf]
+    if same:
+        return same[:n]
+    by_leaf: dict[str, str] = {}
+    for p in paths:
+        by_leaf.setdefault(p.split(".")[-1], p)
+    for word, names, full in ((key, paths, None), (leaf, list(by_leaf), by_leaf)):
+        scored = sorted(((difflib.SequenceMatcher(None, word, m).ratio(), m) for m in names), reverse=True)
+        # the best match and any as close as it (two equally likely meanings), never a long list
+        close = [m for r, m in scored[:n] if r >= 0.75 and r >= scored[0][0] - 0.02]
+        if close:
+            return [full[m] for m in close] if full else close
+    return []
+
+
 def _unknown_key_message(key: str) -> str:
-    paths = list(field_types())
-    close = [p for p in paths if p.split(".")[-1] == key.split(".")[-1]]
-    hint = f" did you mean {close[0]!r}?" if close else ""
-    return f"unknown config field {key!r};{hint} valid fields: {', '.join(paths)}"
+    """One line: the closest field(s), and where the full list is (not the list itself: ~70 names)."""
+    close = close_fields(key)
+    hint = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return (f"unknown config field {key!r};{hint} `python pipeline/run.py --help` lists every field with its "
+            f"type, default and meaning")
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -40,8 +40,24 @@ def plain_worker_prefixes() -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
+_current_stage = ""  # the last banner's stage: what a Ctrl+C interrupts (pipeline/run.py says what was kept)
+
+
+def current_stage() -> str:
+    """The stage of the last banner printed since reset_stage() ("" before the first)."""
+    return _current_stage
+
+
+def reset_stage() -> None:
+    """A new command begins (run.py's main; tests call it several times in one process)."""
+    global _current_stage
+    _current_stage = ""
+
+
 def stage(name: str, detail: str = "") -> None:
     """A stage banner: `==> train: tier nano, 200 steps` (bold in a terminal)."""
+    global _current_stage
+    _current_stage = name
     line = f"==> {name}" + (f": {detail}" if detail else "")
     if sys.stdout.isatty():
         line = f"\033[1m{line}\033[0m"

@@ -8,31 +8,43 @@
     python pipeline/run.py train --resume runs/<run>         # continue a run from its latest checkpoint
     python pipeline/run.py train --phases phases.yaml        # a curriculum: one dataset and step count per phase
     python pipeline/run.py train --no-ray                    # the same engine in one plain process
-    python pipeline/run.py eval --checkpoint runs/<run>/checkpoint
-    python pipeline/run.py generate --checkpoint runs/<run>/checkpoint --prompt "Once upon a time"
+    python pipeline/run.py train --resume runs/<run> --train.max_steps=800   # a finished run, trained on to 800
+    python pipeline/run.py eval --checkpoint runs/<run>       # a run's latest checkpoint, or a checkpoint directory
+    python pipeline/run.py generate --checkpoint runs/<run> --prompt "Once upon a time"
     python pipeline/run.py tune --space tune_spaces/bs_tier.yaml
     python pipeline/run.py export --resume runs/<run> --out hf/<name> [--overwrite] [--register NAME]
+    python pipeline/run.py runs                              # every run: status, steps, val loss, last checkpoint
     ray job submit --working-dir . -- python pipeline/run.py --address auto --run.storage=s3://bucket/longtrain
 
-Every config field can be overridden by its path (--train.batch_size=8); `--preset` picks a named
-preset (cpu, gpu, fineweb-32k, long-32k, test) or a YAML file; the default preset is gpu when CUDA is present, else cpu.
+Every config field can be overridden by its path (--train.batch_size=8; `--help` lists them with type, default and
+meaning); `--preset` picks a named preset (cpu, gpu, fineweb-32k, long-32k, test) or a YAML file; the default preset
+is gpu when CUDA is present, else cpu. A flag or field the stage would not use is refused, not ignored.
 Every path that names data or results may be a URI (s3://, gs://, ...): data.path, run.storage (one bucket for
 datasets, checkpoints and artifacts), data.dataset_store, ray.storage_path, --checkpoint, validate's target.
+
+Where a run keeps things (pipeline/train/run_dir.py LAYOUT):
+
+    runs/<run>/run.json                               the run's record: config, phases, status, latest checkpoint
+    runs/<run>/ray/phase<i>/checkpoint_<time>/        a checkpoint of a Ray Train run (phase i; with run.storage a
+                                                      bucket: <run.storage>/<run>/ray/phase<i>/checkpoint_<time>/)
+    runs/<run>/checkpoints/phase<i>/step_<NNNNNN>/    a checkpoint of a --no-ray run (phase i, at step NNNNNN)
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python pipeline/run.py`: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import Config, ConfigError, from_flat, load_config  # noqa: E402
-from pipeline.console import plain_worker_prefixes, quiet_mlflow, stage  # noqa: E402
-from pipeline.train.run_dir import find_run, new_run_dir, read_run_file  # noqa: E402
+from pipeline.config import Config, ConfigError, from_flat, load_config, parse_overrides  # noqa: E402
+from pipeline.console import current_stage, plain_worker_prefixes, quiet_mlflow, reset_stage, stage  # noqa: E402
+from pipeline.train.run_dir import (CHECKPOINT_HINT, find_run, new_run_dir, read_run_file,  # noqa: E402
+                                    recorded_checkpoint, run_dir_of)
 
-STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune", "export")
+STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune", "export", "runs")
 REAL_CORPUS_COMMAND = "python pipeline/run.py --preset fineweb-32k"  # printed after a run sized to the built-in corpus
 
 
@@ -40,29 +52,48 @@ class UsageError(ValueError):
     """Bad command-line usage; printed as one line."""
 
 
+def _fields_epilog(argv: list[str]) -> str:
+    """--help's list of config fields (pipeline/config_help.py), with --preset's values as defaults when given."""
+    from pipeline.config import preset
+    from pipeline.config_help import fields_help
+
+    name = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--preset"), None)
+    name = name or next((a.split("=", 1)[1] for a in argv if a.startswith("--preset=")), None)
+    try:
+        return fields_help(preset(name), name) if name else fields_help()
+    except ConfigError as exc:
+        return f"{fields_help()}\n\n(--preset {name}: {exc})"
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    wants_help = any(a in ("-h", "--help") for a in argv)
     p = argparse.ArgumentParser(prog="python pipeline/run.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Config fields (override with --<field>=VALUE):\n  " + "\n  ".join(
-                                    __import__("pipeline.config", fromlist=["field_types"]).field_types()))
-    p.add_argument("stage", nargs="?", default="all", choices=STAGES)
+                                epilog=_fields_epilog(argv) if wants_help else None)
+    p.add_argument("stage", nargs="?", default="all", choices=STAGES,
+                   help="all (the default: prepare, train, eval, generate) | prepare | validate DIR | train | eval | "
+                        "generate | tune | export | runs (list the runs under run.root)")
     p.add_argument("target", nargs="?", help="validate: the dataset directory (a path or a URI)")
     p.add_argument("--preset", help="cpu | gpu | fineweb-32k | long-32k | test | a YAML preset file (default: by "
                                     "hardware)")
-    p.add_argument("--resume", metavar="RUN", help="a run directory (or name under run.root) to continue")
+    p.add_argument("--resume", metavar="RUN", help="a run directory (or its name under run.root): train continues "
+                                                   "it (a larger --train.max_steps or more --phases extend a finished "
+                                                   "one); eval, generate and export use its latest checkpoint")
     p.add_argument("--address", help="join this Ray cluster ('auto' = the running one); same as --ray.address")
-    p.add_argument("--no-ray", action="store_true", help="train in this process with the Ray-free engine")
+    p.add_argument("--no-ray", action="store_true", help="train: in this process with the Ray-free engine (prepare "
+                                                          "still runs on Ray Data)")
     p.add_argument("--phases", help="YAML list of phases: [{steps: N, overrides: {data.source: ...}}, ...]")
-    p.add_argument("--checkpoint", help="eval/generate/export: a checkpoint directory or URI (default: the run's "
-                                        "latest)")
+    p.add_argument("--checkpoint", help="eval/generate/export: a run directory (its latest checkpoint), a checkpoint "
+                                        "directory or a URI (default: the --resume run's latest)")
     p.add_argument("--prompt", action="append", help="generate: a prompt (repeatable)")
     p.add_argument("--prompts-file", help="generate: a file with one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="generate: tokens generated per prompt (64)")
+    p.add_argument("--temperature", type=float, default=0.8, help="generate: sampling temperature, 0 = greedy (0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="generate: sample from the k likeliest tokens, 0 = all (0)")
+    p.add_argument("--top-p", type=float, default=0.95, help="generate: nucleus sampling mass (0.95)")
     p.add_argument("--space", help="tune: a search space file from tune_spaces/")
-    p.add_argument("--audit-data", action="store_true", help="log the seq_ids each step consumed (data_audit/)")
+    p.add_argument("--audit-data", action="store_true", help="train: log the seq_ids each step consumed "
+                                                                 "(data_audit/)")
     p.add_argument("--out", help="export: the Hugging Face model directory to write")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing --out directory")
     p.add_argument("--register", metavar="NAME", help="export: also register it in the MLflow Model Registry")
@@ -70,10 +101,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
-    overrides = list(rest)
+    """The config the command line asks for. Nothing typed is ignored (pipeline/unused_settings.py): a flag or field
+    the stage would not use is refused in one line, and data.path without data.source reads files (said so). The
+    fields the user typed are kept in args.typed_fields (--resume applies them to the run's own config)."""
+    from pipeline.unused_settings import IgnoredSettingError, check_flags, settle_fields, typed_fields
+
+    check_flags(args, parse_args([])[0])
+    if args.stage == "validate":  # it reads no config: nothing to load (the default preset would import torch)
+        if rest:
+            raise IgnoredSettingError(f"{rest[0]} is not used by `validate`: validate reads only the dataset "
+                                      f"directory it is given; drop it")
+        return Config()
+    overrides = parse_overrides(list(rest))
     if args.address:
-        overrides.append(f"--ray.address={args.address}")
-    return load_config(args.preset, overrides)
+        overrides["ray.address"] = args.address
+    cfg = load_config(args.preset, overrides)
+    args.typed_fields = typed_fields(args.preset, overrides)
+    cfg, notes = settle_fields(args.stage, args.typed_fields, cfg, no_ray=args.no_ray, space=args.space)
+    for note in notes:
+        print(f"note: {note}", flush=True)
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -88,20 +135,34 @@ def stage_prepare(cfg: Config) -> Path:
 
 def stage_train(cfg: Config, args: argparse.Namespace):
     """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
-    from pipeline.train.session import Phase, TrainSession, load_phases
+    from pipeline.train.resume import plan_resume
+    from pipeline.train.run_dir import write_run_file
+    from pipeline.train.session import TrainSession, load_phases
 
+    start_step, extended = None, ""
     if args.resume:
         run_dir = find_run(cfg, args.resume)
+        args.run_dir = run_dir  # what a Ctrl+C from here on leaves behind is this run (main)
         record = read_run_file(run_dir)
         saved = from_flat(record["config"])
-        cli = {k: v for k, v in cfg.flat().items() if v != load_config(args.preset).flat()[k]}
-        cfg = saved.replace(cli)  # the run's own config, with what this command line changed on top
-        phases = [Phase(**p) for p in record["phases"]] if record.get("phases") else load_phases(None, cfg)
+        typed = getattr(args, "typed_fields", {})
+        # the run's own config, with the fields this command line set on top
+        preset = load_config(args.preset).flat()
+        cfg = saved.replace({k: v for k, v in cfg.flat().items() if k in typed or v != preset[k]})
+        plan = plan_resume(run_dir, record, cfg, typed, phases_file=args.phases, no_ray=args.no_ray)
+        if plan.finished:
+            print(plan.finished)
+            return run_dir, None
+        phases, start_step, extended = plan.phases, plan.start_step, plan.extended
+        if plan.phases_done != record.get("phases_done", 0):  # a finished phase that grew is open again
+            write_run_file(run_dir, {**record, "phases_done": plan.phases_done})
     else:
         run_dir = new_run_dir(cfg)
+        args.run_dir = run_dir
         phases = load_phases(args.phases, cfg, preset=args.preset)  # a preset may bring its own (long-32k)
     audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))
-    session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit)
+    session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit, start_step=start_step,
+                           extended=extended)
     return run_dir, session.run(resume=bool(args.resume))
 
 
@@ -111,13 +172,21 @@ def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path | str:
     from pipeline.train.engine import CheckpointError
 
     if args.checkpoint:
-        return native(args.checkpoint)
+        run_dir = run_dir_of(cfg, args.checkpoint)  # a run directory: its latest checkpoint
+        if run_dir is None:
+            return native(args.checkpoint)
+        ckpt = recorded_checkpoint(run_dir)
+        if ckpt is None:
+            raise CheckpointError(f"--checkpoint {args.checkpoint}: run {run_dir} has no checkpoint yet (status "
+                                  f"{read_run_file(run_dir).get('status', '?')}); {CHECKPOINT_HINT}")
+        return native(ckpt)
     if args.resume:
         run_dir = find_run(cfg, args.resume)
-        ckpt = read_run_file(run_dir).get("checkpoint")
+        ckpt = recorded_checkpoint(run_dir)
         if ckpt:
             return native(ckpt)
-    raise CheckpointError("no checkpoint given; pass --checkpoint DIR or --resume RUN (a finished run)")
+        raise CheckpointError(f"--resume {args.resume}: run {run_dir} has no checkpoint yet; {CHECKPOINT_HINT}")
+    raise CheckpointError(f"no checkpoint given; {CHECKPOINT_HINT}, or --resume RUN")
 
 
 def stage_eval(cfg: Config, checkpoint: Path | str, dataset_dir: Path | str | None = None,
@@ -183,6 +252,13 @@ def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: li
 
 
 def main(argv: list[str] | None = None) -> int:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # A job a shell script starts in the background (`cmd &`) begins with SIGINT ignored. Ray Train's stop
+        # handler and the --no-ray loop install their own once training starts, so a Ctrl+C (kill -INT) sent
+        # earlier -- while Ray starts, during prepare -- was lost and the run trained to its end. Take it from the
+        # first second, as whoever sends it means it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    reset_stage()
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     quiet_mlflow()
     plain_worker_prefixes()
@@ -190,10 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "validate":
             from pipeline.data.stages import validate_main
 
+            build_config(args, rest)  # refuses what validate would not use
             if not args.target:
                 raise UsageError("validate needs a dataset directory: python pipeline/run.py validate DIR")
             return validate_main(args.target)
         cfg = build_config(args, rest)
+        if args.stage == "runs":
+            from pipeline.runs_list import runs_main
+
+            return runs_main(cfg.run.root)
         if args.stage == "prepare":
             print(f"dataset: {stage_prepare(cfg)}")
             return 0
@@ -202,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return tune_main(cfg, args.space)
         if args.stage == "eval":
-            stage_eval(cfg, latest_checkpoint(cfg, args), run_dir=find_run(cfg, args.resume) if args.resume else None)
+            run_dir = (find_run(cfg, args.resume) if args.resume else  # the run to log to, also for a bucket's checkpoint
+                       run_dir_of(cfg, args.checkpoint) if args.checkpoint else None)
+            stage_eval(cfg, latest_checkpoint(cfg, args), run_dir=run_dir)
             return 0
         if args.stage == "generate":
             stage_generate(latest_checkpoint(cfg, args), args)
@@ -211,22 +294,30 @@ def main(argv: list[str] | None = None) -> int:
             stage_export(cfg, args)
             return 0
         run_dir, result = stage_train(cfg, args)
+        if result is None:  # a finished run with nothing more asked of it: stage_train said so
+            return 0
         if result.stopped:
+            from pipeline.train.resume import resume_command
+
             print(f"\nstopped after a checkpoint: {result.checkpoint}\n"
-                  f"continue with: python pipeline/run.py train --resume {run_dir}")
+                  f"continue with: {resume_command(run_dir, args.no_ray)}")
             return 0
         if args.stage == "all" and result.checkpoint is not None:
             stage_eval(result.cfg, result.checkpoint, run_dir=run_dir)
             stage_generate(result.checkpoint, args)
-        print(f"\noutputs:    {run_dir}\ncheckpoint: {result.checkpoint}\ndatasets:   {', '.join(result.dataset_dirs)}\n"
-              f"compare runs in the MLflow UI:\n  {result.ui_command}")
+        ui = (f"compare runs in the MLflow UI:\n  {result.ui_command}" if result.ui_command else
+              "MLflow: not tracked (tracking.enabled=false)")
+        print(f"\noutputs:    {run_dir}\ncheckpoint: {result.checkpoint}\n"
+              f"datasets:   {', '.join(result.dataset_dirs)}\n{ui}")
         if result.epochs is not None and result.cfg.data.source == "builtin":
             print(f"\nthe built-in corpus is small: this run passed over it {result.epochs:.1f} times. Train a real "
                   f"corpus at 32k (FineWeb-Edu streamed from the Hugging Face Hub, 2,000 steps; preset fineweb-32k):\n"
                   f"  {REAL_CORPUS_COMMAND}")
         return 0
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        from pipeline.interrupted import what_was_kept
+
+        print(f"\ninterrupted: {what_was_kept(current_stage(), args)}", file=sys.stderr, flush=True)
         return 130
     except (ConfigError, UsageError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -66,7 +66,12 @@ def _commands(text: str) -> list[tuple[str, str | None]]:
         cmd = cmd.split(" && ")[-1]  # the install commands end with the one to run
         if " -- " in cmd and "ray job submit" in cmd:
             cmd = cmd.split(" -- ", 1)[1]
-        words = shlex.split(cmd, comments=True) if cmd.strip() else []
+        try:
+            words = shlex.split(cmd, comments=True) if cmd.strip() else []
+        except ValueError:  # an output line shown in a console block ("the space's params"), not a command
+            if re.match(r"\s*([A-Z_]+=\S*\s+)*(\.venv/bin/)?python", cmd):
+                raise
+            continue
         for j, w in enumerate(words):  # a redirection or a pipe ends the command
             if re.match(r"\d?>|\||<", w):
                 words = words[:j]
@@ -78,7 +83,8 @@ def _commands(text: str) -> list[tuple[str, str | None]]:
     return out
 
 
-ALL = sorted({(doc.name, cmd, err) for doc in DOCS for cmd, err in _commands(doc.read_text())})
+ALL = sorted({(doc.name, cmd, err) for doc in DOCS for cmd, err in _commands(doc.read_text())},
+             key=lambda c: (c[0], c[1], c[2] or ""))
 # and the command a run sized to the built-in corpus prints at its end
 PRINTED = [("pipeline/run.py's console", REAL_CORPUS_COMMAND.split(" ", 1)[1], None)]
 RUN_PY = [c for c in ALL if c[1].startswith("pipeline/run.py")] + PRINTED
@@ -95,7 +101,7 @@ def test_the_readme_is_short_and_every_doc_it_links_exists():
 
 @pytest.mark.parametrize("doc, command, error", RUN_PY, ids=[f"{c[0]}: {c[1]}" for c in RUN_PY])
 def test_every_pipeline_command_parses_and_loads_its_config(doc, command, error, capsys):
-    from pipeline.config import ConfigError
+    from pipeline.config import ConfigError, field_types
     from pipeline.run import build_config, main, parse_args
     from pipeline.sweep.space import load_space
 
@@ -103,7 +109,8 @@ def test_every_pipeline_command_parses_and_loads_its_config(doc, command, error,
     if "--help" in argv:
         with pytest.raises(SystemExit) as done:
             parse_args(argv)
-        assert done.value.code == 0 and "\n  train.batch_size\n" in capsys.readouterr().out  # every field
+        out = capsys.readouterr().out
+        assert done.value.code == 0 and all(f"\n  {f} " in out for f in field_types())  # every field, one line each
         return
     args, rest = parse_args(argv)
     # Hermetic: a documented file is one the repository holds (or a placeholder the reader fills in), never one a
@@ -184,3 +191,43 @@ def test_the_phases_example_loads(tmp_path):
         path = tmp_path / f"phases-{i}.yaml"
         path.write_text(yaml.safe_dump(example))
         assert [p.steps for p in load_phases(str(path), load_config("cpu"))] == [p["steps"] for p in example]
+
+
+NUMBER_WORDS = {2: "Two", 3: "Three", 4: "Four", 5: "Five", 6: "Six", 7: "Seven", 8: "Eight"}
+
+
+def test_the_docs_counts_are_true():
+    """docs/sweeps.md said "three ship" beside four space files: the count, the table and tune_spaces/ agree, and
+    the presets table of docs/configuration.md lists exactly the built-in presets."""
+    from pipeline.config import PRESETS
+
+    spaces = sorted(p.name for p in (ROOT / "tune_spaces").glob("*.yaml"))
+    sweeps = (ROOT / "docs" / "sweeps.md").read_text()
+    assert f"{NUMBER_WORDS[len(spaces)]} ship with the project" in sweeps
+    assert sorted(re.findall(r"^\| `tune_spaces/([\w.]+)` \|", sweeps, re.M)) == spaces
+    configuration = (ROOT / "docs" / "configuration.md").read_text()
+    presets = configuration.split("## Presets", 1)[1].split("\n## ", 1)[0]
+    assert sorted(re.findall(r"^\| `([\w-]+)` \|", presets, re.M)) == sorted(PRESETS)
+
+
+def test_one_checkpoint_layout_is_shared_by_run_py_the_hints_and_the_docs(tmp_path):
+    """Checkpoint paths used to appear in three layouts (runs/<run>/checkpoint in run.py's docstring,
+    runs/<run>/checkpoints/step_000100 in an error's hint, another in docs/export.md), none of them the Ray
+    layout. Now pipeline/train/run_dir.py's LAYOUT is quoted whole by run.py's docstring and docs/training.md, the
+    "which checkpoint?" errors end with its CHECKPOINT_HINT, and every runs/<run>/... path anywhere follows it."""
+    import textwrap
+
+    import pipeline.run
+    from pipeline.train.engine import CheckpointError, read_checkpoint_meta
+    from pipeline.train.run_dir import CHECKPOINT_HINT, LAYOUT
+
+    assert textwrap.indent(LAYOUT, "    ") in pipeline.run.__doc__
+    assert f"```text\n{LAYOUT}\n```" in (ROOT / "docs" / "training.md").read_text()
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint_meta(tmp_path)
+    assert str(err.value).endswith(CHECKPOINT_HINT)
+    sources = [*DOCS, *sorted((ROOT / "pipeline").rglob("*.py"))]
+    paths = {m for f in sources for m in re.findall(r"runs/<run>/([\w<>./-]*)", f.read_text())}
+    follows = re.compile(r"(run\.json|ray(/phase(<i>|\d)(/checkpoint_(<time>|…)/?)?)?/?|"
+                         r"checkpoints/phase(<i>|\d)/step_(<NNNNNN>|\d{6})/?|data_audit/?|hf_model|)")
+    assert sorted(p for p in paths if not follows.fullmatch(p)) == []

@@ -665,16 +665,89 @@ def read_documents(d: "DataConfig") -> "ray.data.Dataset":
     return ds
 
 
-def sample_texts(ds: "ray.data.Dataset", max_bytes: int, on_bad_record: str = "skip") -> Iterator[str]:
-    """The first `max_bytes` of cleaned text of `ds` (in source order), for tokenizer training. Unreadable
-    records are skipped (the main pass counts them), or with on_bad_record=error the first one fails here."""
-    seen = 0
-    for batch in ds.iter_batches(batch_size=256, batch_format="pyarrow"):
-        texts, stats = clean_batch(batch)
-        if on_bad_record == "error":
-            check_bad_records(stats, on_bad_record, 1.0)
-        for t in texts:
-            yield t
-            seen += len(t)
-            if seen >= max_bytes:
-                return
+class TextSample:
+    """The first `max_bytes` of cleaned text of `ds` (in source order), for tokenizer training: iterate it once.
+    Unreadable records are skipped (the main pass counts them), or with on_bad_record=error the first one fails
+    here. `stats` counts what was read, so an empty sample can say why (`nothing_usable`)."""
+
+    def __init__(self, ds: "ray.data.Dataset", max_bytes: int, on_bad_record: str = "skip"):
+        self.ds, self.max_bytes, self.on_bad_record = ds, max_bytes, on_bad_record
+        self.stats = CleanStats()
+
+    def __iter__(self) -> Iterator[str]:
+        seen = 0
+        for batch in self.ds.iter_batches(batch_size=256, batch_format="pyarrow"):
+            texts, stats = clean_batch(batch)
+            self.stats.add(stats)
+            if self.on_bad_record == "error":
+                check_bad_records(stats, self.on_bad_record, 1.0)
+            for t in texts:
+                yield t
+                seen += len(t)
+                if seen >= self.max_bytes:
+                    return
+
+
+def sample_texts(ds: "ray.data.Dataset", max_bytes: int, on_bad_record: str = "skip") -> TextSample:
+    """TextSample(ds, max_bytes, on_bad_record): an iterable of the sample's texts that keeps its counts."""
+    return TextSample(ds, max_bytes, on_bad_record)
+
+
+def corpus_name(d: "DataConfig") -> str:
+    """The corpus as a message names it."""
+    if d.source == "files":
+        return f"data.path={d.path!r}"
+    if d.source == "hf":
+        return f"Hugging Face dataset {d.hf_name}{f' ({d.hf_config})' if d.hf_config else ''}, split {d.hf_split}"
+    return "the built-in corpus"
+
+
+def nothing_usable(d: "DataConfig", stats: CleanStats) -> str:
+    """One line for a corpus that gave no text at all: how many records, why none counted (the first unreadable
+    one names its file, line and the fields it has), and what to set."""
+    if not stats.records:
+        return f"no text in {corpus_name(d)}: it holds no records (empty files?); point data.path at the corpus"
+    parts = []
+    if stats.bad_records:
+        parts.append(f"{stats.bad_records:,} unreadable (the first: {stats.first_bad_reason()})")
+    if stats.dropped_empty:
+        parts.append(f"{stats.dropped_empty:,} empty or whitespace-only")
+    return (f"no text in {corpus_name(d)}: {stats.records:,} records read, none with text: {'; '.join(parts)}; "
+            f"check data.path and data.text_column={d.text_column!r}")
+
+
+def check_first_records(d: "DataConfig") -> None:
+    """Before Ray starts, in seconds instead of after it: a local or object-storage corpus (data.source=files)
+    whose files are all empty, or whose first file with records has none with data.text_column among its first
+    records (its first MiB), fails with one line naming the file, the field and the fields it has. The reads are
+    one ranged read of one file (Parquet: its schema) and the listing the cache key makes anyway."""
+    if d.source != "files":
+        return
+    files = resolve_files(d.path)
+    listing = _listing(files)
+    nonempty = [f for f, size, _ in listing if size > 0]
+    if not nonempty:
+        names = ", ".join(Path(f).name for f in files[:3]) + (", ..." if len(files) > 3 else "")
+        raise DataSourceError(f"no text in data.path={d.path!r}: its {len(files)} file(s) ({names}) are empty; "
+                              "point data.path at the corpus")
+    kind_of = {f: FILE_KINDS[Path(f).suffix.lower()] for f in nonempty}
+    first_parquet = next((f for f in nonempty if kind_of[f] == "parquet"), None)
+    if first_parquet:
+        _check_parquet_column([first_parquet], d.text_column)
+    first_json = next((f for f in nonempty if kind_of[f] in ("jsonl", "json")), None)
+    if first_json is None:
+        return
+    with open_input(first_json) as fh:
+        head = fh.read(_BLOCK_BYTES)
+    if kind_of[first_json] == "json" and len(head) == _BLOCK_BYTES:
+        return  # a .json file is one document: its first MiB alone does not parse
+    blocks = read_document_file(io.BytesIO(head), first_json, kind_of[first_json], d.text_column)
+    table = pa.concat_tables(list(blocks)) if head.strip() else None
+    if table is None or table.num_rows == 0:
+        return
+    if len(head) == _BLOCK_BYTES and table.num_rows > 1:  # the last line may be cut at the MiB boundary
+        table = table.slice(0, table.num_rows - 1)
+    reasons = table.column("bad_reason").to_pylist()
+    if all(r is not None for r in reasons):  # no record read there has the field
+        raise DataSourceError(f"none of the first {len(reasons):,} records of {first_json} is usable (checked before "
+                              f"any Ray work); the first: {reasons[0]}")

@@ -43,8 +43,9 @@ serialize on a file lock (the second one then reuses the first one's result); on
 lock, both build and the first manifest written wins (the other prepare then drops its own build). Before any
 Ray work, the store is checked (bucket, credentials, endpoint: one line when it cannot be used), and on a
 cluster whose workers run on other nodes a bare local store or corpus path is refused (they could not read
-it). Test hook: LONGTRAIN_PREPARE_HOLD=parts|shards makes the driver wait after that stage while a
-`.hold-<stage>` marker in its build directory exists, so a test can SIGKILL it at a known point, or release it.
+it). Test hook: LONGTRAIN_PREPARE_HOLD=start|parts|shards makes the driver wait before it joins Ray (start) or
+after that stage while a `.hold-<stage>` marker in its build directory exists, so a test can kill or interrupt it
+at a known point, or release it.
 """
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.builds import Build, remove_stale
-from pipeline.data.corpus import (CleanStats, DataSourceError, blocks_at_least, check_bad_records, clean_batch,
-                                  describe_source, read_documents, sample_texts)
+from pipeline.data.corpus import (CleanStats, DataSourceError, blocks_at_least, check_bad_records, check_first_records,
+                                  clean_batch, describe_source, nothing_usable, read_documents, sample_texts)
 from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, ShardWriters, SplitRule,  # noqa: F401
                                       plan_shards)
 from pipeline.data.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,
@@ -288,6 +289,7 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
         _check_manifest_bad_records(m, cfg)  # built with a laxer policy than this one?
         log.info("reusing dataset %s (settings hash %s)", out, key[:16])
         return _returned(out)
+    check_first_records(cfg.data)  # empty files, a text column no record has: in seconds, before any Ray work
     check(out, what="the dataset store", write=True)  # bucket, credentials, endpoint: before any Ray work
     with _one_builder(out):
         if (m := reusable(out, key)) is not None:
@@ -334,6 +336,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
     import ray.data
 
     d = cfg.data
+    _hold(build, "start")  # before this process connects to (or starts) Ray
     ensure_ray(ray_address or cfg.ray.address or None, cfg)
     # Ray Data's tasks and actors may run on every node: each must be able to open the corpus and the store.
     require_shared(cfg, {"the dataset store": out, "data.path": d.path if d.source == "files" else ""})
@@ -344,7 +347,13 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
     else:
         log.info("training a %d-piece tokenizer on up to %d bytes of the corpus", d.vocab_size,
                  d.tokenizer_sample_bytes)
-        train_tokenizer(sample_texts(ds, d.tokenizer_sample_bytes, d.on_bad_record), d.vocab_size, tok_path)
+        sample = sample_texts(ds, d.tokenizer_sample_bytes, d.on_bad_record)
+        try:
+            train_tokenizer(sample, d.vocab_size, tok_path)
+        except TokenizerError:
+            if sample.stats.documents == 0:  # nothing to train on: say which files and fields, not "empty sample"
+                raise DataSourceError(nothing_usable(d, sample.stats)) from None
+            raise
     tok = Tokenizer(tok_path)
     dtype = token_numpy_type(tok.vocab_size)
 
@@ -386,8 +395,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
         timings = {"tokenize_s": round(time.perf_counter() - t0, 2)}
         check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)
         if stats.clean.documents == 0:
-            raise DataSourceError(f"no documents left after cleaning ({stats.clean.dropped_empty} empty or "
-                                  "whitespace-only were dropped); check data.path / data.text_column")
+            raise DataSourceError(nothing_usable(d, stats.clean))
         _hold(build, "parts")
         n_windows = stats.tokens // width
         if n_windows == 0:

@@ -29,13 +29,12 @@ before Ray starts, with a message naming the file, the key and what is allowed.
 """
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config, ConfigError, field_types
+from pipeline.config import Config, ConfigError, close_fields, field_types
 
 METRIC_NAMES = ("train/loss", "train/ppl", "train/accuracy", "train/tokens_per_s", "train/mfu",
                 "train/peak_mem_gib", "train/tokens_seen", "val/loss", "val/ppl", "val/accuracy")
@@ -119,17 +118,12 @@ def _fail(path: Path, msg: str) -> SpaceError:
     return SpaceError(f"search space {path}: {msg}")
 
 
-def _valid_fields_hint() -> str:
-    return "valid fields: " + ", ".join(field_types())
-
-
 def _check_key(path: Path, section: str, key: Any, searchable: bool) -> str:
     if not isinstance(key, str) or key not in field_types():
-        last = str(key).split(".")[-1]
-        close = ([p for p in field_types() if p.split(".")[-1] == last]
-                 or difflib.get_close_matches(str(key), list(field_types()), n=1, cutoff=0.75))
-        hint = f" did you mean {close[0]!r}?" if close else ""
-        raise _fail(path, f"{section} key {key!r} is not a config field;{hint} {_valid_fields_hint()}")
+        close = close_fields(str(key))
+        hint = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise _fail(path, f"{section} key {key!r} is not a config field;{hint} `python pipeline/run.py --help` "
+                          f"lists every field")
     if searchable and (key.startswith(_NOT_SEARCHABLE_PREFIXES) or key in _NOT_SEARCHABLE):
         raise _fail(path, f"params key {key!r} cannot be searched: run.*, tracking.*, ray.address, "
                           f"ray.storage_path and train.memory_limit_gib are set by the sweep, and data.* fields "

@@ -55,6 +55,7 @@ from pipeline.console import stage
 from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, plot_sweep
 from pipeline.sweep.report import write_best_preset, write_markdown
 from pipeline.sweep.space import Space, SpaceError, load_space  # noqa: F401  (SpaceError: part of this API)
+from pipeline.sweep.status_lines import StatusLines
 from pipeline.train.ray_train import PLACEMENT_GROUP_KEY, START_TIMEOUT_ENV
 
 TRIAL_CPUS = 0.01  # the trial function only waits on its TorchTrainer; Tune refuses a 0-CPU trial
@@ -415,8 +416,12 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
             tune_config=ray.tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=space.num_samples,
                                             scheduler=scheduler,
                                             max_concurrent_trials=space.max_concurrent_trials or _auto_concurrency(cfg)),
-            run_config=ray.tune.RunConfig(name=name, **ray_storage_args(storage), verbose=1,
-                                          callbacks=[ReleaseTrialResources()]),
+            # Tune silent (its status tables are ~130 lines for two CPU trials): one line per status change
+            # instead, and the full table once at the end (tune_main)
+            run_config=ray.tune.RunConfig(name=name, **ray_storage_args(storage), verbose=0,
+                                          callbacks=[ReleaseTrialResources(),
+                                                     StatusLines(space.metric, list(space.params), STATUS_KEY,
+                                                                 REASON_KEY)]),
         )
         rows = _rows(tuner.fit(), space, cfg)
         _close_stopped_children(parent, rows, name)

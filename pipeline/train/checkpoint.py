@@ -213,8 +213,9 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
     try:
         text = read_text(meta_path)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, StorageError):
-        raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); pass a checkpoint directory "
-                              f"written by longtrain, e.g. runs/<run>/checkpoints/step_000100") from None
+        from pipeline.train.run_dir import CHECKPOINT_HINT
+
+        raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); {CHECKPOINT_HINT}") from None
     try:
         meta = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -295,6 +295,22 @@ BOS is prepended, as during longtrain's own generation.
 # The export
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask
+
+
+def _normal_permissions(directory: Path) -> None:
+    """The modes any new directory and file would have under this process's umask (0755 / 0644 with umask 022):
+    tempfile.mkdtemp makes the directory 0700 and safetensors writes its file 0600, so others on the machine
+    could not read the exported model."""
+    mask = _umask()
+    for path in [directory, *directory.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _atomic_publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished temp dir to `out`; an old `out` (overwrite) is moved aside first, removed after."""
     if out.exists() or out.is_symlink():
@@ -364,6 +380,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
         source = manifest.get("source", {})
         dataset = source.get("name") or source.get("path") or source.get("kind")
         (tmp / "README.md").write_text(model_card(result, vocab, tie, tier, dataset, rope))
+        _normal_permissions(tmp)
         _atomic_publish(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,7 +3,8 @@
     runs/<tier>-<YYYYmmdd-HHMMSS>/run.json    # config, phases, MLflow run id, datasets, latest checkpoint, status
 
 `run.json` is rewritten atomically (temp file, then rename) so a crash never leaves half a record;
-`--resume RUN` finds a run by its directory or its name under `run.root`.
+`--resume RUN` finds a run by its directory or its name under `run.root`. Where the checkpoints are is LAYOUT
+below, the one description run.py's docstring, the hints and docs/training.md share (tests check they agree).
 """
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ from pathlib import Path
 from pipeline.config import Config
 
 RUN_FILE = "run.json"
+# Where a run keeps its record and checkpoints. run.py's docstring and docs/training.md quote it; `--checkpoint`
+# takes any of these directories, or the run directory itself (its latest checkpoint, as run.json records it).
+LAYOUT = """\
+runs/<run>/run.json                               the run's record: config, phases, status, latest checkpoint
+runs/<run>/ray/phase<i>/checkpoint_<time>/        a checkpoint of a Ray Train run (phase i; with run.storage a
+                                                  bucket: <run.storage>/<run>/ray/phase<i>/checkpoint_<time>/)
+runs/<run>/checkpoints/phase<i>/step_<NNNNNN>/    a checkpoint of a --no-ray run (phase i, at step NNNNNN)"""
+# The hint every "which checkpoint?" message ends with.
+CHECKPOINT_HINT = ("pass --checkpoint a run directory (runs/<run>: its latest checkpoint), a checkpoint directory "
+                   "(runs/<run>/ray/phase<i>/checkpoint_<time>, or runs/<run>/checkpoints/phase<i>/step_<NNNNNN> "
+                   "from --no-ray) or a checkpoint's URI")
 AUDIT_DIR = "data_audit"  # <run_dir>/data_audit/rank_<r>.jsonl: the seq_ids each rank consumed, per step
 
 
@@ -48,3 +60,21 @@ def write_run_file(run_dir: Path, record: dict) -> None:
 
 def read_run_file(run_dir: Path) -> dict:
     return json.loads((run_dir / RUN_FILE).read_text())
+
+
+def run_dir_of(cfg: Config, value: str) -> Path | None:
+    """`value` as a run directory (a path holding run.json, or a run's name under run.root), else None."""
+    if "://" in value and not value.startswith("file://"):
+        return None
+    for candidate in (Path(value.removeprefix("file://")), Path(cfg.run.root) / value):
+        if (candidate / RUN_FILE).is_file():
+            return candidate.resolve()
+    return None
+
+
+def recorded_checkpoint(run_dir: Path) -> str | None:
+    """The run's latest checkpoint as run.json records it (a local path or a URI), or None before its first.
+
+    The one place `--checkpoint RUN` is turned into a checkpoint: choosing among a run's checkpoints (the newest
+    complete one) belongs here when that exists."""
+    return read_run_file(run_dir).get("checkpoint") or None

@@ -42,6 +42,7 @@ from pipeline.storage import check, is_uri, join, native, storage_root
 from pipeline.storage import pin as pin_storage
 from pipeline.train.run_dir import RUN_FILE, write_run_file
 
+EXTENDED_TAG = "longtrain.extended"  # MLflow tag on a run whose schedule a resume stretched (pipeline/train/resume.py)
 # Fields that fix the model's shape or the token ids: they cannot change between phases.
 _FIXED_ACROSS_PHASES = ("model.tier", "model.mixer", "model.tie_embeddings", "data.vocab_size", "data.tokenizer")
 
@@ -94,12 +95,18 @@ def load_phases(path: str | None, cfg: Config, preset: str | None = None) -> lis
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--phases {path}: no such file")
-    return parse_phases(yaml.safe_load(p.read_text()), cfg, f"--phases {path}")
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--phases {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return parse_phases(doc, cfg, f"--phases {path}")
 
 
 def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
     """A list of phase mappings ({steps, overrides, name, lr_warmup_steps, reset_optimizer}), each validated
     against cfg with one-line errors that name `where` and the phase."""
+    from pipeline.unused_settings import unused_by_source
+
     if not isinstance(doc, list) or not doc:
         raise ConfigError(f"{where}: expected a YAML list of phases like [{{steps: 100, overrides: {{...}}}}]")
     phases = []
@@ -124,7 +131,11 @@ def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
             raise ConfigError(f"{where}: phase 0 sets {'lr_warmup_steps' if warmup else 'reset_optimizer'}, which "
                               f"applies where a phase continues another; the first phase warms up with "
                               f"train.warmup_steps")
-        cfg.replace(overrides)  # unknown keys and bad values fail here, before anything runs
+        try:  # unknown keys and bad values fail here, before anything runs, naming the file and the phase
+            phase_cfg = cfg.replace(overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: phase {i} overrides: {exc}") from None
+        unused_by_source(phase_cfg.data.source, overrides, where=f"{where}: phase {i} overrides: ")
         phases.append(Phase(steps, overrides, warmup, reset))
     return phases
 
@@ -184,7 +195,9 @@ class SessionResult:
 
 class TrainSession:
     def __init__(self, cfg: Config, run_dir: Path, phases: list[Phase], *, use_ray: bool = True,
-                 audit_data: bool = False):
+                 audit_data: bool = False, start_step: int | None = None, extended: str = ""):
+        """`start_step`: where a resumed run's first phase continues (its header shows it); `extended`: how a resume
+        stretched the run's schedule (pipeline/train/resume.py), said in the header and as an MLflow tag."""
         from pipeline.tracking.tracker import pin_tracking_uri
 
         # Workers may run in another directory or on another node: pin paths, the storage root and the tracking
@@ -193,6 +206,7 @@ class TrainSession:
         self.cfg = pin_tracking_uri(cfg) if cfg.tracking.enabled else cfg
         self.run_dir, self.phases = Path(run_dir).resolve(), phases
         self.use_ray, self.audit_data = use_ray, audit_data
+        self.start_step, self.extended = start_step, extended
 
     def _record(self, **changes: Any) -> dict[str, Any]:
         path = self.run_dir / RUN_FILE
@@ -210,7 +224,7 @@ class TrainSession:
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
         record = self._record(config=cfg.flat(), phases=[p.to_dict() for p in self.phases], status="running",
-                              audit_data=self.audit_data)
+                              audit_data=self.audit_data, no_ray=not self.use_ray)
         if is_uri(storage_root(cfg)):  # the bucket: endpoint, existence, credentials, before anything else
             check(storage_root(cfg), what="run.storage", write=True)
         if cfg.tracking.enabled:
@@ -231,6 +245,8 @@ class TrainSession:
             record = self._record(config=cfg.flat(), phases=[p.to_dict() for p in self.phases])
         tracker = open_tracker(cfg, run_id=record.get("mlflow_run_id"), run_name=self.run_dir.name)
         self._record(mlflow_run_id=tracker.run_id)
+        if self.extended:
+            tracker.set_tags({EXTENDED_TAG: self.extended})
         if cfg.tracking.system_metrics:
             tracker.start_system_metrics(cfg.tracking.system_metrics_interval_s)
         datasets: list[str] = list(record.get("datasets", []))
@@ -261,8 +277,15 @@ class TrainSession:
                     tracker.log_dict(pcfg.to_dict(), "config.json")
                 init_from = checkpoint if i > 0 else None
                 where = (f"{pcfg.ray.num_workers} Ray Train worker(s)" if self.use_ray else "one process, no Ray")
-                stage("train", f"tier {pcfg.model.tier}, steps {end_step - phase.steps}..{end_step}"
-                               f"{f' (phase {i})' if len(self.phases) > 1 else ''}, {where}; run {self.run_dir}")
+                start, resumed = end_step - phase.steps, ""
+                if self.start_step is not None and start < self.start_step < end_step:  # the real start, not 0
+                    start, resumed = self.start_step, f"resumed at step {self.start_step}"
+                said = "; ".join(x for x in (resumed, self.extended) if x)
+                self.extended = ""  # said once, for the first phase that trains
+                stage("train", f"tier {pcfg.model.tier}, steps {start}..{end_step}"
+                               f"{f' (phase {i})' if len(self.phases) > 1 else ''}{f' ({said})' if said else ''}, "
+                               f"{where}; run {self.run_dir}")
+                self.start_step = None
                 if len(self.phases) > 1:
                     print(phase_line(i, phase, pcfg, batch_note), flush=True)
                 schedule = PhaseSchedule(end_step - phase.steps, phase.lr_warmup_steps, phase.reset_optimizer)

@@ -249,7 +249,8 @@ def test_user_errors_inside_ray_come_out_clear(ray_session, tok_path, tmp_path):
     with pytest.raises(DataSourceError, match=r"less than one row of seq_len\+1=65; lower data.seq_len"):
         prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path / "short.jsonl")))
     write_jsonl(tmp_path / "empty.jsonl", ["", "  ", None])
-    with pytest.raises(DataSourceError, match="no documents left after cleaning .3 empty"):
+    with pytest.raises(DataSourceError, match=r"no text in data.path='\S*empty.jsonl': 3 records read, none with "
+                                              r"text: 3 empty or whitespace-only; check data.path and data.text_column"):
         prepare(data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path / "empty.jsonl")))
     manifests = list(Path(cfg.run.root).glob("datasets/*/manifest.json"))
     assert manifests == []  # failed builds leave no dataset

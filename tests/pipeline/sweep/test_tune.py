@@ -64,7 +64,8 @@ def _space(tmp_path: Path, doc: dict) -> Path:
 
 @pytest.mark.parametrize("doc, expected", [
     ({"params": {"train.batchsize": {"grid": [1, 2]}}},
-     ["params key 'train.batchsize' is not a config field; did you mean 'train.batch_size'?", "valid fields: model.tier,"]),
+     ["params key 'train.batchsize' is not a config field; did you mean 'train.batch_size'? `python pipeline/run.py "
+      "--help` lists every field"]),
     ({"params": {"train.lr": {"normal": [0, 1]}}},
      ["train.lr: {'normal': [0, 1]} is not a distribution", "loguniform ([lo, hi] float"]),
     ({"params": {"train.lr": {"loguniform": [0.0, 1e-3]}}}, ["loguniform needs lo > 0"]),
@@ -244,6 +245,12 @@ def test_sweep_end_to_end_with_mlflow_parent_and_children(ray_session, mlflow_se
     out = capsys.readouterr().out
     assert ("| tier | batch size | tokens/s | MFU | timed steps | peak memory (GiB) | val/loss | status | trial |"
             in out)
+    # The console: one line per trial status change, no Tune status tables (they were ~130 lines for 2 trials)
+    assert "Trial status:" not in out and "Trial name" not in out, out
+    status = [ln.split("  [")[0].split(" ", 3)[3] for ln in out.splitlines() if ln.startswith("tune: trial ")]
+    assert sorted(st.split(" (")[0] for st in status if st.startswith("running")) == ["running"] * 3
+    assert sum(st.startswith("finished: val/loss=") and st.endswith(" at step 4") for st in status) == 2, status
+    assert sum(st.startswith("failed: oom (") for st in status) == 1, status
     sweep_dir = runs / "tune" / "bs-sweep"
 
     client = MlflowClient(tracking_uri=uri)
@@ -311,3 +318,31 @@ def test_cli_reports_a_bad_space_in_one_line(tmp_path, capsys):
     assert main(["tune", "--preset", "test"]) == 2
     assert "tune needs --space FILE" in capsys.readouterr().err
     assert not (tmp_path / "tune").exists()  # nothing ran
+
+
+def test_status_lines_are_one_compact_line_per_trial_status_change(capsys):
+    """The sweep console's callback on trials as Tune hands them over (id, config, status, last result)."""
+    from types import SimpleNamespace
+
+    from pipeline.sweep.status_lines import StatusLines
+    from pipeline.sweep.tune import REASON_KEY, STATUS_KEY
+
+    lines = StatusLines("val/loss", ["model.tier", "train.lr"], STATUS_KEY, REASON_KEY)
+    a = SimpleNamespace(trial_id="t_00000", config={"model.tier": "nano", "train.lr": 0.00123}, status="RUNNING",
+                        last_result={})
+    b = SimpleNamespace(trial_id="t_00001", config={"model.tier": "A", "train.lr": 0.001}, status="PENDING",
+                        last_result={})
+    lines.on_trial_start(0, [a, b], a)
+    a.status, a.last_result = "TERMINATED", {"val/loss": 5.12341, "step": 8, STATUS_KEY: "ok"}
+    b.status = "RUNNING"
+    lines.on_trial_complete(1, [a, b], a)
+    b.status, b.last_result = "ERROR", {STATUS_KEY: "oom", REASON_KEY: "skipped: largest batch that fits is 4"}
+    lines.on_trial_error(2, [a, b], b)
+    c = SimpleNamespace(trial_id="t_00002", config={}, status="TERMINATED", last_result={"val/loss": 6.0, "step": 2})
+    lines.on_trial_complete(3, [a, b, c], c)
+    assert capsys.readouterr().out.splitlines() == lines.lines == [
+        "tune: trial t_00000 running (model.tier=nano train.lr=0.00123)  [1 running, 1 pending]",
+        "tune: trial t_00000 finished: val/loss=5.1234 at step 8  [1 running, 1 done]",
+        "tune: trial t_00001 failed: oom (skipped: largest batch that fits is 4)  [2 done]",
+        "tune: trial t_00002 stopped early by the scheduler: val/loss=6.0000 at step 2  [3 done]",
+    ]

@@ -5,7 +5,9 @@ SentencePiece's token ids; tied and untied embeddings, multi-head and grouped-qu
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +131,21 @@ def test_overwrite_replaces_atomically(trained, tmp_path):
     export_checkpoint(ckpt, out, overwrite=True)
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "temporary directories were left behind"
+
+
+def test_others_on_the_machine_can_read_an_export(trained, tmp_path):
+    """An export under the usual umask 022 was a 0700 directory holding a 0600 model.safetensors: nobody else could
+    load it. Now it has the modes any new directory and file get under the umask."""
+    ckpt, _ = trained["nano-tied"]
+    previous = os.umask(0o022)
+    try:
+        out = export_checkpoint(ckpt, tmp_path / "hf").out_dir
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert "model.safetensors" in {p.name for p in files}
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: "0o644" for p in files}
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -70,8 +70,9 @@ def test_the_gpu_preset_default_run_at_a_small_scale(ray_session, mlflow_server,
     from pipeline.run import REAL_CORPUS_COMMAND, main
 
     uri, _ = mlflow_server
+    # (no --ray.use_gpu=false: with --no-ray nothing reads it, and the command line refuses it)
     args = ["--preset", "gpu", "--no-ray", "--model.tier=nano", "--data.seq_len=4096", "--data.vocab_size=512",
-            "--data.max_documents=20", "--data.min_rows=64", "--ray.use_gpu=false", f"--run.root={tmp_path}", "--run.name=sized",
+            "--data.max_documents=20", "--data.min_rows=64", f"--run.root={tmp_path}", "--run.name=sized",
             f"--tracking.tracking_uri={uri}", "--tracking.experiment=sizing", "--max-new-tokens=8"]
     assert main(args) == 0
     out, err = capfd.readouterr()
