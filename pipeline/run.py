@@ -7,6 +7,7 @@
     python pipeline/run.py train --preset gpu --ray.num_workers=8
     python pipeline/run.py train --resume runs/<run>         # continue a run from its latest checkpoint
     python pipeline/run.py train --phases phases.yaml        # a curriculum: one dataset and step count per phase
+    python pipeline/run.py train --data.mixture=mixes/web_code.yaml   # several sources blended by token share
     python pipeline/run.py train --no-ray                    # the same engine in one plain process
     python pipeline/run.py eval --checkpoint runs/<run>/checkpoint
     python pipeline/run.py generate --checkpoint runs/<run>/checkpoint --prompt "Once upon a time"
@@ -80,7 +81,7 @@ def stage_prepare(cfg: Config) -> Path:
     from pipeline.data.stages import prepare_main
     from pipeline.train.sizing import size_to_data
 
-    if cfg.data.min_rows > 0:  # the rows the train stage would size the data to (pipeline/train/sizing.py)
+    if cfg.data.min_rows > 0 and not cfg.data.mixture:  # the rows the train stage would size the data to (sizing.py)
         return size_to_data(cfg, prepare_main, steps=False).dataset
     return prepare_main(cfg)
 
@@ -123,13 +124,13 @@ def stage_eval(cfg: Config, checkpoint: Path | str, dataset_dir: Path | str | No
                run_dir: Path | None = None) -> dict[str, float]:
     from pipeline.storage import local_copy
     from pipeline.tracking.tracker import TrackingError
-    from pipeline.train.evaluate import evaluate_checkpoint, log_eval_to_run, run_dir_of_checkpoint
+    from pipeline.train.evaluate import eval_report, evaluate_checkpoint, log_eval_to_run, run_dir_of_checkpoint
 
     stage("eval", f"{checkpoint} on the validation split")
     run_dir = run_dir or run_dir_of_checkpoint(checkpoint)
     with local_copy(checkpoint) as local:  # on object storage: one temporary copy for the eval and the log
         metrics = evaluate_checkpoint(local, dataset_dir)
-        print("eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        print(eval_report(local, metrics))  # a mixture: a table with one row per source
         try:
             logged = log_eval_to_run(local, metrics, run_dir, cfg.tracking.tracking_uri)
             print(f"eval: logged to MLflow run {logged[1]}" if logged else "eval: not logged (no tracked run for it)")
