@@ -153,10 +153,10 @@ def _source(item: Any, i: int, where: str) -> SourceSpec:
     unknown = [k for k in item if k not in KEYS]
     if unknown:
         raise MixtureSpecError(f"{label}: unknown field {unknown[0]!r}; a source may set: {', '.join(KEYS)}")
-    weight = _number(label, "weight", item.get("weight"), float)
+    weight = _number(label, "weight", item.get("weight"))
     if weight < 0:
         raise MixtureSpecError(f"{label}: weight={weight:g} is invalid; it must be >= 0 (0 = evaluation only)")
-    reps = _number(label, "max_repetitions", item.get("max_repetitions", DEFAULT_MAX_REPETITIONS), float)
+    reps = _number(label, "max_repetitions", item.get("max_repetitions", DEFAULT_MAX_REPETITIONS))
     if reps <= 0:
         raise MixtureSpecError(f"{label}: max_repetitions={reps:g} is invalid; it must be > 0 (passes over the "
                                "source's training split)")
@@ -187,7 +187,7 @@ def _source(item: Any, i: int, where: str) -> SourceSpec:
     return SourceSpec(name, weight, reps, dataset_dir, tuple(fields))
 
 
-def _number(label: str, key: str, value: Any, typ: type) -> float:
+def _number(label: str, key: str, value: Any) -> float:
     if value is None:
         raise MixtureSpecError(f"{label}: {key} is missing; give it a number (its share of the training tokens)")
     try:

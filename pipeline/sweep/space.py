@@ -373,7 +373,7 @@ def load_space(path: str | Path, base: Config | None = None) -> Space:
                           "train.lr: {loguniform: [1.0e-4, 3.0e-3]}")
     for key, spec in params.items():
         _check_key(path, "params", key, searchable=True)
-        if key in space.overrides():
+        if key in space.overrides() and key != "data.mixture":  # (a fixed data.mixture names the sources searched)
             raise _fail(path, f"params {key} is also fixed; a key is either searched or fixed")
         space.params[key] = _parse_dist(path, key, spec, fixed_base)
     if space.skip_unfit_batch and (space.params.get("train.batch_size") is None

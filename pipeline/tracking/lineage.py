@@ -101,10 +101,26 @@ def log_dataset_input(client, run_id: str, manifest: Manifest, dataset_dir: str 
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
+    from mlflow.exceptions import MlflowException
+
     entity = dataset_input(manifest, dataset_dir)._to_mlflow_entity()
     extra = [InputTag(str(k), str(v)) for k, v in (tags or {}).items()]
-    client.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context),
-                                                                   *extra])])
+    inputs = [DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context), *extra])]
+    for attempt in range(_INPUT_ATTEMPTS):
+        try:
+            client.log_inputs(run_id, datasets=inputs)
+            return
+        except MlflowException as exc:
+            # An MLflow server creates a dataset row on first use with a check-then-insert: runs that log the same
+            # new dataset at the same moment (a sweep's trials) race, and the loser gets the store's unique-key
+            # error. The dataset exists by then, so the same call again links it.
+            if attempt + 1 == _INPUT_ATTEMPTS or not any(m in str(exc) for m in _UNIQUE_KEY_ERRORS):
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
+_INPUT_ATTEMPTS = 4
+_UNIQUE_KEY_ERRORS = ("UNIQUE constraint failed", "duplicate key value", "Duplicate entry", "IntegrityError")
 
 
 def log_metrics_to_run(tracking_uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:
