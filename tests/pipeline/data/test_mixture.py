@@ -7,6 +7,7 @@ of 1,024 rows at 0.5 / 0.3 / 0.2 exactly to one row, validates, and refuses sour
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,26 @@ def test_a_mixture_validates_and_sources_that_cannot_share_a_stream_are_refused(
                  f"--data.mixture={json.dumps(mixture)}", "--tracking.enabled=false"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: data.mixture source 'synthetic'") and "\n" not in err
+
+
+def test_new_weights_or_a_new_source_tokenize_nothing_already_prepared(mixture_setup):
+    """With the mixture's tokenizer kept (what `prepare` prints, and what phases and sweeps do), other weights find
+    the same mixture and every source in the cache, and a fourth source (here a dataset prepared before, given by
+    dataset_dir) makes a new mixture naming the same three datasets: no Ray work, no new build."""
+    from pipeline.data.mixture_prepare import prepare_mixture
+    from pipeline.data.shards import load_manifest
+
+    before = {s["name"]: s for s in load_manifest(mixture_setup.dataset).source["sources"]}
+    reweighted = [{**s, "weight": w} for s, w in zip(mixture_setup.mixture, (0.2, 0.2, 0.6))]
+    cfg = mixture_setup.config(**{"data.mixture": json.dumps(reweighted), "data.tokenizer": mixture_setup.tokenizer})
+    assert str(prepare_mixture(cfg)) == mixture_setup.dataset
+    extra = {"name": "again", "weight": 0.1, "dataset_dir": before["topics"]["dataset_dir"]}
+    cfg = mixture_setup.config(**{"data.mixture": json.dumps(reweighted + [extra]),
+                                  "data.tokenizer": mixture_setup.tokenizer})
+    grown = load_manifest(prepare_mixture(cfg))
+    after = {s["name"]: s for s in grown.source["sources"]}
+    assert set(after) == {"std", "topics", "notes", "again"}
+    assert all(after[n]["dataset_dir"] == before[n]["dataset_dir"] and after[n]["settings_hash"] ==
+               before[n]["settings_hash"] for n in before)
+    builds = {n: [p.name for p in Path(before[n]["dataset_dir"]).glob("build-*") if p.is_dir()] for n in before}
+    assert all(len(b) == 1 for b in builds.values()), builds  # each source was built once, by the session's prepare
