@@ -32,14 +32,14 @@ def test_a_resume_mid_block_is_bit_for_bit_the_run_that_never_stopped(mixture_se
     from pipeline.train.engine import read_checkpoint_meta
     from pipeline.train.local import train_local
 
-    cfg = mixture_setup.config(**{"data.mixture_block_rows": 16, "train.max_steps": 10, "train.checkpoint_every": 5,
+    cfg = mixture_setup.config(**{"data.mixture_block_rows": 12, "train.max_steps": 8, "train.checkpoint_every": 4,
                                   "tracking.enabled": False})
     ds = mixture_setup.dataset
     straight, _ = train_local(cfg, ds, tmp_path / "straight", audit_data=True)
-    first, _ = train_local(cfg, ds, tmp_path / "resumed", max_steps=5, audit_data=True)
+    first, _ = train_local(cfg, ds, tmp_path / "resumed", max_steps=4, audit_data=True)
     counters = read_checkpoint_meta(first)["counters"]
-    assert (counters["step"], counters["epoch"], counters["cursor"]) == (5, 0, 20)  # block 1 (16 rows), row 4
-    resumed, _ = train_local(cfg, ds, tmp_path / "resumed", audit_data=True)  # a fresh engine from step 5's checkpoint
+    assert (counters["step"], counters["epoch"], counters["cursor"]) == (4, 0, 16)  # block 1 (12 rows), row 4
+    resumed, _ = train_local(cfg, ds, tmp_path / "resumed", audit_data=True)  # a fresh engine from step 4's checkpoint
 
     assert rows_of(audit(tmp_path / "resumed")) == rows_of(audit(tmp_path / "straight"))
     assert {s for step in rows_of(audit(tmp_path / "straight")) for s, _, _ in step} == {0, 1, 2}
@@ -103,8 +103,8 @@ def test_two_phases_with_two_mixtures_log_each_source_and_refuse_an_over_demande
     uri, _ = mlflow_server
     phase0 = [{**mixture_setup.mixture[0], "weight": 1.0}, {**mixture_setup.mixture[1], "weight": 0.0}]
     phases = tmp_path / "phases.yaml"
-    phases.write_text(yaml.safe_dump([{"steps": 6, "overrides": {"data.mixture": phase0}},
-                                      {"steps": 6, "overrides": {"data.mixture": mixture_setup.mixture}}]))
+    phases.write_text(yaml.safe_dump([{"steps": 4, "overrides": {"data.mixture": phase0}},
+                                      {"steps": 4, "overrides": {"data.mixture": mixture_setup.mixture}}]))
     base = ["--no-ray", "--preset", "test", *mixture_setup.overrides, f"--data.tokenizer={mixture_setup.tokenizer}",
             f"--tracking.tracking_uri={uri}", "--tracking.experiment=mixtures", "--tracking.system_metrics=false"]
 
@@ -140,13 +140,13 @@ def test_two_phases_with_two_mixtures_log_each_source_and_refuse_an_over_demande
     history = {m: {x.step: x.value for x in client.get_metric_history(run.info.run_id, m)}
                for m in ("val/loss", "val/std/loss", "val/topics/loss", "val/topics/bpb", "val/notes/loss",
                          "val/notes/bpb", "val/notes/ppl")}
-    assert sorted(history["val/std/loss"]) == [4, 6, 8, 12] and sorted(history["val/notes/loss"]) == [8, 12]
+    assert sorted(history["val/std/loss"]) == [4, 8] and sorted(history["val/notes/loss"]) == [8]
     assert history["val/loss"][4] == history["val/std/loss"][4]  # phase 0: std is the whole training stream
     assert all(0 < v < 20 for v in history["val/topics/bpb"].values())
     w = {"std": 0.5, "topics": 0.3, "notes": 0.2}
     aggregate = sum(w[s] * client.get_metric_history(run.info.run_id, f"val/{s}/loss")[-1].value for s in w)
     assert abs(run.data.metrics["val/loss"] - aggregate) < 1e-9
-    assert abs(history["val/notes/ppl"][12] - np.exp(history["val/notes/loss"][12])) < 1e-6 * history["val/notes/ppl"][12]
+    assert abs(history["val/notes/ppl"][8] - np.exp(history["val/notes/loss"][8])) < 1e-6 * history["val/notes/ppl"][8]
     params = run.data.params
     assert (params["mixture/std/weight"], params["mixture/topics/weight"]) == ("1.0", "0.0")
     assert (params["phase1/mixture/notes/weight"], float(params["phase1/mixture/notes/repetitions"]) > 0) == ("0.2", True)
