@@ -50,10 +50,11 @@ def test_a_resume_mid_block_is_bit_for_bit_the_run_that_never_stopped(mixture_se
     assert all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
 
 
-def _steps(rank: int, world: int, dataset: str, overrides: dict, steps: int, load: str, save: str) -> list:
-    """Train to `steps` on the mixture (rank of world), from the checkpoint `load` if given, saving to `save`;
-    returns the (source, pass, seq_id) rows each step read on this rank."""
-    from pipeline.data.mixture import train_batches
+def _steps(rank: int, world: int, dataset: str, overrides: dict, steps: int, load: str, save: str) -> dict:
+    """Train to `steps` on the mixture (rank of world), from the checkpoint `load` if given, saving to `save`, and
+    evaluate every source at the end; the (source, pass, seq_id) rows each step read on this rank, and the metrics."""
+    from pipeline.data.mixture import mixture_of, train_batches
+    from pipeline.eval.sources import SourceValidation
     from pipeline.train.engine import Engine
     from pipeline.train.loop import Hooks, fit
 
@@ -67,11 +68,12 @@ def _steps(rank: int, world: int, dataset: str, overrides: dict, steps: int, loa
         seen.append([[int(b[k][i]) for k in ("source", "pass", "seq_id")] for b in micro
                      for i in range(len(b["seq_id"]))])
 
-    fit(engine, train_batches(dataset, cfg, rank, world), None, Hooks(on_step=on_step), max_steps=steps,
-        progress=False)
+    evaluate = SourceValidation(mixture_of(dataset, cfg), cfg.train.batch_size, rank, world)
+    result = fit(engine, train_batches(dataset, cfg, rank, world), None, Hooks(on_step=on_step), max_steps=steps,
+                 progress=False, evaluate=evaluate)  # the last step evaluates: on two ranks, the same collectives
     if save:
         engine.save(save)
-    return seen
+    return {"rows": seen, "eval": result.last_eval}
 
 
 def test_a_resume_from_two_workers_on_one_reads_the_same_rows(mixture_setup, tmp_path):
@@ -86,8 +88,12 @@ def test_a_resume_from_two_workers_on_one_reads_the_same_rows(mixture_setup, tmp
     two = run_workers(_steps, 2, ds, {**over, "train.batch_size": 2}, 3, "", ckpt)
     one = _steps(0, 1, ds, {**over, "train.batch_size": 4}, 6, ckpt, "")
     straight = _steps(0, 1, ds, {**over, "train.batch_size": 4}, 6, "", "")
-    merged = [r0 + r1 for r0, r1 in zip(two[0], two[1])]  # rank 0 reads the first half of each global micro-batch
-    assert merged + one == straight and len(straight) == 6 and len(straight[0]) == 4
+    # rank 0 reads the first half of each global micro-batch
+    merged = [r0 + r1 for r0, r1 in zip(two[0]["rows"], two[1]["rows"])]
+    assert merged + one["rows"] == straight["rows"] and len(straight["rows"]) == 6 and len(straight["rows"][0]) == 4
+    # every source evaluated on both ranks, all-reduced: the same figures on each
+    assert two[0]["eval"] == two[1]["eval"] and {"val/std/bpb", "val/topics/loss", "val/notes/loss"} <= set(two[0]["eval"])
+    assert abs(one["eval"]["val/loss"] - straight["eval"]["val/loss"]) < 1e-4  # DDP's sums in another order only
 
 
 def test_two_phases_with_two_mixtures_log_each_source_and_refuse_an_over_demanded_one(mixture_setup, mlflow_server,
