@@ -74,6 +74,10 @@ class DataConfig:
     # error = the first one fails the prepare.
     on_bad_record: str = "skip"  # skip | error: what an unreadable record does
     max_bad_fraction: float = 0.001  # skip: fail when more than this share of all records is unreadable
+    # Several named sources blended by token share: a YAML file holding a list of sources, or the list inline
+    # (docs/data.md#mixtures: [{name: web, weight: 0.7, source: files, path: ...}, ...]); empty = the one source above
+    mixture: str = ""  # a YAML file of named sources with token-share weights, or the list inline; empty = data.source
+    mixture_block_rows: int = 1024  # rows per block of the mixed stream; each source gives round(weight x k) of them
 
 
 @dataclass
@@ -221,6 +225,8 @@ def _unknown_key_message(key: str) -> str:
 def _coerce(key: str, value: Any) -> Any:
     """Turn a CLI string (or a YAML/JSON value) into the field's type, or raise ConfigError."""
     typ = _FIELD_TYPES[key]
+    if key == "data.mixture" and isinstance(value, list):  # a YAML list of sources (a preset, a phase): inline it
+        value = json.dumps(value, separators=(",", ":"))
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         try:
@@ -316,6 +322,9 @@ def validate(cfg: Config) -> None:
     for key in ("data.max_documents", "data.tokenize_actors", "data.min_rows", "train.max_epochs"):
         _positive(key, cfg.flat()[key], zero_ok=True)
     _one_of("data.on_bad_record", d.on_bad_record, ("error", "skip"))
+    _positive("data.mixture_block_rows", d.mixture_block_rows)
+    if d.mixture:
+        _check_mixture(d.mixture)
     if not 0.0 <= d.max_bad_fraction <= 1.0:
         raise ConfigError(f"data.max_bad_fraction={d.max_bad_fraction} is invalid; it must be in [0, 1]")
     _positive("train.ce_chunk_size", cfg.train.ce_chunk_size, zero_ok=True)
@@ -386,6 +395,15 @@ def _validate_rope(m: ModelConfig) -> None:
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor!r} must be greater than "
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor!r} (Llama 3's defaults: 4 and 1)")
+
+
+def _check_mixture(text: str) -> None:
+    from pipeline.data.mixture_spec import MixtureSpecError, parse_mixture
+
+    try:
+        parse_mixture(text)
+    except MixtureSpecError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------------------------

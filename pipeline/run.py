@@ -7,6 +7,7 @@
     python pipeline/run.py train --preset gpu --ray.num_workers=8
     python pipeline/run.py train --resume runs/<run>         # continue a run from its latest checkpoint
     python pipeline/run.py train --phases phases.yaml        # a curriculum: one dataset and step count per phase
+    python pipeline/run.py train --data.mixture=mixes/web_code.yaml   # several sources blended by token share
     python pipeline/run.py train --no-ray                    # the same engine in one plain process
     python pipeline/run.py train --resume runs/<run> --train.max_steps=800   # a finished run, trained on to 800
     python pipeline/run.py eval --checkpoint runs/<run>       # a run's latest checkpoint, or a checkpoint directory
@@ -97,7 +98,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", help="export: the Hugging Face model directory to write")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing --out directory")
     p.add_argument("--register", metavar="NAME", help="export: also register it in the MLflow Model Registry")
-    return p.parse_known_args(argv)
+    # `--<field>=VALUE` config overrides bypass argparse, which would take one whose value holds a space (an inline
+    # data.mixture list) for a positional argument
+    from pipeline.config import field_types
+
+    fields = field_types()
+    is_override = [a.startswith("--") and "=" in a and a[2:].split("=", 1)[0] in fields for a in argv]
+    args, rest = p.parse_known_args([a for a, o in zip(argv, is_override) if not o])
+    return args, rest + [a for a, o in zip(argv, is_override) if o]
 
 
 def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
@@ -128,7 +136,7 @@ def stage_prepare(cfg: Config) -> Path:
     from pipeline.data.stages import prepare_main
     from pipeline.train.sizing import size_to_data
 
-    if cfg.data.min_rows > 0:  # the rows the train stage would size the data to (pipeline/train/sizing.py)
+    if cfg.data.min_rows > 0 and not cfg.data.mixture:  # the rows the train stage would size the data to (sizing.py)
         return size_to_data(cfg, prepare_main, steps=False).dataset
     return prepare_main(cfg)
 
@@ -193,13 +201,13 @@ def stage_eval(cfg: Config, checkpoint: Path | str, dataset_dir: Path | str | No
                run_dir: Path | None = None) -> dict[str, float]:
     from pipeline.storage import local_copy
     from pipeline.tracking.tracker import TrackingError
-    from pipeline.train.evaluate import evaluate_checkpoint, log_eval_to_run, run_dir_of_checkpoint
+    from pipeline.train.evaluate import eval_report, evaluate_checkpoint, log_eval_to_run, run_dir_of_checkpoint
 
     stage("eval", f"{checkpoint} on the validation split")
     run_dir = run_dir or run_dir_of_checkpoint(checkpoint)
     with local_copy(checkpoint) as local:  # on object storage: one temporary copy for the eval and the log
         metrics = evaluate_checkpoint(local, dataset_dir)
-        print("eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        print(eval_report(local, metrics))  # a mixture: a table with one row per source
         try:
             logged = log_eval_to_run(local, metrics, run_dir, cfg.tracking.tracking_uri)
             print(f"eval: logged to MLflow run {logged[1]}" if logged else "eval: not logged (no tracked run for it)")

@@ -209,3 +209,47 @@ def s3_dataset(s3_bucket, s3_corpus, ray_session, tmp_path_factory) -> S3Setup:
     overrides = ["--data.source=files", f"--data.path={s3_corpus}", f"--run.root={run_root}",
                  f"--run.storage={s3_bucket}/store"]
     return S3Setup(str(prepare(load_config("test", overrides))), overrides, run_root)
+
+
+@dataclass
+class MixtureSetup:
+    dataset: str  # the prepared mixture's directory (pipeline/data/mixture_prepare.py)
+    overrides: list[str]  # with --preset test: the command-line fields that find it again in the cache
+    mixture: list[dict]  # data.mixture: std 0.5 (built-in), topics 0.3 (local JSONL), notes 0.2 (JSONL in the bucket)
+    run_root: Path
+    tokenizer: str  # the mixture's shared tokenizer, trained on a weight-proportional sample of the three
+
+    def config(self, **fields):
+        """The test preset on this mixture, with `fields` ({"train.max_steps": 4} or train__max_steps=4) on top."""
+        from pipeline.config import load_config
+        from pipeline.config import parse_overrides
+
+        return load_config("test", {**parse_overrides(self.overrides),
+                                    **{k.replace("__", "."): v for k, v in fields.items()}})
+
+
+@pytest.fixture(scope="session")
+def mixture_setup(s3_bucket, ray_session, tmp_path_factory) -> MixtureSetup:
+    """Three sources prepared once per session as one mixture: the built-in corpus (60 documents), a local JSONL
+    file and a JSONL file in the session's bucket, at weights 0.5 / 0.3 / 0.2, sharing a tokenizer trained for
+    them (each source cached as its own dataset)."""
+    import json
+
+    from pipeline.config import load_config, parse_overrides
+    from pipeline.data.stages import prepare_main
+    from tests.pipeline.data.helpers import sample_docs, write_jsonl
+
+    root = tmp_path_factory.mktemp("mixture")
+    docs = sample_docs(80, 3000)
+    local = write_jsonl(root / "topics.jsonl", docs[:40])
+    notes = write_jsonl(root / "notes.jsonl", docs[40:], column="body")
+    storage.write_bytes(f"{s3_bucket}/mixture/notes.jsonl", notes.read_bytes())
+    mixture = [{"name": "std", "weight": 0.5, "source": "builtin", "max_documents": 60},
+               {"name": "topics", "weight": 0.3, "source": "files", "path": str(local)},
+               {"name": "notes", "weight": 0.2, "source": "files", "path": f"{s3_bucket}/mixture/*.jsonl",
+                "text_column": "body"}]
+    overrides = [f"--run.root={root / 'runs'}", f"--data.mixture={json.dumps(mixture)}", "--data.max_documents=0",
+                 "--data.rows_per_shard=128", "--data.tokenize_actors=2"]
+    dataset = str(prepare_main(load_config("test", parse_overrides(overrides))))
+    tokenizer = storage.join(dataset, "tokenizer.model")
+    return MixtureSetup(dataset, overrides, mixture, root / "runs", tokenizer)

@@ -284,6 +284,9 @@ class ShardReader:
                  cache_bytes: int = 128 << 20, drop_last: bool = True):
         self.dataset_dir = absolute(dataset_dir)
         self.manifest = load_manifest(self.dataset_dir)
+        if (self.manifest.source or {}).get("kind") == "mixture":
+            raise DatasetError(f"{str(dataset_dir)!r} is a mixture of datasets (no shards of its own); read it with "
+                               "pipeline/data/mixture.py's MixtureReader, or one of its sources' datasets")
         if split not in self.manifest.shards:
             raise DatasetError(f"dataset {str(dataset_dir)!r} has no split {split!r}; splits: "
                                f"{', '.join(self.manifest.shards)}")
@@ -428,6 +431,13 @@ def eval_reader(dataset_dir: Path | str, batch_size: int, rank: int = 0, world_s
 def check_trainable(manifest: Manifest, dataset_dir: Path | str, batch_size: int, world_size: int = 1) -> None:
     """Refuse, in one line, a dataset that cannot train: an empty validation split (nothing to evaluate, nothing
     to rank checkpoints or sweep trials by) or a training split smaller than one global micro-batch."""
+    if (manifest.source or {}).get("kind") == "mixture":  # every source is evaluated; the mixed stream has no end
+        for src in manifest.source["sources"]:
+            if load_manifest(src["dataset_dir"]).rows("val") == 0:
+                raise DatasetError(f"mixture source {src['name']!r} has no validation rows ({src['dataset_dir']}): "
+                                   "every source is evaluated; prepare it with a larger data.val_fraction, a shorter "
+                                   "data.seq_len or more text")
+        return
     val, train = manifest.rows("val"), manifest.rows("train")
     if val == 0:
         raise DatasetError(f"no validation rows ({train:,} training rows, data.val_fraction="

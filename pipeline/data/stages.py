@@ -2,6 +2,7 @@
 
     python pipeline/run.py prepare --data.source=files --data.path=corpus/ --data.seq_len=2048
     python pipeline/run.py validate runs/datasets/<hash>       # or s3://bucket/longtrain/datasets/<hash>
+    python pipeline/run.py prepare --data.mixture=mixes/web_code.yaml  # each source, one shared tokenizer
 
 run.py calls `prepare_main(cfg) -> Path` and `validate_main(dataset_dir) -> int` (the exit code). The same
 commands also run standalone: `python -m pipeline.data.stages prepare [PRESET] [--field.path=value ...]` and
@@ -55,6 +56,8 @@ def prepare_main(cfg) -> Path:
 
     _quiet_logging()
     d = cfg.data
+    if d.mixture:
+        return _prepare_mixture_main(cfg)
     source = {"builtin": "built-in corpus", "files": f"files {d.path}", "hf": f"Hugging Face {d.hf_name}"}.get(
         d.source, d.source)
     stage("prepare", f"{source}, seq_len {d.seq_len}, vocab {d.vocab_size}")
@@ -73,6 +76,32 @@ def prepare_main(cfg) -> Path:
     return out
 
 
+def _prepare_mixture_main(cfg) -> Path | str:
+    """prepare_main for data.mixture: every source (cached each by its own hash), a summary line per source."""
+    from pipeline.data.mixture_prepare import prepare_mixture
+    from pipeline.data.mixture_spec import normalized, parse_mixture
+
+    d = cfg.data
+    specs = parse_mixture(d.mixture)
+    stage("prepare", f"mixture of {len(specs)} source(s): "
+                     + ", ".join(f"{s.name} {w:.1%}" for s, w in zip(specs, normalized(specs)))
+                     + f"; seq_len {d.seq_len}, vocab {d.vocab_size}")
+    t0 = time.time()
+    out = prepare_mixture(cfg)
+    m = load_manifest(out)
+    print(f"mixture {out}  ({time.time() - t0:.1f} s)")
+    where = {src["name"]: src["dataset_dir"] for src in m.source["sources"]}
+    for spec, w in zip(specs, normalized(specs)):
+        sm = load_manifest(where[spec.name])
+        print(f"  {spec.name:<12} weight {w:6.1%}  {sm.rows('train'):,} train + "
+              f"{sm.rows('val'):,} val rows of {sm.seq_len}+1 ({sm.counts.get('tokens_kept', 0):,} tokens, "
+              f"{sm.counts.get('documents', 0):,} documents)  {where[spec.name]}")
+    tokenizer = f"{out}/{m.tokenizer_file}"
+    print(f"  tokenizer vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}; to keep it (and every prepared "
+          f"source) when the weights change: --data.tokenizer={tokenizer}")
+    return out
+
+
 def _bad_files_line(m) -> str:
     """` (a.jsonl: 2, b.jsonl: 1; first: ...)` when records were skipped: the user sees where, at once."""
     if not m.bad_records:
@@ -83,8 +112,17 @@ def _bad_files_line(m) -> str:
 
 
 def validate_main(dataset_dir: str | Path) -> int:
-    """Print the validation report; 0 when the dataset is valid, 1 with the reasons otherwise."""
-    report = validate_dataset(dataset_dir)
+    """Print the validation report; 0 when the dataset is valid, 1 with the reasons otherwise. A mixture: every
+    source's report, and whether they share one tokenizer and one seq_len."""
+    from pipeline.data.mixture import is_mixture
+    from pipeline.data.mixture_prepare import validate_mixture
+    from pipeline.data.shards import DatasetError
+
+    try:
+        mixture = is_mixture(load_manifest(dataset_dir))
+    except DatasetError:
+        mixture = False  # validate_dataset reports it
+    report = validate_mixture(dataset_dir) if mixture else validate_dataset(dataset_dir)
     print(report.format())
     return 0 if report.ok else 1
 

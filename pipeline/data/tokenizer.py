@@ -19,7 +19,10 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 # SentencePiece skips training sentences longer than max_sentence_length bytes; we cut paragraphs to this.
@@ -91,6 +94,26 @@ class Tokenizer:
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
+
+    def utf8_bytes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(bytes (V,) int64, lead_space (V,) bool): the UTF-8 bytes each id decodes to (a byte piece 1, control and
+        unknown ids 0, '▁' one space), and whether the piece starts with the '▁' SentencePiece drops at the start of
+        a text (its dummy prefix). What bits per byte divides by (pipeline/eval/sources.py)."""
+        import numpy as np
+
+        sp, n = self._sp, self.vocab_size
+        size = np.zeros(n, np.int64)
+        lead = np.zeros(n, bool)
+        for i in range(n):
+            if sp.is_control(i) or sp.is_unknown(i):
+                continue
+            if sp.is_byte(i):
+                size[i] = 1
+                continue
+            piece = sp.id_to_piece(i)
+            size[i] = len(piece.replace("\u2581", " ").encode("utf-8"))
+            lead[i] = piece.startswith("\u2581")
+        return size, lead
 
     def special_ids(self) -> dict[str, int]:
         return {"pad_id": self.pad_id, "unk_id": self.unk_id, "bos_id": self.bos_id, "eos_id": self.eos_id}

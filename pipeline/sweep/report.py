@@ -40,7 +40,7 @@ class TrialRow:
     mlflow_run_id: str | None = None
     steps: int | None = None
     tokens_seen: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # a mixture: val/<source>/loss of each source (table columns)
     mfu: float | None = None  # steady state, where the device's peak is known
     steady_steps: int | None = None  # how many of the trial's last steps tokens/s and MFU are over
 
@@ -79,17 +79,18 @@ def best_row(rows: list[TrialRow], mode: str) -> TrialRow | None:
 
 
 def markdown_table(rows: list[TrialRow], metric: str) -> str:
-    """tier | batch size | <other searched params> | tokens/s | MFU | timed steps | peak memory | <metric> | status |
-    trial, then STEADY_NOTE."""
+    """tier | batch size | <other searched params> | tokens/s | MFU | timed steps | peak memory | <metric> |
+    <each mixture source's val/<source>/loss> | status | trial, then STEADY_NOTE."""
     others = sorted({k for r in rows for k in r.params} - {"model.tier", "train.batch_size"})
-    head = ["tier", "batch size", *others, "tokens/s", "MFU", "timed steps", "peak memory (GiB)", metric, "status",
-            "trial"]
+    sources = list(dict.fromkeys(k for r in rows for k in r.extra))  # in the order the trials reported them
+    head = ["tier", "batch size", *others, "tokens/s", "MFU", "timed steps", "peak memory (GiB)", metric, *sources,
+            "status", "trial"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     order = sorted(rows, key=lambda r: (r.tier, r.batch_size, r.trial_id))
     for r in order:
         cells = [r.tier, str(r.batch_size), *(_fmt(r.params.get(k)) for k in others), _fmt(r.tokens_per_s, ",.0f"),
                  _fmt(r.mfu, ".1%"), r.timed_steps, _fmt(r.peak_mem_gib or None, ".3f"),  # 0: not counted (CPU)
-                 _fmt(r.metric_value, ".4f"),
+                 _fmt(r.metric_value, ".4f"), *(_fmt(r.extra.get(k), ".4f") for k in sources),
                  r.status_text, r.trial_id]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + STEADY_NOTE + "\n"
@@ -184,6 +185,10 @@ def preset_tree(flat: dict[str, Any], defaults: dict[str, Any]) -> dict[str, dic
         if key in NOT_IN_PRESET or defaults.get(key) == value:
             continue
         section, name = key.split(".", 1)
+        if key == "data.mixture" and value.lstrip().startswith("["):  # the sources as a YAML list, to read and edit
+            import json
+
+            value = json.loads(value)
         tree.setdefault(section, {})[name] = value
     return tree
 

@@ -22,6 +22,9 @@ A space file (every key but `params` optional; defaults shown):
       model.tier: {choice: [nano, A]}
       train.warmup_steps: {randint: [0, 200]}          # integers lo <= x < hi
       train.grad_clip: 1.0                             # a plain value: fixed
+      data.mixture:                                    # the weights of the base config's data.mixture, either
+        mixtures: {web_heavy: {web: 0.8, code: 0.2}, balanced: {web: 0.5, code: 0.5}}   # named mixtures, a grid
+        # simplex: {web: 1.0, code: 1.0}               # or drawn on the simplex (Dirichlet), num_samples trials
 
 Every key of `params` and `fixed` is a config field path (pipeline/config.py) and every value is checked
 by the config's own validation against the base config, so a typo or an impossible value fails here,
@@ -30,6 +33,7 @@ before Ray starts, with a message naming the file, the key and what is allowed.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,11 @@ DISTRIBUTIONS = {
     "loguniform": "[lo, hi] float, uniform in log space (lo > 0)",
     "randint": "[lo, hi] integer lo <= x < hi",
     "lograndint": "[lo, hi] integer lo <= x < hi, uniform in log space (lo > 0)",
+}
+# data.mixture's own distributions: the weights of the base config's mixture (its sources stay the same)
+MIXTURE_DISTRIBUTIONS = {
+    "mixtures": "named mixtures, a grid: {NAME: {SOURCE: weight, ...}, ...}",
+    "simplex": "weights drawn on the simplex: {SOURCE: concentration, ...} (a Dirichlet; 1 each = uniform)",
 }
 SCHEDULERS = ("asha", "fifo")
 TOP_LEVEL = ("description", "metric", "mode", "num_samples", "max_concurrent_trials", "token_budget",
@@ -62,8 +71,10 @@ class SpaceError(ValueError):
 
 @dataclass
 class Dist:
-    kind: str  # one of DISTRIBUTIONS, or "value"
+    kind: str  # one of DISTRIBUTIONS, MIXTURE_DISTRIBUTIONS, or "value"
     args: list[Any]
+    # data.mixture only: `mixtures` name -> the mixture inline (data.mixture's value); `simplex` source -> concentration
+    named: dict[str, Any] = field(default_factory=dict)
 
     def to_tune(self) -> Any:
         from ray import tune
@@ -72,13 +83,52 @@ class Dist:
             return self.args[0]
         if self.kind == "grid":
             return tune.grid_search(list(self.args))
+        if self.kind == "mixtures":  # trials see the name; trial_config turns it into the mixture
+            return tune.grid_search(list(self.named))
+        if self.kind == "simplex":
+            return tune.sample_from(DirichletWeights(self.named))
         return getattr(tune, self.kind)(*self.args) if self.kind != "choice" else tune.choice(list(self.args))
 
     def values(self) -> list[Any] | None:
         """The finite set of values this can take, or None for a continuous range."""
         if self.kind == "value":
             return [self.args[0]]
+        if self.kind == "mixtures":
+            return list(self.named.values())
         return list(self.args) if self.kind in ("grid", "choice") else None
+
+
+class DirichletWeights:
+    """Tune's sample_from for `simplex`: weights drawn from a Dirichlet with these concentrations (normalized gamma
+    draws; 1 each = uniform on the simplex), as `web=0.312,code=0.688` (what the trial's table row shows)."""
+
+    def __init__(self, alphas: dict[str, float]):
+        self.alphas = dict(alphas)
+
+    def __call__(self, spec: Any = None) -> str:
+        import numpy as np
+
+        draws = {name: float(np.random.gamma(alpha)) for name, alpha in self.alphas.items()}
+        total = sum(draws.values()) or 1.0
+        return ",".join(f"{name}={draws[name] / total:.4f}" for name in self.alphas)
+
+
+def resolve_mixture(value: Any, base_mixture: str, named: dict[str, str]) -> Any:
+    """A trial's data.mixture value as the config takes it: a named mixture's list, or `web=0.3,code=0.7` (simplex
+    weights) applied to the base mixture's sources; anything else unchanged."""
+    from pipeline.data.mixture_spec import mixture_json, parse_mixture, with_weights
+
+    if not isinstance(value, str):
+        return value
+    if value in named:
+        return named[value]
+    if _WEIGHTS.fullmatch(value) and base_mixture:
+        weights = {k: float(v) for k, v in (item.split("=") for item in value.split(","))}
+        return mixture_json(with_weights(parse_mixture(base_mixture), weights))
+    return value
+
+
+_WEIGHTS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*=[0-9.eE+-]+(,[A-Za-z0-9][A-Za-z0-9_.-]*=[0-9.eE+-]+)*")
 
 
 @dataclass
@@ -107,6 +157,11 @@ class Space:
         """What every trial's config gets before its own params: resources then fixed values."""
         return {**self.resources, **self.fixed}
 
+    def mixtures(self) -> dict[str, str]:
+        """The named mixtures searched (name -> data.mixture), {} when none."""
+        d = self.params.get("data.mixture")
+        return dict(d.named) if d is not None and d.kind == "mixtures" else {}
+
     def values_of(self, key: str, base: Config) -> list[Any]:
         """Every value `key` takes in this sweep (the base value when it is not searched)."""
         if key in self.params:
@@ -124,10 +179,11 @@ def _check_key(path: Path, section: str, key: Any, searchable: bool) -> str:
         hint = f" did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise _fail(path, f"{section} key {key!r} is not a config field;{hint} `python pipeline/run.py --help` "
                           f"lists every field")
-    if searchable and (key.startswith(_NOT_SEARCHABLE_PREFIXES) or key in _NOT_SEARCHABLE):
+    if searchable and (key.startswith(_NOT_SEARCHABLE_PREFIXES) or key in _NOT_SEARCHABLE) and key != "data.mixture":
         raise _fail(path, f"params key {key!r} cannot be searched: run.*, tracking.*, ray.address, "
                           f"ray.storage_path and train.memory_limit_gib are set by the sweep, and data.* fields "
-                          f"go under `fixed` (all trials share one prepared dataset)")
+                          f"go under `fixed` (all trials share one prepared dataset; data.mixture's weights are the "
+                          f"exception: {', '.join(MIXTURE_DISTRIBUTIONS)})")
     return key
 
 
@@ -139,7 +195,55 @@ def _check_value(path: Path, section: str, key: str, value: Any, base: Config) -
         raise _fail(path, f"{section} {key}: {exc}") from None
 
 
+def _parse_mixture_dist(path: Path, spec: Any, base: Config) -> Dist:
+    """data.mixture: named mixtures (a grid) or simplex draws over the base config's mixture's sources."""
+    from pipeline.data.mixture_spec import MixtureSpecError, mixture_json, parse_mixture, with_weights
+
+    kinds = ", ".join(f"{k} ({v})" for k, v in MIXTURE_DISTRIBUTIONS.items())
+    if not base.data.mixture:
+        raise _fail(path, "params data.mixture searches the weights of the base config's mixture, and it has none; "
+                          "set data.mixture (its sources) under `fixed` or on the command line")
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in MIXTURE_DISTRIBUTIONS:
+        raise _fail(path, f"params data.mixture: {spec!r} is not a mixture distribution; write {{KIND: ARGS}} with "
+                          f"KIND one of: {kinds}")
+    sources = parse_mixture(base.data.mixture)
+    names = [s.name for s in sources]
+    kind, args = next(iter(spec.items()))
+    if not isinstance(args, dict) or not args:
+        raise _fail(path, f"params data.mixture: {kind} needs a non-empty mapping, got {args!r}")
+
+    def weights_of(label: str, mapping: Any, *, positive: bool) -> dict[str, float]:
+        if not isinstance(mapping, dict) or not mapping:
+            raise _fail(path, f"params data.mixture {label}: give {{SOURCE: number, ...}}, got {mapping!r}")
+        out = {}
+        for source, w in mapping.items():
+            if source not in names:
+                raise _fail(path, f"params data.mixture {label}: {source!r} is not a source of the base mixture "
+                                  f"({', '.join(names)})")
+            ok = isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+            if not ok or w < 0 or (positive and w == 0):
+                raise _fail(path, f"params data.mixture {label}: {source}={w!r} must be a number "
+                                  f"{'> 0' if positive else '>= 0'}")
+            out[str(source)] = float(w)
+        return out
+
+    try:
+        if kind == "mixtures":
+            named = {}
+            for name, mapping in args.items():
+                value = mixture_json(with_weights(sources, weights_of(f"mixtures {name}", mapping, positive=False)))
+                named[str(name)] = _check_value(path, "params", "data.mixture", value, base)
+            return Dist(kind, list(named), named)
+        alphas = weights_of("simplex", args, positive=True)
+        mean = mixture_json(with_weights(sources, alphas))  # the Dirichlet's mean: one valid value of the range
+        return Dist(kind, [mean], alphas)
+    except MixtureSpecError as exc:
+        raise _fail(path, f"params data.mixture: {exc}") from None
+
+
 def _parse_dist(path: Path, key: str, spec: Any, base: Config) -> Dist:
+    if key == "data.mixture":
+        return _parse_mixture_dist(path, spec, base)
     kinds = ", ".join(f"{k} ({v})" for k, v in DISTRIBUTIONS.items())
     if not isinstance(spec, dict):
         return Dist("value", [_check_value(path, "params", key, spec, base)])
@@ -263,7 +367,7 @@ def load_space(path: str | Path, base: Config | None = None) -> Space:
                           "train.lr: {loguniform: [1.0e-4, 3.0e-3]}")
     for key, spec in params.items():
         _check_key(path, "params", key, searchable=True)
-        if key in space.overrides():
+        if key in space.overrides() and key != "data.mixture":  # (a fixed data.mixture names the sources searched)
             raise _fail(path, f"params {key} is also fixed; a key is either searched or fixed")
         space.params[key] = _parse_dist(path, key, spec, fixed_base)
     if space.skip_unfit_batch and (space.params.get("train.batch_size") is None

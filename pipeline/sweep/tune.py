@@ -54,7 +54,8 @@ from pipeline.config import Config, ConfigError, from_flat
 from pipeline.console import stage
 from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, plot_sweep
 from pipeline.sweep.report import write_best_preset, write_markdown
-from pipeline.sweep.space import Space, SpaceError, load_space  # noqa: F401  (SpaceError: part of this API)
+from pipeline.data.mixture import inline_mixture
+from pipeline.sweep.space import Space, SpaceError, load_space, resolve_mixture  # noqa: F401  (SpaceError: API)
 from pipeline.sweep.status_lines import StatusLines
 from pipeline.train.ray_train import PLACEMENT_GROUP_KEY, START_TIMEOUT_ENV
 
@@ -81,6 +82,14 @@ class SweepContext:
     parent_run_id: str | None
     max_fit: dict[str, int] = field(default_factory=dict)  # tier -> largest micro-batch that fits
     env: dict[str, str] = field(default_factory=dict)  # the driver's Ray Train settings, set in every trial
+    mixtures: dict[str, str] = field(default_factory=dict)  # named mixtures of the space: name -> data.mixture
+
+
+def resolved(params: dict[str, Any], base: dict[str, Any], mixtures: dict[str, str]) -> dict[str, Any]:
+    """A trial's searched values as config overrides: a named mixture or simplex weights become data.mixture."""
+    if "data.mixture" not in params:
+        return params
+    return {**params, "data.mixture": resolve_mixture(params["data.mixture"], base["data.mixture"], mixtures)}
 
 
 @dataclass
@@ -125,7 +134,7 @@ def tokens_per_step(cfg: Config) -> int:
 
 def trial_config(ctx: SweepContext, params: dict[str, Any], trial_id: str) -> Config:
     """The trial's config: base + searched values, its own storage, and steps from the token budget."""
-    cfg = from_flat(ctx.base).replace(params)
+    cfg = from_flat(ctx.base).replace(resolved(params, ctx.base, ctx.mixtures))
     storage = cfg.ray.storage_path.rstrip("/")
     over: dict[str, Any] = {"run.name": f"{ctx.sweep_name}-{trial_id}",
                             # Ray Train resumes a run by name in its storage: each trial needs its own.
@@ -194,6 +203,16 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
     fit_max = ctx.max_fit.get(cfg.model.tier)
     if fit_max is not None and cfg.train.batch_size > fit_max:
         fail(OOM, f"skipped: largest batch that fits is {fit_max}", None)
+    if cfg.data.mixture:  # each source's rows and passes for this trial's weights (refused when one runs out)
+        from pipeline.data.mixture import MixtureError
+        from pipeline.data.shards import load_manifest
+        from pipeline.train.mixture_run import record_data
+
+        try:
+            record_data(cfg, ctx.dataset_dir, load_manifest(ctx.dataset_dir), tracker, steps=cfg.train.max_steps,
+                        run_dir=run_dir)
+        except MixtureError as exc:
+            fail(FAILED, _reason(exc), exc)
     try:
         outcome = run_training(cfg, ctx.dataset_dir, run_dir, mlflow_run_id=tracker.run_id,
                                callbacks=[TuneReportCallback()], required_metric=ctx.metric)
@@ -315,7 +334,8 @@ def _rows(grid, space: Space, base: Config) -> list[TrialRow]:
             last.update({k: v for k, v in rec.items() if v is not None and not (isinstance(v, float) and math.isnan(v))})
         status = last.get(STATUS_KEY) or (FAILED if result.error else STOPPED)
         params = {k: result.config[k] for k in space.params}
-        if status == STOPPED and last.get("step", 0) >= with_token_budget(base.replace(params),
+        full = resolved(params, base.flat(), space.mixtures())
+        if status == STOPPED and last.get("step", 0) >= with_token_budget(base.replace(full),
                                                                           space.token_budget).train.max_steps:
             status = OK  # stopped at its last report (an ASHA rung at the budget): it trained every step
         reason = last.get(REASON_KEY, "")
@@ -332,7 +352,8 @@ def _rows(grid, space: Space, base: Config) -> list[TrialRow]:
             metric_value=last.get(space.metric), status=status, reason=str(reason or ""),
             mlflow_run_id=last.get(RUN_ID_KEY) or None, steps=last.get("step"),
             tokens_seen=last.get("train/tokens_seen"), mfu=last.get("train/steady_mfu"),
-            steady_steps=last.get("train/steady_steps")))
+            steady_steps=last.get("train/steady_steps"),
+            extra={k: v for k, v in last.items() if is_source_loss(k)}))  # a mixture: each source's val loss
     return rows
 
 
@@ -370,7 +391,8 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     from pipeline.storage import pin as pin_storage
 
     space = load_space(space_path, cfg)
-    cfg = pin_storage(cfg.replace({**space.overrides(), "run.root": str(Path(cfg.run.root).resolve())}))
+    # a data.mixture file becomes the list it holds: the trials run in other processes and directories
+    cfg = pin_storage(inline_mixture(cfg.replace({**space.overrides(), "run.root": str(Path(cfg.run.root).resolve())})))
     if cfg.ray.cpus_per_worker == 0:  # auto: 1 CPU per worker in a sweep, so trials run side by side
         cfg = cfg.replace({"ray.cpus_per_worker": 1})
     if cfg.tracking.enabled:
@@ -387,6 +409,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     dataset = absolute(prepare_main(cfg))
     manifest = load_manifest(dataset)
     check_trainable(manifest, dataset, batch_size=1)  # no validation rows: no trial could be ranked
+    _check_named_mixtures(cfg, space, dataset)  # a named mixture that would run out: before any trial starts
     ensure_ray(cfg.ray.address, cfg)
     parent = open_tracker(cfg, run_name=name)
     parent.set_tags({TAG_SWEEP: name})
@@ -400,7 +423,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
         max_fit = _max_fit_per_tier(cfg, space, manifest.vocab_size) if space.skip_unfit_batch else {}
         env = {k: os.environ[k] for k in (START_TIMEOUT_ENV,) if k in os.environ}
         ctx = SweepContext(cfg.flat(), str(dataset), str(sweep_dir), name, space.metric, space.token_budget,
-                           parent.run_id, max_fit, env)
+                           parent.run_id, max_fit, env, space.mixtures())
         sched = space.scheduler
         if sched["type"] == "asha":
             max_t = sched["max_t"] or space.token_budget or 2**62  # no cap: trials end at train.max_steps
@@ -432,6 +455,26 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
         parent.finish(status)
 
 
+def is_source_loss(key: str) -> bool:
+    """val/<source>/loss: a mixture source's validation loss (a column of the sweep table)."""
+    return key.startswith("val/") and key.endswith("/loss") and key.count("/") == 2
+
+
+def _check_named_mixtures(cfg: Config, space: Space, dataset: str) -> None:
+    """MixtureError (one line) when a named mixture of the space would need more of a source than it may repeat."""
+    from pipeline.data.mixture import check_plan, mixture_of
+    from pipeline.train.mixture_run import rows_per_step
+
+    for name, mixture in space.mixtures().items():
+        trial = with_token_budget(cfg.replace({"data.mixture": mixture}), space.token_budget)
+        mix = mixture_of(dataset, trial)
+        steps, per_step = trial.train.max_steps, rows_per_step(trial)
+        try:
+            check_plan(mix.plan(steps * per_step), steps, per_step, mix.seq_len)
+        except ValueError as exc:
+            raise type(exc)(f"search space {space.path.name}, mixture {name!r}: {exc}") from None
+
+
 def _report(cfg: Config, space: Space, rows: list[TrialRow], sweep_dir: Path, name: str, parent) -> SweepResult:
     title = f"sweep {name} ({space.path.name}): {space.metric}, {space.mode}"
     md = write_markdown(rows, space.metric, sweep_dir / "sweep_table.md", title=title)
@@ -440,7 +483,8 @@ def _report(cfg: Config, space: Space, rows: list[TrialRow], sweep_dir: Path, na
     best = best_row(rows, space.mode)
     preset = None
     if best is not None:
-        best_cfg = with_token_budget(cfg.replace(best.params), space.token_budget)
+        best_cfg = with_token_budget(cfg.replace(resolved(best.params, cfg.flat(), space.mixtures())),
+                                     space.token_budget)
         preset = write_best_preset(best_cfg.flat(), Config().flat(), sweep_dir / "best_preset.yaml", sweep=name,
                                    row=best, metric=space.metric)
     for path in (md, png) + ((preset,) if preset else ()):

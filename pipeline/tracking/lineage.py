@@ -6,7 +6,7 @@ to a finished run (the `eval` stage), and exported models as versions in the MLf
     log_metrics_to_run(uri, run_id, {"eval/loss": 2.1}, step=200)
     version = register_model_dir(uri, run_id, "hf/nano", "my-model", tags={"tier": "nano"})
 
-Dataset inputs: name = the corpus (Hugging Face name, files path or "builtin"), digest = the manifest's
+Dataset inputs (a mixture: one per source, tagged with the source's name and weight): name = the corpus (Hugging Face name, files path or "builtin"), digest = the manifest's
 settings hash (the identity of the packed data: source, tokenizer and packing settings; its first 16 hex digits,
 as in the dataset directory's name, because MLflow caps digests at 36 characters), source = the Hugging
 Face dataset or the local dataset directory, schema = the shard columns, profile = sequences, tokens,
@@ -33,6 +33,11 @@ REGISTERED_MODEL_ARTIFACT = "hf_model"  # the export's folder inside the trainin
 REGISTERED_TAG = "longtrain.registered_model"  # on the run: "<name>/<version>"
 DATASET_CONTEXT = "train"
 DIGEST_CHARS = 16  # MLflow allows 36; 16 hex digits are what runs/datasets/<hash> is named by
+# A mixture logs one input per source (context "train", or "eval" for a source of weight 0) with these tags; the
+# dataset's digest and profile carry its settings hash and tokenizer sha256.
+MIXTURE_SOURCE_TAG = "longtrain.mixture_source"
+MIXTURE_WEIGHT_TAG = "longtrain.mixture_weight"
+TOKENIZER_TAG = "longtrain.tokenizer_sha256"
 
 
 def dataset_name(manifest: Manifest) -> str:
@@ -91,12 +96,31 @@ def dataset_input(manifest: Manifest, dataset_dir: str | Path):
 
 
 def log_dataset_input(client, run_id: str, manifest: Manifest, dataset_dir: str | Path,
-                      context: str = DATASET_CONTEXT) -> None:
+                      context: str = DATASET_CONTEXT, tags: Mapping[str, Any] | None = None) -> None:
+    """`tags`: more input tags, e.g. a mixture source's MIXTURE_SOURCE_TAG, MIXTURE_WEIGHT_TAG."""
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
+    from mlflow.exceptions import MlflowException
+
     entity = dataset_input(manifest, dataset_dir)._to_mlflow_entity()
-    client.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
+    extra = [InputTag(str(k), str(v)) for k, v in (tags or {}).items()]
+    inputs = [DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context), *extra])]
+    for attempt in range(_INPUT_ATTEMPTS):
+        try:
+            client.log_inputs(run_id, datasets=inputs)
+            return
+        except MlflowException as exc:
+            # An MLflow server creates a dataset row on first use with a check-then-insert: runs that log the same
+            # new dataset at the same moment (a sweep's trials) race, and the loser gets the store's unique-key
+            # error. The dataset exists by then, so the same call again links it.
+            if attempt + 1 == _INPUT_ATTEMPTS or not any(m in str(exc) for m in _UNIQUE_KEY_ERRORS):
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
+_INPUT_ATTEMPTS = 4
+_UNIQUE_KEY_ERRORS = ("UNIQUE constraint failed", "duplicate key value", "Duplicate entry", "IntegrityError")
 
 
 def log_metrics_to_run(tracking_uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:

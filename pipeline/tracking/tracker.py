@@ -46,10 +46,12 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
 | metric | `val/ppl`                  | exp(val/loss)                                                  |
 | metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
+| metric | `val/<source>/loss`, `ppl`, `bpb`, `accuracy` | a mixture: each source's validation split (bpb: bits per UTF-8 byte); val/loss, val/ppl and val/accuracy are then the aggregate weighted by the mixture |
+| param  | `mixture/<source>/weight`, `mixture/<source>/repetitions` | a mixture: each source's share of the training tokens and the passes over its data the run makes (phase i > 0: `phase<i>/mixture/...`) |
 | metric | `eval/loss`, `eval/ppl`, `eval/accuracy` | the `eval` stage on the whole validation split, at the checkpoint's step |
 | metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
 | tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
-| input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py) |
+| input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py); a mixture: one per source, tagged with its name and weight |
 
 Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
 """
@@ -404,11 +406,12 @@ class Tracker:
         """A .json / .yaml / .yml artifact (format from the file name)."""
         self.client.log_dict(self._run_id, dict(dictionary), artifact_file)
 
-    def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train") -> None:
+    def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train",
+                          tags: Mapping[str, Any] | None = None) -> None:
         """The prepared dataset as an MLflow dataset input (digest = manifest settings hash); see lineage.py."""
         from pipeline.tracking.lineage import log_dataset_input
 
-        log_dataset_input(self.client, self._run_id, manifest, dataset_dir, context)
+        log_dataset_input(self.client, self._run_id, manifest, dataset_dir, context, tags)
 
     # -- system metrics -----------------------------------------------------------------------
     def start_system_metrics(self, interval_s: float = 10.0) -> bool:
@@ -511,7 +514,8 @@ class NullTracker:
     def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
         pass
 
-    def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train") -> None:
+    def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train",
+                          tags: Mapping[str, Any] | None = None) -> None:
         pass
 
     def start_system_metrics(self, interval_s: float = 10.0) -> bool:

@@ -4,6 +4,9 @@
     python pipeline/run.py eval --resume runs/<run>          # the run's latest checkpoint
     python pipeline/run.py eval --checkpoint s3://bucket/longtrain/<run>/ray/phase0/checkpoint_... --resume <run>
 
+For a mixture it evaluates every source's validation split (eval/<source>/loss, ppl, bpb, accuracy; a table
+with one row per source) and eval/loss is the aggregate weighted by the run's mixture.
+
 The metrics (eval/loss, eval/ppl, eval/accuracy) are also logged, at the checkpoint's step, to the MLflow run
 that trained the checkpoint (found through the run directory's run.json), without changing its status.
 """
@@ -20,7 +23,9 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
                         max_batches: int | None = None) -> dict[str, float]:
     """{eval/loss, eval/ppl, eval/accuracy} over every row of the validation split the checkpoint was trained with
     (or `dataset_dir`), in batches of the run's train.batch_size."""
+    from pipeline.data.mixture import mixture_of
     from pipeline.data.shards import check_compatible, eval_reader, load_manifest
+    from pipeline.eval.sources import SourceValidation
 
     with local_copy(checkpoint) as local:  # a checkpoint on object storage: a temporary local copy
         meta = read_checkpoint_meta(local)
@@ -32,8 +37,25 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
         check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
         engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size)
         engine.load(local, weights_only_model=True)
+    mix = mixture_of(dataset_dir, cfg)
+    if mix is not None:  # a mixture: every source's split, and the aggregate weighted by the run's mixture
+        return SourceValidation(mix, cfg.train.batch_size, prefix="eval")(engine, max_batches)
     m = engine.evaluate(eval_reader(dataset_dir, cfg.train.batch_size), max_batches=max_batches)
     return {"eval/loss": m["val/loss"], "eval/ppl": m["val/ppl"], "eval/accuracy": m["val/accuracy"]}
+
+
+def eval_report(checkpoint: str | Path, metrics: dict[str, float]) -> str:
+    """What the `eval` stage prints: the eval/* line and, for a mixture, a table with one row per source."""
+    from pipeline.data.mixture_spec import normalized, parse_mixture
+    from pipeline.eval.sources import source_names, source_table
+
+    line = "eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.count("/") == 1)
+    if not source_names(metrics, "eval"):
+        return line
+    with local_copy(checkpoint) as local:
+        mixture = read_checkpoint_meta(local)["config"]["data"]["mixture"]
+    specs = parse_mixture(mixture)
+    return line + "\n" + source_table(metrics, {s.name: w for s, w in zip(specs, normalized(specs))}, "eval")
 
 
 def run_dir_of_checkpoint(checkpoint: str | Path) -> Path | None:

@@ -11,7 +11,10 @@ from pipeline.config import Config
 from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
 from pipeline.train.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
+from pipeline.data.mixture import mixture_of
+from pipeline.data.mixture import train_batches as mixed_train_batches
 from pipeline.data.shards import ShardReader, check_trainable, eval_reader, load_manifest
+from pipeline.eval.sources import SourceValidation
 from pipeline.storage import absolute, local_copy
 from pipeline.train.run_dir import AUDIT_DIR
 
@@ -47,13 +50,17 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     def val_batches():
         return eval_reader(dataset_dir, t.batch_size)
 
+    evaluate = None
+    if (mix := mixture_of(dataset_dir, cfg)) is not None:  # several sources: one mixed stream, a loss per source
+        train_batches, evaluate = mixed_train_batches(dataset_dir, cfg), SourceValidation(mix, t.batch_size)
+
     audit = AuditLog(run_dir / AUDIT_DIR / "rank_0.jsonl") if audit_data else None
     extra = {"dataset_dir": absolute(dataset_dir), "phase": phase}
     hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
                            on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens))
     try:
         with StopRequest() as stop:
-            res = fit(engine, train_batches, val_batches, hooks, max_steps=max_steps, stop=stop)
+            res = fit(engine, train_batches, val_batches, hooks, max_steps=max_steps, stop=stop, evaluate=evaluate)
     finally:
         if audit is not None:
             audit.close()

@@ -92,12 +92,15 @@ class FitResult:
 
 def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, torch.Tensor]]],
         val_batches: Callable[[], Iterable[dict[str, torch.Tensor]]] | None, hooks: Hooks | None = None,
-        *, max_steps: int | None = None, progress: bool = True, stop: StopRequest | None = None) -> FitResult:
+        *, max_steps: int | None = None, progress: bool = True, stop: StopRequest | None = None,
+        evaluate: Callable[[Engine, int], dict[str, float]] | None = None) -> FitResult:
     """Train until engine.step == max_steps (default cfg.train.max_steps).
 
     train_batches(epoch, start) yields this worker's micro-batches from global sequence `start` of
     `epoch`; the engine's (epoch, cursor) say where to resume, so a restored engine continues at the
     exact next sequence. Each micro-batch advances the cursor by batch_size x world_size sequences.
+    `evaluate(engine, max_batches)`, when given, evaluates instead of engine.evaluate(val_batches()) (a mixture:
+    one validation split per source, pipeline/eval/sources.py).
     """
     t = engine.cfg.train
     hooks = hooks or Hooks()
@@ -156,9 +159,10 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                 if hooks.on_log:
                     with watch.region("the logging hook", step):
                         hooks.on_log(engine, result.last_train)
-            if val_batches is not None and (step % t.eval_every == 0 or last):
+            if (val_batches is not None or evaluate is not None) and (step % t.eval_every == 0 or last):
                 with watch.region("the evaluation (its forwards and the metrics all-reduce)", step):
-                    result.last_eval = engine.evaluate(val_batches(), max_batches=t.eval_batches)
+                    result.last_eval = (evaluate(engine, t.eval_batches) if evaluate is not None
+                                        else engine.evaluate(val_batches(), max_batches=t.eval_batches))
                 if hooks.on_eval:
                     with watch.region("the evaluation hook (the samples' whole-weight gather under FSDP)", step):
                         hooks.on_eval(engine, result.last_eval)
@@ -250,7 +254,8 @@ def _stop_file_exists(location: str) -> bool:
 
 class AuditLog:
     """Append-only record of the seq_ids each step consumed (one JSON line per step), so a run's data order can
-    be checked after the fact: exactly once per epoch, across restarts.
+    be checked after the fact: exactly once per epoch, across restarts. Over a mixture each line also has `sources`
+    and `passes` beside `seq_ids` (the row's source index in data.mixture and its pass over that source).
 
     On a local path every line is flushed as it is written. Object storage cannot append: the log is kept in
     memory and the whole object rewritten at `flush` (each checkpoint, and at the end), starting from what an
@@ -276,8 +281,11 @@ class AuditLog:
         import os
 
         ids = [int(i) for b in micro for i in b["seq_id"]]
+        # A mixture's rows: seq_ids are per source dataset, so each row also names its source and pass
+        mixed = {k: [int(i) for b in micro for i in b[k]] for k in ("source", "pass") if k in micro[0]}
         line = json.dumps({"step": engine.step, "time": time.time(), "skipped": outcome.skipped, "epoch": engine.epoch,
-                           "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids}) + "\n"
+                           "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids,
+                           **({"sources": mixed["source"], "passes": mixed["pass"]} if mixed else {})}) + "\n"
         if self._f is not None:
             self._f.write(line)
         else:

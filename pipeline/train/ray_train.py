@@ -85,7 +85,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
     from pipeline.train.generate import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, fit, standard_hooks
+    from pipeline.data.mixture import mixture_of
+    from pipeline.data.mixture import train_batches as mixed_train_batches
     from pipeline.data.shards import eval_reader, ray_batches
+    from pipeline.eval.sources import SourceValidation
     from pipeline.tracking.tracker import open_tracker
 
     cfg: Config = from_flat(lc["config"])
@@ -126,6 +129,11 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         # row counts, a short last batch included (padded to the batch's shape on every rank).
         return eval_reader(dataset_dir, t.batch_size, rank, world)
 
+    evaluate = None
+    if (mix := mixture_of(dataset_dir, cfg)) is not None:  # several sources: one mixed stream, a loss per source
+        train_batches = mixed_train_batches(dataset_dir, cfg, rank, world, use_ray=True)
+        evaluate = SourceValidation(mix, t.batch_size, rank, world)
+
     audit = None
     if lc.get("audit_data"):
         import torch
@@ -140,7 +148,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         # Every worker reports (Ray Train synchronises on it). Rank 0 attaches the one copy of a full checkpoint;
         # under FSDP every worker attaches its own shards, which Ray merges into one directory.
         if "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
-            metrics = {**metrics, **e.evaluate(val_batches(), max_batches=t.eval_batches)}
+            metrics = {**metrics, **(evaluate(e, t.eval_batches) if evaluate is not None
+                                     else e.evaluate(val_batches(), max_batches=t.eval_batches))}
         if required and required not in metrics:  # a sweep's trial: Tune cannot rank a report without it
             raise MissingMetricError(f"the report at step {e.step} has no {required} (it has: "
                                      f"{', '.join(sorted(metrics))}); a sweep's metric must be in every checkpoint's "
@@ -163,7 +172,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     try:
         fit(engine, train_batches, val_batches,
             standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
-            progress=rank == 0, stop=StopRequest(join(run_storage, STOP_FILE)))
+            progress=rank == 0, stop=StopRequest(join(run_storage, STOP_FILE)), evaluate=evaluate)
     finally:
         if audit is not None:
             audit.close()

@@ -15,7 +15,9 @@ Phases (a curriculum such as TinyStories then FineWeb-Edu) come from a YAML list
       overrides: {data.source: hf, data.hf_name: HuggingFaceFW/fineweb-edu, data.hf_config: sample-10BT}
 
 Model, optimizer and scheduler state carry from one phase to the next; the learning-rate schedule
-spans all phases (one warmup, one cosine); later phases reuse the first phase's tokenizer.
+spans all phases (one warmup, one cosine); later phases reuse the first phase's tokenizer. A phase may blend
+sources (`data.mixture` in its overrides, a file or the list itself): its data cursor starts at 0, and what each
+source supplies to the phase is decided before it trains (pipeline/train/mixture_run.py).
 
 Context extension (docs/long-context.md) is a phase that raises data.seq_len and changes the RoPE settings:
 
@@ -202,7 +204,9 @@ class TrainSession:
 
         # Workers may run in another directory or on another node: pin paths, the storage root and the tracking
         # store (the driver's environment, $LONGTRAIN_STORAGE and MLFLOW_TRACKING_URI, goes nowhere else).
-        cfg = pin_storage(cfg.replace({"run.root": str(Path(cfg.run.root).resolve())}))
+        from pipeline.data.mixture import inline_mixture
+
+        cfg = pin_storage(inline_mixture(cfg.replace({"run.root": str(Path(cfg.run.root).resolve())})))
         self.cfg = pin_tracking_uri(cfg) if cfg.tracking.enabled else cfg
         self.run_dir, self.phases = Path(run_dir).resolve(), phases
         self.use_ray, self.audit_data = use_ray, audit_data
@@ -216,11 +220,13 @@ class TrainSession:
         return record
 
     def run(self, resume: bool = False) -> SessionResult:
-        from pipeline.data.stages import prepare_main
+        from pipeline.data.mixture import inline_mixture
         from pipeline.data.shards import load_manifest
+        from pipeline.data.stages import prepare_main
         from pipeline.tracking.tracker import (check_artifact_location, check_tracking_uri, open_tracker,
                                                resolve_tracking_uri)
         from pipeline.train.engine import PhaseSchedule
+        from pipeline.train.mixture_run import record_data
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
         record = self._record(config=cfg.flat(), phases=[p.to_dict() for p in self.phases], status="running",
@@ -260,8 +266,8 @@ class TrainSession:
                 # Phases after the first reuse its tokenizer. The first phase keeps its own data.tokenizer, also on
                 # --resume: the recorded tokenizer file would change its dataset's cache key and rebuild the dataset.
                 before = pcfg
-                pcfg = cfg.replace({**phase.overrides, "train.max_steps": total,
-                                    **({"data.tokenizer": tokenizer} if tokenizer and i > 0 else {})})
+                pcfg = inline_mixture(cfg.replace({**phase.overrides, "train.max_steps": total,
+                                                   **({"data.tokenizer": tokenizer} if tokenizer and i > 0 else {})}))
                 pcfg, batch_note = keep_tokens_per_step(pcfg if i == 0 else before, pcfg, phase.overrides)
                 if i < record.get("phases_done", 0):
                     continue
@@ -270,7 +276,8 @@ class TrainSession:
                 tokenizer = tokenizer or join(str(dataset), manifest.tokenizer_file)
                 datasets = (datasets + [str(dataset)])[: i + 1]
                 record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
-                tracker.log_dataset_input(manifest, dataset)
+                # a mixture: each source's rows and passes for this phase (refused when one would run out), logged
+                record_data(pcfg, dataset, manifest, tracker, steps=phase.steps, phase=i, run_dir=self.run_dir)
                 if i == 0:
                     tracker.log_config(run_params(pcfg, manifest))
                     tracker.log_dict(manifest.to_dict(), "manifest.json")
@@ -325,6 +332,10 @@ class TrainSession:
         from pipeline.train.sizing import size_to_data, sizes
 
         if len(self.phases) != 1 or self.phases[0].overrides or record.get("phases_done", 0) or not sizes(cfg):
+            return None
+        if cfg.data.mixture:  # each source's max_repetitions bounds its passes instead (pipeline/data/mixture.py)
+            print("size: data.min_rows and train.max_epochs do not size a mixture; each source's max_repetitions "
+                  "bounds the passes over it", flush=True)
             return None
         sized = size_to_data(cfg, prepare_main)
         self.cfg, self.phases = sized.cfg, [Phase(sized.cfg.train.max_steps)]

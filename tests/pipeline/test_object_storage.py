@@ -298,7 +298,8 @@ def _closed_port() -> int:
 
 def test_data_wait_bench_smoke(s3_bucket, ray_address, mlflow_server, tmp_path):
     """bench/data_wait.py at its smoke size on the session's S3 server (`--storage`, the way a real bucket is
-    given): both sides measured, the JSON written, nothing left in the bucket."""
+    given): the three sides measured (local disk, S3, a 3-source mixture), the JSON written with both ratios,
+    nothing left in the bucket."""
     # the session's Ray and MLflow server instead of a Ray and a SQLite store of its own (~4 s of migrations)
     env = {**os.environ, "RAY_ADDRESS": ray_address, "MLFLOW_TRACKING_URI": mlflow_server[0]}
     proc = subprocess.run([sys.executable, "bench/data_wait.py", "--smoke", "--storage", f"{s3_bucket}/bench",
@@ -306,7 +307,8 @@ def test_data_wait_bench_smoke(s3_bucket, ray_address, mlflow_server, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = tmp_path.glob("data_wait_*.json")
     res = json.loads(result.read_text())
-    assert set(res["summary"]) == {"local", "s3"} and res["s3"] == f"{s3_bucket}/bench"
+    assert set(res["summary"]) == {"local", "s3", "mixture"} and res["s3"] == f"{s3_bucket}/bench"
     for side in res["summary"].values():
         assert 0 <= side["steady_data_wait"] < 1 and side["steady_tokens_per_s"] > 0
+    assert res["tokens_per_s_ratio_mixture_over_local"] > 0 and "3-source mixture" in proc.stdout
     assert not storage.glob(f"{s3_bucket}/bench/**")

@@ -1,0 +1,59 @@
+"""A run's data before it trains: for a mixture, the plan of what each source supplies (an over-demanded source
+refused in one line), printed, logged to MLflow and kept beside the run; for one dataset, its MLflow input.
+
+    plan = record_data(cfg, dataset_dir, manifest, tracker, steps=200, phase=0, run_dir=run_dir)
+
+The session (pipeline/train/session.py) calls it for each phase, a sweep's trial (pipeline/sweep/tune.py) for
+itself. What a mixture logs: params `mixture/<source>/weight`, `mixture/<source>/repetitions` and
+`mixture/<source>/dataset_hash` (phase i > 0: `phase<i>/mixture/...`), one MLflow dataset input per source
+(context train, or eval for weight 0; tagged with the source's name, weight and the tokenizer's sha256), and
+<run_dir>/mixture.json (pipeline/data/mixture.py run_manifest: sources, weights, repetitions, tokenizer; one
+record per phase), also as an artifact of the run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config
+from pipeline.data.mixture import SourcePlan, check_plan, describe_plan, mixture_of, run_manifest, write_run_manifest
+
+MIXTURE_RUN_FILE = "mixture.json"
+
+
+def rows_per_step(cfg: Config) -> int:
+    """Rows of the global batch: train.batch_size x train.grad_accum x ray.num_workers."""
+    t = cfg.train
+    return t.batch_size * t.grad_accum * cfg.ray.num_workers
+
+
+def record_data(cfg: Config, dataset_dir: str | Path, manifest: Any, tracker, *, steps: int, phase: int = 0,
+                run_dir: str | Path) -> list[SourcePlan] | None:
+    """The module docstring; returns the mixture's plan, or None for one dataset. MixtureError before anything is
+    logged when a source would need more than its max_repetitions passes."""
+    from pipeline.tracking.lineage import MIXTURE_SOURCE_TAG, MIXTURE_WEIGHT_TAG, TOKENIZER_TAG
+
+    mix = mixture_of(dataset_dir, cfg)
+    if mix is None:
+        tracker.log_dataset_input(manifest, dataset_dir)
+        return None
+    per_step = rows_per_step(cfg)
+    plan = mix.plan(steps * per_step)
+    check_plan(plan, steps, per_step, mix.seq_len)
+    for line in describe_plan(plan, mix.block_rows):
+        print(line, flush=True)
+    prefix = f"phase{phase}/" if phase else ""
+    params: dict[str, Any] = {}
+    for p in plan:
+        params.update({f"{prefix}mixture/{p.name}/weight": round(p.weight, 6),
+                       f"{prefix}mixture/{p.name}/repetitions": round(p.repetitions, 4),
+                       f"{prefix}mixture/{p.name}/dataset_hash": p.dataset_hash[:16]})
+    tracker.log_params(params)
+    for src, p in zip(mix.sources, plan):
+        tracker.log_dataset_input(src.manifest, src.dataset_dir, context="train" if p.rows_per_block else "eval",
+                                  tags={MIXTURE_SOURCE_TAG: src.name, MIXTURE_WEIGHT_TAG: f"{p.weight:.6g}",
+                                        TOKENIZER_TAG: src.manifest.tokenizer_sha256})
+    path = Path(run_dir) / MIXTURE_RUN_FILE
+    write_run_manifest(path, run_manifest(mix, plan, phase=phase, steps=steps, rows_per_step=per_step))
+    tracker.log_artifact(path)
+    return plan
