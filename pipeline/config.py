@@ -85,6 +85,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 8
+    eval_by_position: bool = False  # at each evaluation also the loss by position in the document (val/pos_loss/*)
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     sample_tokens: int = 48  # tokens generated per prompt at evaluation (0 = off)

@@ -1,0 +1,3 @@
+"""Evaluation beyond the mean loss: loss by position in the document (positions.py), rows longer than training
+used (long_rows.py), passkey retrieval (passkey.py) and the eval stage that runs them on a checkpoint (stage.py).
+Between data/ and train/: train/ calls it; it uses the engine and checkpoint loaders, never train/'s Ray glue."""
