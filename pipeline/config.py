@@ -100,6 +100,7 @@ class TrainConfig:
     log_every: int = 10  # steps between training-metric logs (and Ctrl+C checks)
     eval_every: int = 50  # steps between evaluations on the validation split
     eval_batches: int = 8  # validation batches per evaluation during training
+    eval_by_position: bool = False  # at each evaluation also the loss by position in the document (val/pos_loss/*)
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
     keep_checkpoints: int = 2  # checkpoints kept: the best by val/loss and the latest
     sample_tokens: int = 48  # tokens generated per prompt at evaluation (0 = off)
@@ -342,6 +343,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={beta} is invalid; it must be in [0, 1)")
     _one_of("train.precision", t.precision, ("auto", "bf16", "fp32"))
     _one_of("train.parallel", t.parallel, ("auto", "ddp", "fsdp"))
+    if t.eval_by_position and d.mixture:
+        raise ConfigError("train.eval_by_position reads one dataset's validation split, and data.mixture blends "
+                          "several; evaluate a source's dataset with `python pipeline/run.py eval --by-position "
+                          "--checkpoint ...`, or drop one of the two")
     _positive("train.collective_timeout_s", t.collective_timeout_s)
     _positive("ray.num_workers", r.num_workers)
     _positive("ray.cpus_per_worker", r.cpus_per_worker, zero_ok=True)

@@ -12,6 +12,7 @@
     python pipeline/run.py train --resume runs/<run> --train.max_steps=800   # a finished run, trained on to 800
     python pipeline/run.py eval --checkpoint runs/<run>       # a run's latest checkpoint, or a checkpoint directory
     python pipeline/run.py generate --checkpoint runs/<run> --prompt "Once upon a time"
+    python pipeline/run.py eval --resume runs/<run> --by-position --seq-len 2x --passkey   # long context
     python pipeline/run.py tune --space tune_spaces/bs_tier.yaml
     python pipeline/run.py export --resume runs/<run> --out hf/<name> [--overwrite] [--register NAME]
     python pipeline/run.py runs                              # every run: status, steps, val loss, last checkpoint
@@ -95,6 +96,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--space", help="tune: a search space file from tune_spaces/")
     p.add_argument("--audit-data", action="store_true", help="train: log the seq_ids each step consumed "
                                                                  "(data_audit/)")
+    p.add_argument("--by-position", action="store_true", help="eval: also the loss by position in the document")
+    p.add_argument("--seq-len", metavar="Kx", help="eval: also rows K times the trained length: 2x, 4x or 2x,4x")
+    p.add_argument("--passkey", action="store_true", help="eval: also the passkey retrieval grid (length x depth)")
+    p.add_argument("--passkey-lengths", help="eval --passkey: prompt lengths in tokens, e.g. 1024,4096 (default: "
+                                             "doubling up to the trained length, and twice it)")
+    p.add_argument("--passkey-trials", type=int, default=5, help="eval --passkey: random keys per grid cell")
     p.add_argument("--out", help="export: the Hugging Face model directory to write")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing --out directory")
     p.add_argument("--register", metavar="NAME", help="export: also register it in the MLflow Model Registry")
@@ -216,6 +223,53 @@ def stage_eval(cfg: Config, checkpoint: Path | str, dataset_dir: Path | str | No
     return metrics
 
 
+def long_context_options(args: argparse.Namespace) -> tuple[list[int], list[int] | None] | None:
+    """(--seq-len factors, --passkey-lengths) when the eval stage is asked for a long-context measure, else None;
+    bad values are one-line errors here, before any model loads."""
+    from pipeline.eval.passkey import parse_lengths
+    from pipeline.eval.stage import parse_factors
+
+    if not (args.by_position or args.seq_len or args.passkey or args.passkey_lengths):
+        return None
+    if args.stage != "eval":
+        raise UsageError("--by-position, --seq-len and --passkey are options of the eval stage: "
+                         "python pipeline/run.py eval --resume RUN --by-position")
+    if args.passkey_lengths and not args.passkey:
+        raise UsageError("--passkey-lengths sets the passkey grid: add --passkey")
+    if args.passkey_trials < 1:
+        raise UsageError(f"--passkey-trials {args.passkey_trials}: give at least 1 key per grid cell")
+    return (parse_factors(args.seq_len) if args.seq_len else [],
+            parse_lengths(args.passkey_lengths) if args.passkey_lengths else None)
+
+
+def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Namespace, run_dir: Path | None = None):
+    """eval --by-position / --seq-len Kx / --passkey (pipeline/eval/stage.py), logged to the run that trained the
+    checkpoint; returns the LongContextReport."""
+    from pipeline.eval.stage import evaluate_long_context, log_long_context
+    from pipeline.storage import local_copy
+    from pipeline.tracking.tracker import TrackingError, check_tracking_uri
+    from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
+
+    factors, lengths = long_context_options(args)
+    asked = ["by position"] * args.by_position + [f"rows {k}x as long" for k in factors] + ["passkey"] * args.passkey
+    stage("eval", f"long context: {', '.join(asked)}")
+    with local_copy(checkpoint) as local:
+        report = evaluate_long_context(local, by_position=args.by_position, factors=factors, passkey=args.passkey,
+                                       passkey_lengths=lengths, passkey_trials=args.passkey_trials)
+    run_dir = run_dir or run_dir_of_checkpoint(checkpoint)
+    try:
+        run = tracked_run(run_dir, cfg.tracking.tracking_uri)
+        if run is None:
+            print("eval: long-context results not logged (no tracked run for this checkpoint)")
+        else:
+            check_tracking_uri(run[0])
+            log_long_context(report, run[0], run[1], title=run_dir.name if run_dir else None)
+            print(f"eval: long-context metrics and pictures logged to MLflow run {run[1]}")
+    except TrackingError as exc:  # the numbers are printed above
+        print(f"eval: long-context results not logged: {exc}")
+    return report
+
+
 def stage_export(cfg: Config, args: argparse.Namespace) -> None:
     from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
     from pipeline.train.export import export_checkpoint, register_export
@@ -271,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_mlflow()
     plain_worker_prefixes()
     try:
+        long_context = long_context_options(args) is not None  # eval's options: checked before any stage runs
         if args.stage == "validate":
             from pipeline.data.stages import validate_main
 
@@ -291,9 +346,12 @@ def main(argv: list[str] | None = None) -> int:
 
             return tune_main(cfg, args.space)
         if args.stage == "eval":
+            checkpoint = latest_checkpoint(cfg, args)
             run_dir = (find_run(cfg, args.resume) if args.resume else  # the run to log to, also for a bucket's checkpoint
                        run_dir_of(cfg, args.checkpoint) if args.checkpoint else None)
-            stage_eval(cfg, latest_checkpoint(cfg, args), run_dir=run_dir)
+            stage_eval(cfg, checkpoint, run_dir=run_dir)
+            if long_context:
+                stage_long_context(cfg, checkpoint, args, run_dir)
             return 0
         if args.stage == "generate":
             stage_generate(latest_checkpoint(cfg, args), args)

@@ -42,6 +42,11 @@ FLAG_STAGES: dict[str, tuple[str, set[str]]] = {
     "out": ("--out", {"export"}),
     "overwrite": ("--overwrite", {"export"}),
     "register": ("--register", {"export"}),
+    "by_position": ("--by-position", {"eval"}),
+    "seq_len": ("--seq-len", {"eval"}),
+    "passkey": ("--passkey", {"eval"}),
+    "passkey_lengths": ("--passkey-lengths", {"eval"}),
+    "passkey_trials": ("--passkey-trials", {"eval"}),
 }
 
 

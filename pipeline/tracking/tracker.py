@@ -49,7 +49,11 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `val/<source>/loss`, `ppl`, `bpb`, `accuracy` | a mixture: each source's validation split (bpb: bits per UTF-8 byte); val/loss, val/ppl and val/accuracy are then the aggregate weighted by the mixture |
 | param  | `mixture/<source>/weight`, `mixture/<source>/repetitions` | a mixture: each source's share of the training tokens and the passes over its data the run makes (phase i > 0: `phase<i>/mixture/...`) |
 | metric | `eval/loss`, `eval/ppl`, `eval/accuracy` | the `eval` stage on the whole validation split, at the checkpoint's step |
+| metric | `val/pos_loss/<lo>-<hi>`, `val/pos_docs/…`, `val/pos_tokens/…`, `val/cum_ppl/<L>` | loss by position in the document at each evaluation (train.eval_by_position; pipeline/eval/positions.py) |
+| metric | `eval/pos_*`, `eval_<k>x/*`, `passkey/*` | the eval stage's --by-position, --seq-len kx and --passkey (pipeline/eval/stage.py) |
+| artifact | `position_loss.png`, `passkey_heatmap.png`, `passkey_grid.json` | pipeline/tracking/long_context.py |
 | metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
+| tag    | `mlflow.experimentKind` (experiment) | `custom_model_development`: MLflow 3's UI opens the runs table, not the GenAI overview |
 | tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
 | input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py); a mixture: one per source, tagged with its name and weight |
 
@@ -118,6 +122,8 @@ METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S,
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
 KERNELS_TAG = "longtrain.kernels"  # the backend each cuda_ops kernel family ran, and why when not Numba's
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
+# MLflow 3's UI shows an experiment without this tag as a GenAI one (traces overview first); ours are model training
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
 LOCAL_DB_NAME = "mlflow.db"
 LOCAL_ARTIFACTS_DIR = "mlartifacts"
@@ -299,6 +305,15 @@ class Tracker:
         self._run_id = run.info.run_id
 
     def _experiment_id(self, name: str) -> str:
+        """The experiment's id, created when new; either way marked as model training (EXPERIMENT_KIND_TAG) unless
+        it says otherwise, so the MLflow UI opens it on its runs table instead of the GenAI overview."""
+        exp_id = self._find_or_create_experiment(name)
+        found = self.client.get_experiment(exp_id)
+        if EXPERIMENT_KIND_TAG not in (found.tags or {}):
+            self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return exp_id
+
+    def _find_or_create_experiment(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
 
         found = self.client.get_experiment_by_name(name)
@@ -401,6 +416,12 @@ class Tracker:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self._run_id, text, artifact_file)
+
+    def log_position_plot(self, title: str | None = None) -> bool:
+        """Redraw position_loss.png from this run's val/pos_loss/* history (pipeline/tracking/long_context.py)."""
+        from pipeline.tracking.long_context import log_position_plot
+
+        return log_position_plot(self.client, self._run_id, title=title)
 
     def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
         """A .json / .yaml / .yml artifact (format from the file name)."""
@@ -510,6 +531,9 @@ class NullTracker:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         pass
+
+    def log_position_plot(self, title: str | None = None) -> bool:
+        return False
 
     def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
         pass

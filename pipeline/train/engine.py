@@ -35,6 +35,7 @@ from model.layers import checkpointed_layers
 from model.rope import RopeConfig
 from model.tiers import get_mixer_tier
 from pipeline.config import Config
+from pipeline.eval.positions import token_losses
 from pipeline.train import checkpoint
 from pipeline.train.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, check_checkpoint_fits,  # noqa: F401
                                        read_checkpoint_meta)
@@ -59,6 +60,8 @@ class LossModule(nn.Module):
     forward(tokens (B, T+1) int64, doc_ids (B, T+1) int32 | None, pad (B,) bool | None)
         -> CEResult(loss_sum, n_tokens, n_correct); rows flagged in `pad` (an evaluation batch filled up to its
         shape, pipeline/data/shards.py eval_reader) run through the model but count no token.
+    per_token=True returns the (B, T) fp32 loss of every target instead (0 in `pad` rows), projected in chunks
+    (pipeline/eval/positions.py: loss by position in the document); through this forward, so FSDP gathers as usual.
     """
 
     def __init__(self, decoder: nn.Module, ce_chunk_size: int):
@@ -66,12 +69,15 @@ class LossModule(nn.Module):
         self.decoder = decoder
         self.ce_chunk_size = ce_chunk_size
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, pad: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, pad: torch.Tensor | None = None,
+                per_token: bool = False):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
         if pad is not None:
             targets = targets.masked_fill(pad[:, None], IGNORE_INDEX)
         doc = doc_ids[:, :-1] if doc_ids is not None else None
         hidden = self.decoder(inputs, doc)  # (B, T, D)
+        if per_token:
+            return token_losses(hidden, self.decoder.output_weight, targets, self.ce_chunk_size)  # (B, T)
         return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.decoder.output_weight,
                                     targets.reshape(-1), chunk_size=self.ce_chunk_size)
 

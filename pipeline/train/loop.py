@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from pipeline.train.collectives import CollectiveWatch
+from pipeline.eval.positions import evaluate_by_position
 from pipeline.train.engine import Engine, StepOutcome
 
 BatchIter = Iterator[dict[str, torch.Tensor]]
@@ -163,6 +164,9 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                 with watch.region("the evaluation (its forwards and the metrics all-reduce)", step):
                     result.last_eval = (evaluate(engine, t.eval_batches) if evaluate is not None
                                         else engine.evaluate(val_batches(), max_batches=t.eval_batches))
+                    if t.eval_by_position:  # the same batches again, per token (every rank: one all-reduce at the end)
+                        by_pos = evaluate_by_position(engine, val_batches(), engine.cfg.data.seq_len, t.eval_batches)
+                        result.last_eval.update(by_pos.metrics("val"))
                 if hooks.on_eval:
                     with watch.region("the evaluation hook (the samples' whole-weight gather under FSDP)", step):
                         hooks.on_eval(engine, result.last_eval)
@@ -317,6 +321,8 @@ def standard_hooks(tracker=None, audit: AuditLog | None = None,
 
     def on_eval(engine: Engine, metrics: dict[str, float]) -> None:
         log(engine, metrics)
+        if tracker is not None and any("/pos_loss/" in k for k in metrics):  # train.eval_by_position
+            tracker.log_position_plot(title=f"{engine.cfg.model.tier} {engine.cfg.model.mixer}")
         if on_eval_extra is not None:
             on_eval_extra(engine, metrics)
 

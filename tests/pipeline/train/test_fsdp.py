@@ -59,7 +59,8 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
           save_to: str | None = None) -> dict:
     """Train to STEPS with the loop every launcher uses (saving at SAVE_AT when asked); losses per step, and the
     final weights in <dataset>/../<name>.safetensors."""
-    from pipeline.data.shards import ShardReader
+    from pipeline.data.shards import ShardReader, eval_reader
+    from pipeline.eval.positions import evaluate_by_position
     from pipeline.train.engine import Engine
     from pipeline.train.generate import generate_ids
     from pipeline.train.loop import Hooks, fit
@@ -81,7 +82,10 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
     digest = final_weights(engine.module, str(Path(dataset).parent / f"{name}.safetensors"))
     with engine.full_model() as decoder:  # what the eval-time samples do: every worker gathers, each can generate
         generated = generate_ids(decoder, [PROMPT], max_new_tokens=8, temperature=0.0)[0].tolist()
-    return {"losses": losses, "digest": digest, "parallel": engine.parallel, "generated": generated}
+    # Loss by position over the validation split, each rank its share (train.eval_by_position's path)
+    by_position = evaluate_by_position(engine, eval_reader(dataset, 4, rank, world), SEQ).metrics("val")
+    return {"losses": losses, "digest": digest, "parallel": engine.parallel, "generated": generated,
+            "by_position": by_position}
 
 
 def two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
@@ -221,6 +225,18 @@ def test_eval_reads_a_sharded_checkpoint_as_it_reads_a_full_one(runs):
     sharded = evaluate_checkpoint(runs["tmp"] / "fsdp2")
     full = evaluate_checkpoint(runs["tmp"] / "full1")
     assert sharded["eval/loss"] == pytest.approx(full["eval/loss"], **TOL)
+
+
+def test_loss_by_position_is_one_result_on_every_worker_layout(runs):
+    """Every rank runs the same forwards and one all-reduce: both workers hold the whole split's figures, equal to
+    one process's (weights trained under another layout differ by reordered sums only: TOL)."""
+    one = runs["one"]["by_position"]
+    assert {k.split("/")[1] for k in one} == {"pos_loss", "pos_docs", "pos_tokens", "cum_ppl"} and one["val/pos_tokens/1-64"] > 0
+    for mode, want in (("ddp", one), ("fsdp", one), ("resonance_fsdp", runs["resonance_one"]["by_position"])):
+        ranks = [r[mode]["by_position"] for r in runs["two"]]
+        assert ranks[0] == ranks[1], mode
+        assert ranks[0].keys() == want.keys() and ranks[0] == pytest.approx(want, rel=1e-4), mode
+    assert runs["one_fsdp"]["by_position"] == pytest.approx(one, rel=1e-4)
 
 
 def test_generation_from_gathered_fsdp_weights(runs):

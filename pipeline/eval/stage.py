@@ -1,0 +1,141 @@
+"""The eval stage's long-context measures on one checkpoint (any layout: a sharded FSDP checkpoint is consolidated
+on load), logged to the MLflow run that trained it.
+
+    python pipeline/run.py eval --resume runs/<run> --by-position             # loss by position, trained length
+    python pipeline/run.py eval --resume runs/<run> --seq-len 2x,4x           # rows 2x and 4x as long
+    python pipeline/run.py eval --resume runs/<run> --passkey                 # passkey grid, up to 2x the length
+
+    report = evaluate_long_context(checkpoint, by_position=True, factors=[2], passkey=True)
+    log_long_context(report, tracking_uri, run_id)     # metrics at the checkpoint's step + the two pictures
+
+The model is built and loaded by the engine (pipeline/train/engine.py Engine + load), as training built it: the
+checkpoint's own config decides the tier, family, document masking and RoPE settings, so an evaluation past the
+trained length uses the positions as the checkpoint is configured now. Metric names (docs/tracking.md):
+eval/pos_loss|pos_docs|pos_tokens/<bucket>, eval/cum_ppl/<L> (--by-position); eval_<k>x/loss, eval_<k>x/ppl,
+eval_<k>x/rows and the same position metrics under eval_<k>x/ (--seq-len kx); passkey/accuracy,
+passkey/digit_accuracy, passkey/accuracy/<length> (--passkey). Artifacts: position_loss.png (redrawn from the
+run's whole history: the training evaluations' lines and these), passkey_heatmap.png and passkey_grid.json.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pipeline.eval.passkey import PasskeyGrid
+from pipeline.eval.positions import PositionResult
+
+
+class LongEvalError(ValueError):
+    """A long-context evaluation option is invalid; the message names the option and what it takes."""
+
+
+def parse_factors(text: str) -> list[int]:
+    """'2x' | '4x' | '2x,4x' (or plain integers) -> [2, 4]; LongEvalError otherwise."""
+    out = []
+    for part in re.split(r"[,\s]+", text.strip()):
+        m = re.fullmatch(r"(\d+)x?", part)
+        if not m or int(m[1]) < 2:
+            raise LongEvalError(f"--seq-len {text!r}: give factors of the trained row length of at least 2, such as "
+                                "2x, 4x or 2x,4x")
+        out.append(int(m[1]))
+    return sorted(set(out))
+
+
+@dataclass
+class LongContextReport:
+    step: int  # the checkpoint's optimizer step: where the metrics are logged
+    seq_len: int  # the trained row length
+    metrics: dict[str, float] = field(default_factory=dict)
+    positions: dict[str, PositionResult] = field(default_factory=dict)  # "eval", "eval_2x", ...
+    passkey: PasskeyGrid | None = None
+
+
+def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None = None, *, by_position: bool = False,
+                          factors: list[int] = (), passkey: bool = False, passkey_lengths: list[int] | None = None,
+                          passkey_trials: int = 5, echo: Callable[[str], None] = print) -> LongContextReport:
+    """Run the asked measures on `checkpoint` over its dataset's validation split (or `dataset_dir`), printing each
+    as it finishes through `echo`; see the module docstring for what they log."""
+    from pipeline.config import from_dict
+    from pipeline.data.shards import check_compatible, eval_reader, load_manifest
+    from pipeline.eval.long_rows import LongRows
+    from pipeline.eval.passkey import default_lengths, haystack_tokens, passkey_grid
+    from pipeline.eval.positions import evaluate_by_position
+    from pipeline.storage import local_copy
+    from pipeline.train.engine import CheckpointError, Engine, read_checkpoint_meta
+
+    with local_copy(checkpoint) as local:
+        meta = read_checkpoint_meta(local)
+        cfg = from_dict(meta["config"])
+        dataset_dir = dataset_dir or meta.get("dataset_dir")
+        if not dataset_dir:
+            raise CheckpointError(f"checkpoint {checkpoint} does not name its dataset; pass the dataset directory")
+        manifest = load_manifest(dataset_dir)
+        check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
+        engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size)
+        engine.load(local, weights_only_model=True)
+    T, batch = manifest.seq_len, cfg.train.batch_size
+    report = LongContextReport(meta.get("counters", {}).get("step", 0), T)
+    if by_position:
+        res = evaluate_by_position(engine, eval_reader(dataset_dir, batch), T)
+        report.positions["eval"] = res
+        report.metrics.update(res.metrics("eval"))
+        echo(f"eval by position (rows of {T} tokens; a bucket counts the documents that reach its end):\n"
+             f"{res.table()}\n{_cumulative_line(res)}")
+    for k in factors:
+        rows = LongRows(dataset_dir, k, max(1, batch // k))
+        res = evaluate_by_position(engine, rows, rows.row_len, score_from=rows.score_from)
+        prefix = f"eval_{k}x"
+        report.positions[prefix] = res
+        report.metrics.update({f"{prefix}/loss": res.loss, f"{prefix}/ppl": math.exp(min(res.loss, 700.0)),
+                               f"{prefix}/rows": float(len(rows.rows)), **res.metrics(prefix)})
+        echo(f"eval {k}x: rows of {rows.row_len} tokens ({k} windows of the stream), scoring the last window's "
+             f"{T} targets of {len(rows.rows)} validation rows ({rows.skipped} without enough stream before them): "
+             f"{prefix}/loss={res.loss:.4f}  {prefix}/ppl={math.exp(min(res.loss, 700.0)):.2f}\n{res.table()}\n"
+             f"{_cumulative_line(res)}")
+    if passkey:
+        from pipeline.train.generate import dataset_tokenizer
+
+        lengths = passkey_lengths or default_lengths(T)
+        grid = passkey_grid(engine.module.decoder, dataset_tokenizer(dataset_dir), haystack_tokens(dataset_dir),
+                            lengths, trials=passkey_trials, seed=cfg.train.seed)
+        report.passkey = grid
+        report.metrics.update(grid.metrics())
+        skipped = f"; lengths {grid.skipped} too short for the prompt, left out" if grid.skipped else ""
+        echo(f"passkey: accuracy {grid.mean_accuracy:.3f} (digits {grid.digit_accuracy.mean():.3f}; chance 0.00001 "
+             f"and 0.1), {len(grid.lengths)} lengths x {len(grid.depths)} depths x {grid.trials} keys, greedy"
+             f"{skipped}\n{grid.table()}")
+    return report
+
+
+def _cumulative_line(res: PositionResult) -> str:
+    points = [f"{c.length}: {c.ppl:.2f}" for c in res.cumulative if c.tokens]
+    return "cumulative-mean perplexity (context length: ppl)  " + "  ".join(points)
+
+
+def log_long_context(report: LongContextReport, tracking_uri: str, run_id: str, title: str | None = None) -> None:
+    """The report's metrics at its checkpoint's step, position_loss.png redrawn from the run's whole history, and
+    the passkey heatmap and grid, into an existing MLflow run (its status unchanged)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking.lineage import log_metrics_to_run
+    from pipeline.tracking.long_context import PASSKEY_GRID, PASSKEY_HEATMAP, log_position_plot, plot_passkey_heatmap
+
+    log_metrics_to_run(tracking_uri, run_id, {k: v for k, v in report.metrics.items() if math.isfinite(v)},
+                       report.step)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    if report.positions:
+        log_position_plot(client, run_id, title=title)
+    if report.passkey is not None:
+        grid = {**report.passkey.to_dict(), "trained_len": report.seq_len, "step": report.step}
+        with tempfile.TemporaryDirectory(prefix="longtrain-passkey-") as tmp:
+            png = plot_passkey_heatmap(grid, Path(tmp) / PASSKEY_HEATMAP,
+                                       title=f"{title + ': ' if title else ''}passkey retrieval at step "
+                                             f"{report.step}, {grid['trials']} keys per cell")
+            (Path(tmp) / PASSKEY_GRID).write_text(json.dumps(grid, indent=1) + "\n")
+            client.log_artifact(run_id, str(png))
+            client.log_artifact(run_id, str(Path(tmp) / PASSKEY_GRID))

@@ -1,0 +1,252 @@
+"""Passkey retrieval (pipeline/eval/passkey.py) tells models apart, through the eval stage, from full and
+FSDP-sharded checkpoints, for both model families; and `python pipeline/run.py eval --by-position --seq-len 2x
+--passkey` end to end, logged to the run that trained the checkpoint.
+
+    .venv/bin/python -m pytest -q tests/pipeline/eval/test_passkey.py
+
+The set-up, Ray-free and made here: a SentencePiece tokenizer trained on Python's help topics and the prompt's own
+sentences (so that its words are single pieces and a CPU-sized row holds a haystack), and a dataset whose text is
+synthetic: documents of random word pieces (no digit among them), so the haystack is noise the key cannot be
+confused with. A nano attention model then trains briefly on passkey rows built by the harness itself (prompts of
+TRAINED_LEN tokens from the training split's text, followed by their key), its loss on the tokens a reader could
+copy: the answer and the key's second mention in the key sentence.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.config import load_config
+from pipeline.eval import passkey as pk
+
+ROW = 96  # training rows: a TRAINED_LEN-token prompt and its answer
+TRAINED_LEN = ROW - 6  # the prompt length trained on (the answer, a space and 5 digits, fills the row)
+STEPS, BATCH, LR = 1500, 8, 2e-3  # the copy is learned around step 1,100 (loss ~0 by 1,200 in a run with this
+HORIZON = 2000  # schedule: warmup 30 steps, cosine towards 0.1 x LR over HORIZON steps, stopped at STEPS)
+WINDOW = 128  # the dataset's seq_len
+
+
+@dataclass
+class Setup:
+    tmp: Path
+    dataset: Path
+    tokenizer: "pk.Tokenizer"  # noqa: F821  pipeline/data/tokenizer.py's
+    trained: Path  # full checkpoint of the passkey-trained model
+    untrained: Path
+
+
+def write_dataset(ds: Path, tok_path: Path, n_train: int, n_val: int, seed: int = 0) -> None:
+    """A real dataset directory (shards + manifest + tokenizer) whose documents are random non-digit word pieces."""
+    from pipeline.data.shards import SCHEMA_VERSION, Manifest, shard_schema, windows_table, write_manifest, write_shard
+    from pipeline.data.tokenizer import Tokenizer, file_sha256
+
+    tok = Tokenizer(tok_path)
+    pieces = [i for i in range(4, tok.vocab_size) if not any(c.isdigit() for c in tok.id_to_piece(i))
+              and tok.id_to_piece(i) != "▁" and not tok.id_to_piece(i).startswith("<0x")]
+    rng = np.random.default_rng(seed)
+    width, n = WINDOW + 1, n_train + n_val
+    stream = rng.choice(np.asarray(pieces), size=n * width)
+    stream[rng.integers(0, n * width, size=n * width // 150)] = tok.eos_id  # documents of ~150 pieces
+    windows = stream.reshape(n, width)
+    ds.mkdir(parents=True)
+    shutil.copyfile(tok_path, ds / "tokenizer.model")
+    schema, shards = shard_schema(WINDOW, tok.vocab_size), {}
+    for split, lo, hi in (("train", 0, n_train), ("val", n_train, n)):
+        shards[split] = [write_shard(ds / f"{split}-00000.parquet",
+                                     [windows_table(windows[lo:hi], np.arange(lo, hi), tok.eos_id, tok.vocab_size)],
+                                     schema)]
+    write_manifest(ds, Manifest(
+        schema_version=SCHEMA_VERSION, seq_len=WINDOW, vocab_size=tok.vocab_size, pad_id=tok.pad_id,
+        unk_id=tok.unk_id, bos_id=tok.bos_id, eos_id=tok.eos_id, token_type="uint16", tokenizer_file="tokenizer.model",
+        tokenizer_sha256=file_sha256(tok_path), settings_hash=f"passkey-test-{seed}", source={"kind": "synthetic"},
+        settings={"seq_len": WINDOW}, counts={"documents": 0, "tokens_total": int(stream.size),
+                                              "tokens_kept": int(stream.size)},
+        packing_efficiency=1.0, remainder_policy="synthetic", doc_length={}, shards=shards))
+
+
+def config(mixer: str = "attention"):
+    return load_config("test", {"model.tier": "nano", "model.mixer": mixer, "model.tie_embeddings": mixer == "attention",
+                                "data.seq_len": WINDOW, "data.vocab_size": 1000, "train.batch_size": 4,
+                                "model.compile": "off", "train.sample_tokens": 0, "tracking.enabled": False})
+
+
+def passkey_rows(tok, haystack: np.ndarray, rng: np.random.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (n, ROW + 1), mask (n, ROW)): harness prompts of TRAINED_LEN tokens followed by their key; mask marks
+    the targets trained on (the answer, and the key's second mention after its first digit)."""
+    rows, mask = np.zeros((n, ROW + 1), np.int64), np.zeros((n, ROW), bool)
+    for i in range(n):
+        key = str(rng.integers(10_000, 100_000))
+        prompt = pk.build_prompt(tok, haystack, key, TRAINED_LEN, float(rng.random()), int(rng.integers(len(haystack))))
+        answer = tok.encode(" " + key)
+        rows[i, :len(prompt) + len(answer)] = prompt + answer
+        mask[i, len(prompt) - 1:len(prompt) - 1 + len(answer)] = True
+        digits = answer[-5:]
+        second = max(j for j in range(len(prompt) - 5) if prompt[j:j + 5] == digits)
+        mask[i, second:second + 4] = True  # targets second + 1 .. second + 4: its digits 2..5
+    return torch.from_numpy(rows), torch.from_numpy(mask)
+
+
+def save(engine, path: Path, dataset: Path) -> Path:
+    return engine.save(path, extra={"dataset_dir": str(dataset)})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Setup:
+    import pydoc_data.topics
+
+    from pipeline.data.tokenizer import Tokenizer, train_tokenizer
+    from pipeline.train.engine import Engine
+
+    tmp = tmp_path_factory.mktemp("passkey")
+    texts = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)][:60]
+    template = pk.INTRO + pk.NEEDLE.format(key="12345") + pk.QUESTION
+    tok_path = train_tokenizer(texts + [template] * 200, 1000, tmp / "tokenizer.model", num_threads=1)
+    dataset = tmp / "dataset"
+    write_dataset(dataset, tok_path, n_train=64, n_val=16)
+    tok = Tokenizer(tok_path)
+
+    untrained = Engine(config(), tok.vocab_size, torch.device("cpu"))
+    save(untrained, tmp / "untrained", dataset)
+    engine = Engine(config(), tok.vocab_size, torch.device("cpu"))
+    decoder = engine.module.decoder.train()
+    train_hay = pk.haystack_tokens(dataset, split="train")  # training prompts: the other split's text
+    rng = np.random.default_rng(1)
+    opt = torch.optim.AdamW(decoder.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / HORIZON)))))
+    for _ in range(STEPS):
+        tokens, mask = passkey_rows(tok, train_hay, rng, BATCH)
+        hidden = decoder(tokens[:, :-1])  # (B, ROW, D): one prompt per row, no document masking
+        logits = hidden[mask] @ decoder.output_weight.T  # only the trained targets' logits
+        loss = F.cross_entropy(logits, tokens[:, 1:][mask])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    return Setup(tmp, dataset, tok, save(engine, tmp / "trained", dataset), tmp / "untrained")
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def grids(setup):
+    """The passkey grid at the trained length, 8 keys per depth, for the trained and the untrained model, read
+    through the eval stage (Engine + checkpoint load; haystacks from the validation split)."""
+    from pipeline.eval.stage import evaluate_long_context
+
+    return {name: evaluate_long_context(ckpt, passkey=True, passkey_lengths=[TRAINED_LEN], passkey_trials=8,
+                                        echo=quiet).passkey
+            for name, ckpt in (("trained", setup.trained), ("untrained", setup.untrained))}
+
+
+def test_the_grid_tells_a_model_that_retrieves_from_one_that_cannot(grids):
+    trained, untrained = grids["trained"], grids["untrained"]
+    assert trained.lengths == untrained.lengths == [TRAINED_LEN] and trained.accuracy.shape == (1, 5)
+    # Trained briefly on passkey rows: retrieves the key at its trained length, at every depth
+    assert trained.mean_accuracy >= 0.8, trained.table()
+    assert trained.accuracy.min() >= 0.5, trained.table()
+    # Untrained: chance is 1e-5 per key (40 keys here), and at most 0.1 per digit for a model answering digits
+    assert untrained.mean_accuracy == 0.0, untrained.table()
+    assert untrained.digit_accuracy.mean() <= 0.1 + 4 * math.sqrt(0.1 * 0.9 / 200), untrained.examples
+    assert all(len(e["key"]) == 5 and e["length"] == TRAINED_LEN for e in trained.examples)
+
+
+def test_a_sharded_checkpoint_gives_the_same_answers(setup, grids):
+    from pipeline.eval.stage import evaluate_long_context
+    from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
+    from pipeline.train.engine import Engine
+    from pipeline.train.process_group import process_group
+
+    with process_group(0, 1):  # FSDP over a one-worker group: the sharded layout, in this process
+        engine = Engine(config().replace({"train.parallel": "fsdp"}), setup.tokenizer.vocab_size, torch.device("cpu"))
+        assert engine.sharded
+        engine.load(setup.trained)
+        sharded = save(engine, setup.tmp / "sharded", setup.dataset)
+    assert read_checkpoint_meta(sharded)["layout"] == SHARDED
+    grid = evaluate_long_context(sharded, passkey=True, passkey_lengths=[TRAINED_LEN], passkey_trials=8,
+                                 echo=quiet).passkey  # consolidated on load, in a process without a group
+    np.testing.assert_array_equal(grid.accuracy, grids["trained"].accuracy)
+    assert grid.examples == grids["trained"].examples
+
+
+def test_the_resonance_family_runs_every_measure(setup):
+    from pipeline.eval.stage import evaluate_long_context
+    from pipeline.train.engine import Engine
+
+    engine = Engine(config("resonance"), setup.tokenizer.vocab_size, torch.device("cpu"))
+    ckpt = save(engine, setup.tmp / "resonance", setup.dataset)
+    lines: list[str] = []
+    report = evaluate_long_context(ckpt, by_position=True, factors=[2], passkey=True,
+                                   passkey_lengths=[TRAINED_LEN, 2 * WINDOW], passkey_trials=2, echo=lines.append)
+    assert report.passkey.lengths == [TRAINED_LEN, 2 * WINDOW] and report.passkey.mean_accuracy == 0.0
+    assert report.metrics["eval_2x/rows"] == 16 and report.metrics["eval_2x/loss"] > 0
+    assert [b.name for b in report.positions["eval"].buckets] == ["1-64", "64-128"]
+    assert [b.name for b in report.positions["eval_2x"].buckets] == ["1-64", "64-256", "256-257"]
+    assert lines[0].startswith("eval by position (rows of 128 tokens") and lines[-1].startswith("passkey: accuracy 0.000")
+
+
+def test_eval_cli_logs_every_measure_to_the_run_that_trained_the_checkpoint(setup, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.run import main
+    from pipeline.tracking.tracker import open_tracker
+    from pipeline.train.run_dir import write_run_file
+
+    uri = f"sqlite:///{setup.tmp / 'mlflow.db'}"
+    cfg = config().replace({"tracking.enabled": True, "tracking.tracking_uri": uri, "tracking.system_metrics": False,
+                            "run.root": str(setup.tmp / "runs")})
+    run_dir = setup.tmp / "runs" / "passkey-run"
+    ckpt = run_dir / "checkpoints" / "phase0" / "step_000000"
+    shutil.copytree(setup.trained, ckpt)
+    tracker = open_tracker(cfg, run_name="passkey-run")
+    tracker.finish()
+    write_run_file(run_dir, {"config": cfg.flat(), "mlflow_run_id": tracker.run_id})
+
+    assert main(["eval", "--checkpoint", str(ckpt), "--by-position", "--seq-len", "2x", "--passkey",
+                 "--passkey-lengths", f"{TRAINED_LEN},{2 * WINDOW}", "--passkey-trials", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "eval by position (rows of 128 tokens" in out and "eval 2x: rows of 257 tokens" in out
+    assert f"passkey: accuracy " in out and f"eval: long-context metrics and pictures logged to MLflow run " \
+                                             f"{tracker.run_id}" in out
+    client = MlflowClient(tracking_uri=uri)
+    metrics = client.get_run(tracker.run_id).data.metrics
+    for name in ("eval/loss", "eval/pos_loss/1-64", "eval/pos_tokens/64-128", "eval/cum_ppl/128", "eval_2x/loss",
+                 "eval_2x/pos_loss/256-257", f"passkey/accuracy/{TRAINED_LEN}", f"passkey/accuracy/{2 * WINDOW}",
+                 "passkey/accuracy", "passkey/digit_accuracy"):
+        assert name in metrics and [m.step for m in client.get_metric_history(tracker.run_id, name)] == [0], name
+    artifacts = {a.path for a in client.list_artifacts(tracker.run_id)}
+    assert {"position_loss.png", "passkey_heatmap.png", "passkey_grid.json"} <= artifacts
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["eval", "--seq-len", "1x"], "--seq-len '1x': give factors of the trained row length of at least 2"),
+    (["eval", "--passkey", "--passkey-lengths", "1k"], "--passkey-lengths '1k': give positive token counts"),
+    (["eval", "--passkey-lengths", "64"], "--passkey-lengths sets the passkey grid: add --passkey"),
+    (["eval", "--passkey", "--passkey-trials", "0"], "--passkey-trials 0: give at least 1 key per grid cell"),
+    (["train", "--by-position"], "--by-position, --seq-len and --passkey are options of the eval stage"),
+])
+def test_bad_long_context_options_are_one_line_before_anything_loads(argv, error, capsys):
+    from pipeline.run import main
+
+    assert main(argv + ["--checkpoint", "/nonexistent/checkpoint"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {error}"), err
+
+
+def test_a_prompt_too_short_for_its_fixed_text_is_a_clear_error(setup):
+    from pipeline.eval.passkey import PasskeyError, passkey_grid
+    from pipeline.train.engine import Engine
+
+    decoder = Engine(config(), setup.tokenizer.vocab_size, torch.device("cpu")).module.decoder
+    with pytest.raises(PasskeyError, match=r"every passkey length \(40\) is shorter than the prompt's fixed text"):
+        passkey_grid(decoder, setup.tokenizer, pk.haystack_tokens(setup.dataset), [40])
