@@ -182,6 +182,8 @@ def _check_tune(typed: dict[str, Any], cfg: Config, space_path: str) -> None:
     except SpaceError:
         return  # tune_main reports the space's own problem
     for key in typed:
+        if key == "data.mixture" and key in space.params:
+            continue  # the search draws weights over this mixture's sources: the typed value supplies them
         if key in space.params:
             raise IgnoredSettingError(f"{key} is searched by {space_path} (params), which sets it in every trial; "
                                       f"drop it from the command line, or from the space's params")

@@ -201,7 +201,7 @@ def test_a_decode_graph_is_captured_only_for_a_span_that_ran_at_every_prompt_len
     new = 64
     crossing = 0
     for prompt_len in range(1, 9001):
-        cache = KVCache(1, 1, prompt_len + new, n_kv_heads=1, head_dim=2, rope_base=10000.0)
+        cache = KVCache(1, 1, prompt_len + new, n_kv_heads=1, head_dim=2, rope=10000.0)
         cache.length = prompt_len  # after the prefill
         loop = _DecodeLoop.__new__(_DecodeLoop)
         loop.cache, loop.span_at = cache, cache.span_for

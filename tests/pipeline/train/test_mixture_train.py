@@ -111,10 +111,10 @@ def test_two_phases_with_two_mixtures_log_each_source_and_refuse_an_over_demande
     phases = tmp_path / "phases.yaml"
     phases.write_text(yaml.safe_dump([{"steps": 4, "overrides": {"data.mixture": phase0}},
                                       {"steps": 4, "overrides": {"data.mixture": mixture_setup.mixture}}]))
-    base = ["--no-ray", "--preset", "test", *mixture_setup.overrides, f"--data.tokenizer={mixture_setup.tokenizer}",
-            f"--tracking.tracking_uri={uri}", "--tracking.experiment=mixtures", "--tracking.system_metrics=false"]
+    local = ["--no-ray", "--preset", "test", *mixture_setup.overrides, f"--data.tokenizer={mixture_setup.tokenizer}"]
+    base = [*local, f"--tracking.tracking_uri={uri}", "--tracking.experiment=mixtures", "--tracking.system_metrics=false"]
 
-    assert main(["train", *base, "--train.max_steps=3000", "--run.name=too-long", "--tracking.enabled=false"]) == 2
+    assert main(["train", *local, "--train.max_steps=3000", "--run.name=too-long", "--tracking.enabled=false"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the data stage's [data] lines
     assert err.startswith("error: data.mixture source 'topics' (weight 0.3) must supply ")
     assert "; lower its weight, raise its max_repetitions (to " in err and err.endswith(" or more), or add data")
