@@ -48,7 +48,11 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
 | metric | `eval/loss`, `eval/ppl`, `eval/accuracy` | the `eval` stage on the whole validation split, at the checkpoint's step |
 | metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
+| metric | `train/world_size`         | training workers at the step (an elastic run's changes with the nodes it has) |
+| metric | `train/steps_redone`       | after a restart: steps between its checkpoint and the last step logged before it |
+| metric | `train/resume_s`           | after a restart: seconds from the last step logged before it to the first one after |
 | tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
+| tag    | `longtrain.restart`        | the latest restart of the worker group: its size before and after, why, the steps redone |
 | input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py) |
 
 Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
@@ -114,6 +118,7 @@ METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S,
            TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
+ELASTIC_TAG = "longtrain.restart"  # what the latest restart of the worker group changed, and why
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
 LOCAL_DB_NAME = "mlflow.db"

@@ -168,7 +168,9 @@ class TrainSession:
                     tracker.log_dict(manifest.to_dict(), "manifest.json")
                     tracker.log_dict(pcfg.to_dict(), "config.json")
                 init_from = checkpoint if i > 0 else None
-                where = (f"{pcfg.ray.num_workers} Ray Train worker(s)" if self.use_ray else "one process, no Ray")
+                count = (f"{pcfg.ray.min_workers}-{pcfg.ray.num_workers} (elastic)" if pcfg.ray.min_workers
+                         else pcfg.ray.num_workers)
+                where = f"{count} Ray Train worker(s)" if self.use_ray else "one process, no Ray"
                 stage("train", f"tier {pcfg.model.tier}, steps {end_step - phase.steps}..{end_step}"
                                f"{f' (phase {i})' if len(self.phases) > 1 else ''}, {where}; run {self.run_dir}")
                 if self.use_ray:
