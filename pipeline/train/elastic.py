@@ -136,6 +136,18 @@ def _setup_worker(event: dict[str, Any]) -> None:
     _EVENT.update(event)
 
 
+def raise_setup_error(exc: BaseException) -> None:
+    """On the driver: when Ray Train failed because a worker's set-up refused its node (ProcessGroupNetworkError,
+    raised inside Ray's worker group start), raise that one line instead of Ray's wrapped traceback."""
+    from pipeline.ray_runtime import find_cause
+    from pipeline.train.node_network import ProcessGroupNetworkError
+
+    found = find_cause(exc, lambda e: isinstance(e, ProcessGroupNetworkError))
+    if found is not None:
+        original = getattr(found, "cause", None) or found  # Ray's RayTaskError keeps the worker's own exception
+        raise ProcessGroupNetworkError(str(original).strip().splitlines()[-1]) from None
+
+
 class _WorkerSetupBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config) -> None:
         worker_group.execute(_setup_worker, dict(_PENDING))
@@ -167,14 +179,15 @@ class ElasticEvents(ControllerCallback):
     group, or a resize check that found room for more workers) for `_WorkerSetupBackend` to hand to the workers,
     whose rank 0 says it; and after a failure, refreshes the cluster view the next attempt is sized from."""
 
-    def __init__(self, resize_check_s: float = 60.0) -> None:
+    def __init__(self, resize_check_s: float | None = None) -> None:
         self.size: int | None = None  # workers of the group that ran last
         self.requester: str | None = None
-        self.resize_check_s = resize_check_s
+        self.resize_check_s = resize_check_s  # None: a fixed worker count, whose policy sizes nothing
         self._refreshed = time.monotonic()
 
     def after_controller_start(self, train_run_context) -> None:
-        self.requester = f"train-{train_run_context.run_id}"  # how Ray Train's scaling policy names its requests
+        if self.resize_check_s is not None:  # how Ray Train's elastic policy names its requests
+            self.requester = f"train-{train_run_context.run_id}"
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         name = type(current_state).__name__
@@ -191,7 +204,8 @@ class ElasticEvents(ControllerCallback):
         elif name == "RunningState" and type(previous_state).__name__ == "SchedulingState":
             self.size = previous_state.scaling_decision.num_workers
             _PENDING.clear()  # the workers have it
-        elif name == "RunningState" and time.monotonic() - self._refreshed >= self.resize_check_s:
+        elif (name == "RunningState" and self.requester is not None
+              and time.monotonic() - self._refreshed >= self.resize_check_s):
             # The elastic policy's next resize check sees nodes that joined since the last one, not since the
             # coordinator's last tick.
             self._refreshed = time.monotonic()
@@ -281,7 +295,9 @@ class ResumeReport:
             self.last = None
         event = dict(_EVENT)
         lines = []
-        before = event.get("before") or (meta or {}).get("world_size")
+        # the size of the group that trained last: the one that logged the last step (an attempt that failed before
+        # its first step does not count), else the checkpoint's writers
+        before = (self.last or {}).get("world_size") or (meta or {}).get("world_size") or event.get("before")
         t = engine.cfg.train
         if before and before != engine.world_size:
             lines.append(f"elastic: the worker group {'shrank' if engine.world_size < before else 'grew'} from "
@@ -305,8 +321,8 @@ class ResumeReport:
         if self._pending_resume and self.last is not None:
             seconds = now - float(self.last["time"])
             extra.update({STEPS_REDONE: float(self.redone or 0), RESUME_S: seconds})
-            say(f"resume: step {engine.step} logged {seconds:.1f} s after step {self.last['step']} was, before the "
-                f"restart ({self.redone} step(s) redone)")
+            say(f"resume: step {engine.step} done {seconds:.1f} s after step {self.last['step']} was logged before "
+                f"the restart; {self.redone} step(s) redone")
             self._pending_resume = False
         _write_json(self.path, {"step": engine.step, "time": now, "world_size": engine.world_size,
                                 "phase": self.phase})

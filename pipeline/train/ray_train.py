@@ -303,11 +303,13 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                                                    controller_failure_limit=cfg.ray.max_failures),
             # Ray Train's INFO lines (worker group started, each checkpoint reported) stay in its log files.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=[elastic.ElasticEvents(cfg.ray.resize_check_s), *(callbacks or [])]),
+            callbacks=[elastic.ElasticEvents(cfg.ray.resize_check_s if cfg.ray.min_workers else None),
+                       *(callbacks or [])]),
     )
     try:
         result = fit_with_clean_stop(trainer, join(run_store, STOP_FILE))
     except Exception as exc:  # noqa: BLE001 -- a failure to start becomes one line; anything else goes on up
+        elastic.raise_setup_error(exc)  # a node whose workers cannot join the process group: its one line
         start_error = _start_failure(exc, cfg.ray.max_failures + 1)
         if start_error is None:
             raise

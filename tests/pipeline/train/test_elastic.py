@@ -124,3 +124,20 @@ def test_the_process_group_binds_to_the_node_ip_interface_or_refuses(monkeypatch
         nn.bind_process_group("203.0.113.9")  # TEST-NET-3: on no interface here
     assert "resolves to 127.0.0.1, and no interface of this machine holds Ray's node IP 203.0.113.9" in str(err.value)
     assert "GLOO_SOCKET_IFNAME" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_node_refused_inside_ray_is_its_one_line_on_the_driver():
+    """The refusal raised in a worker during Ray Train's start reaches the driver wrapped (a task error inside a
+    controller error); the driver raises its one line, which the CLI prints as `error: ...`."""
+    from ray.exceptions import RayTaskError
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from pipeline.train.elastic import raise_setup_error
+    from pipeline.train.node_network import ProcessGroupNetworkError
+
+    line = "node 203.0.113.9: its hostname 'b' resolves to 127.0.0.1, ... set GLOO_SOCKET_IFNAME"
+    wrapped = ControllerError(RayTaskError("execute", "Traceback ...\n" + line, ProcessGroupNetworkError(line)))
+    with pytest.raises(ProcessGroupNetworkError) as err:
+        raise_setup_error(wrapped)
+    assert str(err.value) == line
+    raise_setup_error(ControllerError(RuntimeError("something else")))  # not ours: left to the caller
