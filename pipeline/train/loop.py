@@ -52,8 +52,9 @@ class StopRequest:
 
     `notices` are preemption notices a worker may get (pipeline/train/elastic.py: a SIGTERM to a Ray Train worker,
     Ray draining its node), each a callable returning a reason or None; with any, the loop asks at every step, so
-    the checkpoint lands at the next step boundary. `preempted` is then the reason (this rank's own, or "another
-    worker's"), and the launcher stops that attempt rather than the run.
+    the checkpoint lands at the next step boundary. `preempted` is then the reason, the same on every rank ("rank 1:
+    SIGTERM to the worker on host-b (pid 7)" under a process group), and the launcher stops that attempt rather
+    than the run.
     """
 
     def __init__(self, stop_file: str | Path | None = None,

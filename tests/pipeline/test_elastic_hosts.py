@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ PY = str(BIN / "python")
 A1 = "10.77.0.1"
 BUCKET = "elastic"
 STORE = f"s3://{BUCKET}/store"
-MAX_STEPS, KILL_AT, CKPT_EVERY, GLOBAL_BATCH = 24, 6, 4, 24  # test preset: batch 4; 3 workers x grad_accum 2
+MAX_STEPS, KILL_AT, CKPT_EVERY, GLOBAL_BATCH = 16, 6, 4, 24  # test preset: batch 4; 3 workers x grad_accum 2
 STAGE_S = 420  # the most a stage of the run may take (a loaded 2-core machine needs ~100 s for the slowest)
 NCPU, CPUS_PER_WORKER = 6, 4  # logical CPUs per host; a worker takes 4, so one worker per host, 2 left for Ray Data
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -151,8 +152,22 @@ def elastic_run(hosts, test_runs_root) -> ElasticRun:
     services = hosts.popen(1, [PY, "-m", "tests.pipeline.hosts", "serve", str(work / "services"), A1, BUCKET,
                                json.dumps([[str(dataset), f"{STORE}/datasets/{dataset.name}"]])],
                            log=work / "services.log", cwd=ROOT)
-    for i in (1, 2, 3):
-        _ray_start(hosts, i)
+    _ray_start(hosts, 1)
+    errors: list[BaseException] = []
+
+    def join(i: int) -> None:
+        try:
+            _ray_start(hosts, i)
+        except BaseException as exc:  # noqa: BLE001 -- raised below, in the test's thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=join, args=(i,)) for i in (2, 3)]  # two machines booting at once
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    if errors:
+        raise errors[0]
     deadline = time.monotonic() + 180
     while b"ready" not in (work / "services.log").read_bytes():
         assert services.poll() is None and time.monotonic() < deadline, (work / "services.log").read_text()[-3000:]
