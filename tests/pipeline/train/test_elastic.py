@@ -87,10 +87,10 @@ def test_time_based_checkpoints_come_from_rank_0s_clock(tmp_path, monkeypatch):
 
     ticks = iter(range(10_000))
     monkeypatch.setattr(loop.CheckpointClock, "now", staticmethod(lambda: float(next(ticks))))
-    saved, res = _fit(tmp_path, {"train.checkpoint_every_s": 2.5})
-    assert res.step == 12 and saved == [3, 6, 9, 12]
-    saved_off, _ = _fit(tmp_path, {})
-    assert saved_off == [12]  # only the last step's, without the clock
+    saved, res = _fit(tmp_path, {"train.checkpoint_every_s": 2.5, "train.max_steps": 9})
+    assert res.step == 9 and saved == [3, 6, 9]
+    saved_off, _ = _fit(tmp_path, {"train.max_steps": 9})
+    assert saved_off == [9]  # only the last step's, without the clock
 
 
 def test_a_preemption_notice_checkpoints_at_the_next_step_boundary(tmp_path):
