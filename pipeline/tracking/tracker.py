@@ -109,13 +109,17 @@ TRAIN_TOKENS_SEEN = "train/tokens_seen"
 TRAIN_ACCURACY = "train/accuracy"
 TRAIN_BAD_STEPS = "train/bad_steps"
 TRAIN_DATA_WAIT = "train/data_wait"  # pipeline/train/loop.py's DATA_WAIT
+TRAIN_WORLD_SIZE = "train/world_size"  # an elastic run's changes as nodes come and go (pipeline/train/elastic.py)
+TRAIN_STEPS_REDONE = "train/steps_redone"  # logged once after each restart of the worker group
+TRAIN_RESUME_S = "train/resume_s"
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
 METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_PER_S_PER_GPU,
            TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
            TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
-           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S,
+           VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
 ELASTIC_TAG = "longtrain.restart"  # what the latest restart of the worker group changed, and why

@@ -43,13 +43,12 @@ from ray.train.torch.config import TorchConfig, _TorchBackend
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from pipeline.config import Config
+from pipeline.tracking.tracker import TRAIN_RESUME_S, TRAIN_STEPS_REDONE, TRAIN_WORLD_SIZE
 
 PROGRESS_FILE = "progress.json"  # <run storage>/progress.json: rank 0's last logged step, for the lost work
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-# Stable MLflow metric names (pipeline/tracking/tracker.py lists them).
-WORLD_SIZE = "train/world_size"
-STEPS_REDONE = "train/steps_redone"
-RESUME_S = "train/resume_s"
+# Stable MLflow metric names, listed in pipeline/tracking/tracker.py.
+WORLD_SIZE, STEPS_REDONE, RESUME_S = TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S
 
 
 class PreemptionStop(RuntimeError):
