@@ -66,10 +66,11 @@ def free_ports(n: int, lo: int = 0, hi: int = 0) -> list[int]:
 class SeaweedS3:
     """`weed server` (master, volume server, filer and S3 gateway in one process) on 127.0.0.1."""
 
-    def __init__(self, workdir: str | Path, port: int | None = None):
+    def __init__(self, workdir: str | Path, port: int | None = None, host: str = "127.0.0.1"):
         self.workdir = Path(workdir)
+        self.host = host  # where it listens: 127.0.0.1, or a test network's own address (tests/pipeline/hosts.py)
         self.port = port or free_ports(1)[0]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -86,7 +87,7 @@ class SeaweedS3:
             "name": "longtrain", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3_grpc = free_ports(7)
-        cmd = [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        cmd = [weed_binary(), "server", f"-dir={data}", f"-ip={self.host}", f"-ip.bind={self.host}",
                f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
                f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=0",
                f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,9 @@ class TrainConfig:
     eval_batches: int = 8  # validation batches per evaluation during training
     eval_by_position: bool = False  # at each evaluation also the loss by position in the document (val/pos_loss/*)
     checkpoint_every: int = 50  # steps between checkpoints (and at the end)
+    # > 0: also checkpoint once this many seconds have passed since the last checkpoint (rank 0's clock, agreed by
+    # every worker at a step boundary), bounding the work a lost node costs; 0 = by steps only
+    checkpoint_every_s: float = 0.0  # seconds between time-based checkpoints (0 = by steps only)
     keep_checkpoints: int = 2  # checkpoints kept: the best by val/loss and the latest
     sample_tokens: int = 48  # tokens generated per prompt at evaluation (0 = off)
     memory_limit_gib: float = 0.0  # > 0: train as on a device of this many GiB (OOM above it); 0 = the real device
@@ -116,7 +120,9 @@ class TrainConfig:
 @dataclass
 class RayConfig:
     address: str = ""  # empty = start a local Ray; "auto" = join the running cluster
-    num_workers: int = 1  # Ray Train workers (one per GPU on a GPU cluster)
+    num_workers: int = 1  # Ray Train workers (one per GPU); a range MIN-MAX (e.g. 2-8) runs elastic, this field MAX
+    min_workers: int = 0  # elastic (> 0): the fewest workers a run goes on with after losing nodes; 0 = fixed
+    resize_check_s: float = 60.0  # elastic: seconds between checks for returned nodes to grow the worker group back
     use_gpu: str = "auto"  # auto (a GPU per worker when the cluster has GPUs) | true | false
     cpus_per_worker: int = 0  # 0 = auto: a local CPU run splits the cores among workers; GPUs or a cluster: 1
     max_failures: int = 3  # restarts from the latest checkpoint after a worker fails
@@ -168,8 +174,11 @@ class Config:
         return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
 
     def replace(self, overrides: dict[str, Any]) -> "Config":
-        """A new validated config with field-path overrides applied."""
+        """A new validated config with field-path overrides applied. `ray.num_workers` also takes a range MIN-MAX
+        (an elastic run: ray.num_workers=MAX, ray.min_workers=MIN); a plain count without ray.min_workers beside it
+        is a fixed worker count (ray.min_workers=0)."""
         flat = self.flat()
+        overrides = _worker_range(overrides)
         for key, value in overrides.items():
             if key not in flat:
                 raise ConfigError(_unknown_key_message(key))
@@ -246,6 +255,26 @@ def _coerce(key: str, value: Any) -> Any:
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{key}={value!r} is not a valid {typ.__name__}")
     return value
+
+
+_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+def _worker_range(overrides: dict[str, Any]) -> dict[str, Any]:
+    """`ray.num_workers="2-8"` -> ray.num_workers=8, ray.min_workers=2; a count alone -> ray.min_workers=0."""
+    key = "ray.num_workers"
+    if key not in overrides:
+        return overrides
+    value, out = overrides[key], dict(overrides)
+    m = _RANGE.match(value) if isinstance(value, str) else None
+    if m:
+        out["ray.min_workers"], out[key] = int(m.group(1)), int(m.group(2))
+    elif isinstance(value, str) and "-" in value.strip()[1:]:
+        raise ConfigError(f"{key}={value!r} is neither a worker count nor a range; write a count (8) or MIN-MAX "
+                          f"(2-8: elastic, from 2 up to 8 workers)")
+    else:
+        out.setdefault("ray.min_workers", 0)
+    return out
 
 
 def from_flat(flat: dict[str, Any]) -> Config:
@@ -349,6 +378,9 @@ def validate(cfg: Config) -> None:
                           "--checkpoint ...`, or drop one of the two")
     _positive("train.collective_timeout_s", t.collective_timeout_s)
     _positive("ray.num_workers", r.num_workers)
+    _positive("ray.resize_check_s", r.resize_check_s, zero_ok=True)
+    _positive("train.checkpoint_every_s", t.checkpoint_every_s, zero_ok=True)
+    _validate_elastic(cfg)
     _positive("ray.cpus_per_worker", r.cpus_per_worker, zero_ok=True)
     _positive("ray.max_failures", r.max_failures, zero_ok=True)
     _one_of("ray.use_gpu", r.use_gpu, ("auto", "true", "false"))
@@ -409,6 +441,43 @@ def _check_mixture(text: str) -> None:
         parse_mixture(text)
     except MixtureSpecError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def elastic_worker_counts(cfg: Config) -> list[int]:
+    """The worker counts from 1 to ray.num_workers that keep the global batch (train.batch_size x train.grad_accum
+    x ray.num_workers sequences per optimizer step) with a whole number of micro-batches per worker."""
+    r, t = cfg.ray, cfg.train
+    return [w for w in range(1, r.num_workers + 1) if (t.grad_accum * r.num_workers) % w == 0]
+
+
+def _validate_elastic(cfg: Config) -> None:
+    """An elastic range (ray.min_workers > 0): MIN <= MAX, every count in it keeps the global batch, and a placement
+    Ray's elastic sizing can follow."""
+    r, t = cfg.ray, cfg.train
+    if r.min_workers < 0:
+        raise ConfigError(f"ray.min_workers={r.min_workers} is invalid; it must be >= 0 (0 = a fixed ray.num_workers)")
+    if not r.min_workers:
+        return
+    text = f"ray.num_workers={r.min_workers}-{r.num_workers}"
+    if r.min_workers > r.num_workers:
+        raise ConfigError(f"{text}: MIN ({r.min_workers}) is more than MAX ({r.num_workers}); write MIN-MAX with "
+                          f"MIN <= MAX, e.g. {r.num_workers}-{r.min_workers}")
+    can = elastic_worker_counts(cfg)
+    cannot = [w for w in range(r.min_workers, r.num_workers + 1) if w not in can]
+    if cannot:
+        global_batch = t.batch_size * t.grad_accum * r.num_workers
+        want = math.lcm(*range(r.min_workers, r.num_workers + 1))
+        accum = want // math.gcd(want, r.num_workers)  # the least grad_accum x MAX that every count divides
+        raise ConfigError(
+            f"{text} cannot keep the global batch of {global_batch} sequences per step (train.batch_size="
+            f"{t.batch_size} x train.grad_accum={t.grad_accum} x {r.num_workers} workers) at "
+            f"{', '.join(map(str, cannot))} worker(s); the counts that can: {', '.join(map(str, can))}; pick MIN-MAX "
+            f"with only those between them, or set train.grad_accum to a multiple of {accum} (a global batch of "
+            f"{t.batch_size * accum * r.num_workers} fits every count from {r.min_workers} to {r.num_workers})")
+    if r.placement_strategy == "STRICT_SPREAD":
+        raise ConfigError(f"{text} with ray.placement_strategy=STRICT_SPREAD: Ray sizes an elastic group by the "
+                          f"resources of each node, which a one-worker-per-node placement cannot follow; use PACK or "
+                          f"SPREAD (ray.cpus_per_worker sized to a node's CPUs gives one worker per node)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -97,12 +97,24 @@ class _DropRayTrainInfo(logging.Filter):
         return record.levelno >= logging.WARNING or f"{os.sep}ray{os.sep}train{os.sep}" not in record.pathname
 
 
+class _DropPlannedStopTraceback(logging.Filter):
+    """Ray Train logs the traceback of any error that ends a training function; a worker ending its attempt on
+    purpose after a preemption checkpoint (pipeline/train/elastic.py PreemptionStop) says so in one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "PreemptionStop:" in record.getMessage())
+
+
 def quiet_ray_train_worker() -> None:
     """In a Ray Train worker: Ray Train's own INFO lines stay in its log files, off the console."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, _DropRayTrainInfo) for f in handler.filters):
             handler.addFilter(_DropRayTrainInfo())
+    for name in ("ray.train", "ray", ""):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _DropPlannedStopTraceback) for f in handler.filters):
+                handler.addFilter(_DropPlannedStopTraceback())
 
 
 def quiet_mlflow() -> None:

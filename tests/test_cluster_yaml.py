@@ -69,6 +69,30 @@ def test_cluster_yaml_promises():
     assert "pip install -q -e ~/longtrain" in cfg["setup_commands"][1] and cfg["file_mounts"]["~/longtrain"] == "."
 
 
+def test_the_spot_gpu_type_runs_elastic_jobs():
+    """gpu.1xh100.spot: spot p5.4xlarge nodes (Ray's own validation accepts the AWS spot options), whose header job
+    command is an elastic range the type can hold, kept at the same global batch by every count of it; a watcher of
+    AWS's interruption notice drains the node for preemption."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    from pipeline.run import build_config, parse_args
+
+    prepared = prepare_config(_load())
+    validate_config(prepared)
+    spot = prepared["available_node_types"]["gpu.1xh100.spot"]
+    market = spot["node_config"]["InstanceMarketOptions"]
+    assert market["MarketType"] == "spot" and market["SpotOptions"]["InstanceInterruptionBehavior"] == "terminate"
+    assert spot["node_config"]["InstanceType"] == "p5.4xlarge" and spot["min_workers"] == 0
+    watch = " ".join(spot["worker_setup_commands"])
+    assert "spot/instance-action" in watch and "ray drain-node --reason=DRAIN_NODE_REASON_PREEMPTION" in watch
+    header = [line.lstrip("# ").rstrip("\\ ") for line in CLUSTER_YAML.read_text().splitlines()[:20]]
+    command = next(line for line in header if "--ray.num_workers=" in line and "-" in line.split("--ray.num_workers=")[1])
+    args, rest = parse_args(command.split("python pipeline/run.py", 1)[1].split())
+    cfg = build_config(args, rest)  # refuses a range that cannot keep the global batch
+    assert cfg.ray.min_workers >= 1 and cfg.ray.num_workers <= spot["max_workers"]
+    assert cfg.ray.placement_strategy != "STRICT_SPREAD"
+
+
 def test_one_bucket_holds_datasets_checkpoints_and_artifacts_by_default(monkeypatch, tmp_path):
     """The one CHANGE-ME bucket, exported to every node as LONGTRAIN_STORAGE, is where a job's datasets, Ray Train
     checkpoints, run storage and MLflow artifacts go with no storage option on its command line."""

@@ -53,8 +53,12 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `eval/pos_*`, `eval_<k>x/*`, `passkey/*` | the eval stage's --by-position, --seq-len kx and --passkey (pipeline/eval/stage.py) |
 | artifact | `position_loss.png`, `passkey_heatmap.png`, `passkey_grid.json` | pipeline/tracking/long_context.py |
 | metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
+| metric | `train/world_size`         | training workers at the step (an elastic run's changes with the nodes it has) |
+| metric | `train/steps_redone`       | after a restart: steps between its checkpoint and the last step logged before it |
+| metric | `train/resume_s`           | after a restart: seconds from the last step logged before it to the first one after |
 | tag    | `mlflow.experimentKind` (experiment) | `custom_model_development`: MLflow 3's UI opens the runs table, not the GenAI overview |
 | tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
+| tag    | `longtrain.restart`        | the latest restart of the worker group: its size before and after, why, the steps redone |
 | input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py); a mixture: one per source, tagged with its name and weight |
 
 Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
@@ -111,16 +115,21 @@ TRAIN_TOKENS_SEEN = "train/tokens_seen"
 TRAIN_ACCURACY = "train/accuracy"
 TRAIN_BAD_STEPS = "train/bad_steps"
 TRAIN_DATA_WAIT = "train/data_wait"  # pipeline/train/loop.py's DATA_WAIT
+TRAIN_WORLD_SIZE = "train/world_size"  # an elastic run's changes as nodes come and go (pipeline/train/elastic.py)
+TRAIN_STEPS_REDONE = "train/steps_redone"  # logged once after each restart of the worker group
+TRAIN_RESUME_S = "train/resume_s"
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
 METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_PER_S_PER_GPU,
            TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
            TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
-           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S,
+           VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
 KERNELS_TAG = "longtrain.kernels"  # the backend each cuda_ops kernel family ran, and why when not Numba's
+ELASTIC_TAG = "longtrain.restart"  # what the latest restart of the worker group changed, and why
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 # MLflow 3's UI shows an experiment without this tag as a GenAI one (traces overview first); ours are model training
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"

@@ -6,6 +6,7 @@ Ray Train worker with hooks that report to Ray, and `train_local` runs it in a p
 """
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
@@ -50,11 +51,20 @@ class StopRequest:
     when the workers run on other machines (a look costs one HEAD request, at log steps only; a failed look
     counts as no request). `poll` is collective under DDP (every rank calls it at the same steps and they
     agree), so all workers stop at the same step.
+
+    `notices` are preemption notices a worker may get (pipeline/train/elastic.py: a SIGTERM to a Ray Train worker,
+    Ray draining its node), each a callable returning a reason or None; with any, the loop asks at every step, so
+    the checkpoint lands at the next step boundary. `preempted` is then the reason, the same on every rank ("rank 1:
+    SIGTERM to the worker on host-b (pid 7)" under a process group), and the launcher stops that attempt rather
+    than the run.
     """
 
-    def __init__(self, stop_file: str | Path | None = None) -> None:
+    def __init__(self, stop_file: str | Path | None = None,
+                 notices: Iterable[Callable[[], str | None]] = ()) -> None:
         self.requested = False
         self.stop_file = str(stop_file) if stop_file else None
+        self.notices = list(notices)
+        self.preempted: str | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopRequest":
@@ -74,13 +84,47 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def poll(self, device: torch.device) -> bool:
-        local = self.requested or (self.stop_file is not None and _stop_file_exists(self.stop_file))
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            flag = torch.tensor([1.0 if local else 0.0], device=device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            local = bool(flag.item())
-        self.requested = local
-        return local
+        return self.boundary(device)[0]
+
+    def boundary(self, device: torch.device, *, look: bool = True, checkpoint_due: bool = False) -> tuple[bool, bool]:
+        """(stop now, checkpoint now), agreed by every rank in one all-reduce under a process group: a stop request
+        (the stop file looked for only when `look`), a preemption notice on any rank, and `checkpoint_due` (rank 0's
+        clock: CheckpointClock)."""
+        local = self.requested or (look and self.stop_file is not None and _stop_file_exists(self.stop_file))
+        reasons = [n() for n in self.notices]  # every one, every time: a notice may itself be a collective
+        notice = next((why for why in reasons if why), None)
+        flags = [local or notice is not None, notice is not None, checkpoint_due]
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            t = torch.tensor([float(f) for f in flags], device=device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flags = [bool(v) for v in t.tolist()]
+        self.requested = flags[0]
+        if flags[1] and self.preempted is None:
+            if distributed:  # once per run at most: every rank learns which worker got the notice and what it was
+                notices: list[Any] = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(notices, notice)
+                notice = next(f"rank {r}: {n}" for r, n in enumerate(notices) if n)
+            self.preempted = notice
+        return flags[0], flags[2]
+
+
+class CheckpointClock:
+    """train.checkpoint_every_s: a checkpoint once that many seconds have passed since the last one. Only rank 0's
+    clock counts (StopRequest.boundary hands its verdict to every rank at the same step): ranks whose clocks
+    disagreed would enter the checkpoint's collectives at different steps and hang."""
+
+    now = staticmethod(time.monotonic)
+
+    def __init__(self, every_s: float, rank: int) -> None:
+        self.every_s, self.rank = every_s, rank
+        self.last = self.now()
+
+    def due(self) -> bool:
+        return self.every_s > 0 and self.rank == 0 and self.now() - self.last >= self.every_s
+
+    def reset(self) -> None:
+        self.last = self.now()
 
 
 @dataclass
@@ -117,8 +161,14 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
     it = iter(train_batches(engine.epoch, engine.cursor))
     waited = time.perf_counter() - window_start  # seconds of this logging window spent waiting for data
     bar = _progress_bar(engine, max_steps, enabled=progress and engine.rank == 0)
+    clock = CheckpointClock(t.checkpoint_every_s, engine.rank)
+    # Every rank decides at the same steps: at log steps, or at every step when a time-based checkpoint or a
+    # preemption notice must be caught at the next step boundary (one tiny all-reduce per step under DDP/FSDP).
+    every_step = t.checkpoint_every_s > 0 or bool(stop is not None and stop.notices)
+    stop = stop if stop is not None else (StopRequest() if every_step else None)
     try:
         while engine.step < max_steps:
+            _hold()
             micro = []
             while len(micro) < t.grad_accum:
                 w0 = time.perf_counter()
@@ -144,22 +194,25 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                 continue
             bar.update(1)
             step, last = engine.step, engine.step == max_steps
-            # Checked at log steps: under DDP this is a (tiny) collective every rank makes at the same step.
-            with watch.region("the stop-request all-reduce (at a log step)", step):
-                stopping = stop is not None and (step % t.log_every == 0 or last) and stop.poll(engine.device)
+            # Under DDP/FSDP a (tiny) collective every rank makes at the same step.
+            stopping = timed = False
+            if stop is not None and (step % t.log_every == 0 or last or every_step):
+                with watch.region("the stop-request all-reduce (at a step boundary)", step):
+                    stopping, timed = stop.boundary(engine.device, look=step % t.log_every == 0 or last,
+                                                    checkpoint_due=clock.due())
             if step % t.log_every == 0 or last or stopping:
                 with watch.region("the training-metrics all-reduce (at a log step)", step):
                     result.last_train = engine.pull_train_metrics()
                 now = time.perf_counter()
                 result.last_train[DATA_WAIT] = waited / max(now - window_start, 1e-9)
                 waited, window_start = 0.0, now
+                if hooks.on_log:  # first: a step on the console is a step the tracker (and a resume) knows of
+                    with watch.region("the logging hook", step):
+                        hooks.on_log(engine, result.last_train)
                 bar.set_postfix(loss=f"{result.last_train['train/loss']:.3f}",
                                 ppl=f"{result.last_train['train/ppl']:.1f}",
                                 tok_s=f"{result.last_train['train/tokens_per_s']:.0f}",
                                 lr=f"{result.last_train['train/lr']:.2e}", refresh=False)
-                if hooks.on_log:
-                    with watch.region("the logging hook", step):
-                        hooks.on_log(engine, result.last_train)
             if (val_batches is not None or evaluate is not None) and (step % t.eval_every == 0 or last):
                 with watch.region("the evaluation (its forwards and the metrics all-reduce)", step):
                     result.last_eval = (evaluate(engine, t.eval_batches) if evaluate is not None
@@ -170,9 +223,10 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                 if hooks.on_eval:
                     with watch.region("the evaluation hook (the samples' whole-weight gather under FSDP)", step):
                         hooks.on_eval(engine, result.last_eval)
-            if hooks.on_checkpoint and (step % t.checkpoint_every == 0 or last or stopping):
+            if hooks.on_checkpoint and (step % t.checkpoint_every == 0 or last or stopping or timed):
                 with watch.region("the checkpoint (the report to Ray Train, the sharded save's barriers)", step):
                     hooks.on_checkpoint(engine, {**result.last_train, **result.last_eval})
+                clock.reset()
             if stopping:
                 result.stopped_early = True
                 break
@@ -181,6 +235,18 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
         watch.close()
     result.step = engine.step
     return result
+
+
+HOLD_ENV = "LONGTRAIN_TRAIN_HOLD"
+
+
+def _hold() -> None:
+    """Test hook: with LONGTRAIN_TRAIN_HOLD=<path> in a worker's environment, wait at each step boundary while that
+    file exists, so a test of restarts and resizes can act between steps whatever the machine's speed (a test
+    creates the file, does what it must, removes it)."""
+    path = os.environ.get(HOLD_ENV)
+    while path and os.path.exists(path):
+        time.sleep(0.2)
 
 
 def _progress_bar(engine: Engine, total: int, enabled: bool):

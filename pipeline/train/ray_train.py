@@ -82,6 +82,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    from pipeline.train import elastic
     from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
     from pipeline.train.generate import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, fit, standard_hooks
@@ -97,6 +98,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     quiet_ray_train_worker()  # "Reporting training result N: ..." per checkpoint
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cfg = elastic.at_world_size(cfg, world)  # an elastic attempt's worker count: the same global batch
     device = ray.train.torch.get_device()
     if device.type == "cuda":  # Ray Train's TorchConfig sets it too: FSDP's device mesh and NCCL need it per worker
         import torch
@@ -113,9 +115,11 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     engine.start_phase(PhaseSchedule(**lc.get("schedule", {})), fresh=restored is None)
     run_storage = lc["run_storage"]
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
-    if rank == 0:
+    resumes = elastic.ResumeReport(run_storage, lc.get("phase", 0)) if rank == 0 else None
+    if resumes is not None:
         _announce_parallel(engine, meta, tracker)
         announce_kernels(engine, tracker, say=worker_print)
+        elastic.announce(resumes.start(engine, meta), tracker)
     t = cfg.train
     dataset_dir = lc["dataset_dir"]
 
@@ -140,7 +144,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
         node = ray.get_runtime_context().get_node_id()  # threads: Ray's OMP_NUM_THREADS = the worker's CPUs
         audit = AuditLog(join(run_storage, AUDIT_DIR, f"rank_{rank}.jsonl"),
-                         extra={"node": node, "threads": torch.get_num_threads()})
+                         extra={"node": node, "threads": torch.get_num_threads(), "world_size": world})
     extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
     required = lc.get("required_metric")
 
@@ -169,13 +173,25 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     if engine.sharded and lc.get("mlflow_run_id") and t.sample_tokens > 0:
         samples = _gathered(samples)  # every worker gathers the weights; rank 0 generates
 
+    hooks = standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples)
+    if resumes is not None:  # train/world_size, and after a resume the work it cost
+        log = hooks.on_log
+        hooks.on_log = lambda e, metrics: log(e, resumes.logged(e, metrics))
+    stop = StopRequest(join(run_storage, STOP_FILE), notices=[elastic.NOTICE])  # SIGTERM, Ray's node drains
+    elastic.NOTICE.training = True
     try:
-        fit(engine, train_batches, val_batches,
-            standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
-            progress=rank == 0, stop=StopRequest(join(run_storage, STOP_FILE)), evaluate=evaluate)
+        res = fit(engine, train_batches, val_batches, hooks, max_steps=lc.get("max_steps"), progress=rank == 0,
+                  stop=stop, evaluate=evaluate)
     finally:
+        elastic.NOTICE.training = False
         if audit is not None:
             audit.close()
+    if res.stopped_early and stop.preempted:  # checkpointed; the next attempt starts on the nodes that remain
+        elastic.wait_for_checkpoint()  # registered by Ray Train before this attempt ends, or the next would miss it
+        if rank == 0:
+            elastic.say(f"preemption: {stop.preempted}; checkpointed step {engine.step}, this attempt stops and the "
+                        f"next starts on the nodes that remain")
+        raise elastic.PreemptionStop(f"{stop.preempted}; checkpointed step {engine.step}, stopping this attempt")
 
 
 def _load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
@@ -249,8 +265,9 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     optimizer reset.
     """
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
+    from pipeline.train import elastic
     from pipeline.train.engine import check_checkpoint_fits, read_checkpoint_meta
     from pipeline.data.shards import check_compatible, check_trainable, load_manifest
 
@@ -279,12 +296,15 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=lc,
+        # A range MIN-MAX runs elastic (pipeline/train/elastic.py); the backend sets each worker up before its
+        # process group starts (its network interface, SIGTERM as a preemption notice).
+        scaling_config=ray.train.ScalingConfig(num_workers=elastic.worker_count(cfg), use_gpu=use_gpu(cfg),
+                                               resources_per_worker={"CPU": worker_cpus(cfg)},
+                                               placement_strategy=cfg.ray.placement_strategy,
+                                               elastic_resize_monitor_interval_s=cfg.ray.resize_check_s),
         # The process group's timeout bounds every collective's wait (gloo and NCCL): a rank that does not join one
         # ends the attempt with one line instead of a silent hang (pipeline/train/collectives.py)
-        torch_config=TorchConfig(timeout_s=math.ceil(cfg.train.collective_timeout_s)),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.ray.num_workers, use_gpu=use_gpu(cfg),
-                                               resources_per_worker={"CPU": worker_cpus(cfg)},
-                                               placement_strategy=cfg.ray.placement_strategy),
+        torch_config=elastic.torch_config(cfg.train.collective_timeout_s),
         run_config=ray.train.RunConfig(
             name=run_name, **ray_storage_args(storage),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
@@ -296,11 +316,13 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                                                    controller_failure_limit=cfg.ray.max_failures),
             # Ray Train's INFO lines (worker group started, each checkpoint reported) stay in its log files.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=callbacks),
+            callbacks=[elastic.ElasticEvents(cfg.ray.resize_check_s if cfg.ray.min_workers else None),
+                       *(callbacks or [])]),
     )
     try:
         result = fit_with_clean_stop(trainer, join(run_store, STOP_FILE))
     except Exception as exc:  # noqa: BLE001 -- a failure to start becomes one line; anything else goes on up
+        elastic.raise_setup_error(exc)  # a node whose workers cannot join the process group: its one line
         start_error = _start_failure(exc, cfg.ray.max_failures + 1)
         if start_error is None:
             from pipeline.ray_runtime import find_cause
@@ -352,7 +374,7 @@ def check_fits_cluster(cfg: Config) -> None:
     if joins_cluster(cfg.ray.address):
         return
     total = ray.cluster_resources()
-    n = cfg.ray.num_workers
+    n = cfg.ray.min_workers or cfg.ray.num_workers  # an elastic run starts with what there is, from MIN
     for name, per_worker in worker_resources(cfg).items():
         if per_worker * n > total.get(name, 0):
             raise TrainStartError(f"{_request_text(cfg)} can never start: this Ray has {total.get(name, 0):g} {name} "
@@ -362,7 +384,8 @@ def check_fits_cluster(cfg: Config) -> None:
 
 def _request_text(cfg: Config) -> str:
     res = ", ".join(f"{k} {v:g}" for k, v in worker_resources(cfg).items())
-    return f"Ray Train's {cfg.ray.num_workers} worker(s) with {{{res}}} each ({cfg.ray.placement_strategy})"
+    count = f"{cfg.ray.min_workers}-{cfg.ray.num_workers}" if cfg.ray.min_workers else cfg.ray.num_workers
+    return f"Ray Train's {count} worker(s) with {{{res}}} each ({cfg.ray.placement_strategy})"
 
 
 def _cluster_text() -> str:

@@ -283,7 +283,9 @@ class TrainSession:
                     tracker.log_dict(manifest.to_dict(), "manifest.json")
                     tracker.log_dict(pcfg.to_dict(), "config.json")
                 init_from = checkpoint if i > 0 else None
-                where = (f"{pcfg.ray.num_workers} Ray Train worker(s)" if self.use_ray else "one process, no Ray")
+                count = (f"{pcfg.ray.min_workers}-{pcfg.ray.num_workers} (elastic)" if pcfg.ray.min_workers
+                         else pcfg.ray.num_workers)
+                where = f"{count} Ray Train worker(s)" if self.use_ray else "one process, no Ray"
                 start, resumed = end_step - phase.steps, ""
                 if self.start_step is not None and start < self.start_step < end_step:  # the real start, not 0
                     start, resumed = self.start_step, f"resumed at step {self.start_step}"

@@ -58,7 +58,8 @@ def load_weights(runs, name: str) -> dict[str, torch.Tensor]:
 def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: str, *, load: str | None = None,
           save_to: str | None = None) -> dict:
     """Train to STEPS with the loop every launcher uses (saving at SAVE_AT when asked); losses per step, and the
-    final weights in <dataset>/../<name>.safetensors."""
+    final weights in <dataset>/../<name>.safetensors. A config with a worker range (ray.min_workers > 0) trains as
+    an elastic attempt of `world` workers does (pipeline/train/elastic.py at_world_size)."""
     from pipeline.data.shards import ShardReader, eval_reader
     from pipeline.eval.positions import evaluate_by_position
     from pipeline.train.engine import Engine
@@ -66,6 +67,10 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
     from pipeline.train.loop import Hooks, fit
 
     cfg = cfg_for(**over)
+    if cfg.ray.min_workers:
+        from pipeline.train.elastic import at_world_size
+
+        cfg = at_world_size(cfg, world)
     engine = Engine(cfg, VOCAB, torch.device("cpu"), rank=rank, world_size=world, parallel=parallel)
     if load:
         engine.load(load)
@@ -91,7 +96,7 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
 def two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
     """Every two-worker scenario, in the same two processes (one spawn)."""
     resonance = {"model.mixer": "resonance", "model.tie_embeddings": False, "model.activation_checkpointing": "mixer"}
-    runs = {"ddp": ({}, "ddp", {}), "fsdp": ({}, "fsdp", {"save_to": f"{tmp}/fsdp2"}),
+    runs = {"ddp": ({}, "ddp", {"save_to": f"{tmp}/ddp2"}), "fsdp": ({}, "fsdp", {"save_to": f"{tmp}/fsdp2"}),
             "fsdp_resumed": ({}, "fsdp", {"load": f"{tmp}/fsdp2"}),
             # regionally compiled blocks (torch.compile on CPU) sharded after compiling, resumed from shards
             "from_fsdp1": ({"model.compile": "on"}, "fsdp", {"load": f"{tmp}/fsdp1"}),
@@ -116,6 +121,11 @@ def runs(tmp_path_factory):
         out["one_fsdp"] = train(0, 1, ds, "one_fsdp", one, "fsdp", save_to=f"{tmp}/fsdp1")
     out["two"] = run_workers(two_workers, 2, ds, str(tmp))
     out["two_to_one"] = train(0, 1, ds, "two_to_one", one, "none", load=f"{tmp}/fsdp2")
+    # an elastic run of 1-2 workers that lost one: the survivor accumulates two micro-batches of 4 (the global 8)
+    elastic = {"ray.num_workers": "1-2"}
+    out["elastic_ddp"] = train(0, 1, ds, "elastic_ddp", elastic, "none", load=f"{tmp}/ddp2")
+    with process_group(0, 1):
+        out["elastic_fsdp"] = train(0, 1, ds, "elastic_fsdp", elastic, "fsdp", load=f"{tmp}/fsdp2")
     out["resonance_one"] = train(0, 1, ds, "resonance_one", {**one, "model.mixer": "resonance",
                                                                "model.tie_embeddings": False}, "none")
     return out
@@ -160,6 +170,17 @@ def test_resharded_resume_equals_an_uninterrupted_run(runs):
         assert two[name]["losses"] == pytest.approx(one["losses"][SAVE_AT:], **TOL), name
         assert_same_weights(runs, name, "one")
 
+
+
+def test_an_elastic_resume_on_fewer_workers_continues_the_same_training(runs):
+    """A 1-2 worker range that lost a worker at step 4: the survivor resumes the two workers' checkpoint, DDP's full
+    layout and FSDP's shards alike, with grad_accum re-derived (2 micro-batches of 4 for the global 8), and steps 5-8
+    are the losses and weights of the two workers that never stopped."""
+    two = runs["two"][0]
+    for name, want in (("elastic_ddp", "ddp"), ("elastic_fsdp", "fsdp")):
+        assert runs[name]["losses"] == pytest.approx(two[want]["losses"][SAVE_AT:], **TOL), name
+        assert_same_weights(runs, name, want)
+    assert runs["elastic_fsdp"]["parallel"] == "fsdp"
 
 
 def test_fsdp_composes_with_resonance_untied_head_and_checkpointing(runs):

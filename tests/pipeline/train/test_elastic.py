@@ -1,0 +1,143 @@
+"""Elastic runs without Ray: the worker range in the config, the global batch kept at every worker count, time-based
+checkpoints, a preemption notice turning into a checkpoint at the next step boundary, and the process group's
+interface on a host whose hostname is loopback. The same training across real hosts losing nodes is
+tests/pipeline/test_elastic_hosts.py; resharded resumes at another worker count are in test_fsdp.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, elastic_worker_counts, load_config
+from pipeline.data.synthetic import write_synthetic_dataset
+
+SEQ, VOCAB = 32, 128
+
+
+def test_a_worker_range_is_max_workers_and_min_workers():
+    cfg = load_config("test", ["--ray.num_workers=2-4", "--train.grad_accum=6"])
+    assert (cfg.ray.min_workers, cfg.ray.num_workers) == (2, 4)
+    assert load_config("test", ["--ray.num_workers= 3 - 3 "]).ray.min_workers == 3
+    # a count alone is a fixed run again, whatever came before it; both fields together stay as given
+    assert cfg.replace({"ray.num_workers": 4}).ray.min_workers == 0
+    assert cfg.replace({"ray.num_workers": 4, "ray.min_workers": 2}).ray.min_workers == 2
+    assert cfg.flat()["ray.num_workers"] == 4  # every existing use of the field still reads an int
+    from pipeline.train.elastic import worker_count
+
+    assert worker_count(cfg) == (2, 4) and worker_count(load_config("test", ["--ray.num_workers=4"])) == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ray.num_workers=2-3"],
+     "ray.num_workers=2-3 cannot keep the global batch of 12 sequences per step (train.batch_size=4 x "
+     "train.grad_accum=1 x 3 workers) at 2 worker(s); the counts that can: 1, 3; pick MIN-MAX with only those between "
+     "them, or set train.grad_accum to a multiple of 2 (a global batch of 24 fits every count from 2 to 3)"),
+    (["--ray.num_workers=2-8", "--train.grad_accum=2"], "at 3, 5, 6, 7 worker(s); the counts that can: 1, 2, 4, 8;"),
+    (["--ray.num_workers=4-2"], "ray.num_workers=4-2: MIN (4) is more than MAX (2); write MIN-MAX with MIN <= MAX"),
+    (["--ray.num_workers=2-x"], "ray.num_workers='2-x' is neither a worker count nor a range"),
+    (["--ray.num_workers=2-4", "--train.grad_accum=3", "--ray.placement_strategy=STRICT_SPREAD"],
+     "with ray.placement_strategy=STRICT_SPREAD: Ray sizes an elastic group by the resources of each node"),
+    (["--ray.min_workers=-1"], "ray.min_workers=-1 is invalid; it must be >= 0"),
+    (["--train.checkpoint_every_s=-5"], "train.checkpoint_every_s=-5.0 is invalid; it must be >= 0"),
+])
+def test_a_bad_worker_range_is_one_line_naming_the_fix(args, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("test", args)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_count_of_the_range_keeps_tokens_per_step():
+    from pipeline.train.elastic import at_world_size
+
+    cfg = load_config("test", ["--ray.num_workers=2-4", "--train.grad_accum=3"])  # 4 x 3 x 4 = 48 sequences
+    assert elastic_worker_counts(cfg) == [1, 2, 3, 4, 6][:4]
+    for world, accum in ((4, 3), (3, 4), (2, 6)):
+        c = at_world_size(cfg, world)
+        assert (c.train.grad_accum, c.ray.num_workers) == (accum, world)
+        assert c.train.batch_size * c.train.grad_accum * world == 48
+
+
+def _dataset(tmp_path):
+    d = tmp_path / "ds"
+    write_synthetic_dataset(d, n_train=96, n_val=8, seq_len=SEQ, vocab_size=VOCAB, seed=1, rows_per_shard=48)
+    return str(d)
+
+
+def _fit(tmp_path, over: dict, stop=None):
+    """The Ray-free loop on a synthetic dataset; the steps it checkpointed at and its result."""
+    from pipeline.data.shards import ShardReader
+    from pipeline.train.engine import Engine
+    from pipeline.train.loop import Hooks, fit
+
+    ds = _dataset(tmp_path)
+    cfg = load_config("test", {"data.seq_len": SEQ, "data.vocab_size": 256, "model.compile": "off",
+                               "train.max_steps": 12, "train.log_every": 4, "train.eval_every": 100,
+                               "train.checkpoint_every": 100, "tracking.enabled": False, **over})
+    engine = Engine(cfg, VOCAB, torch.device("cpu"))
+    saved: list[int] = []
+    hooks = Hooks(on_checkpoint=lambda e, m: saved.append(e.step))
+    res = fit(engine, lambda epoch, start: ShardReader(ds, "train", 4, seed=0, epoch=epoch, start=start), None, hooks,
+              progress=False, stop=stop)
+    return saved, res
+
+
+def test_time_based_checkpoints_come_from_rank_0s_clock(tmp_path, monkeypatch):
+    """train.checkpoint_every_s beside the step-based checkpoints: a clock that advances 1 s at every look makes
+    the 2.5 s interval fall due at every third step boundary (the clock restarts at each checkpoint)."""
+    from pipeline.train import loop
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(loop.CheckpointClock, "now", staticmethod(lambda: float(next(ticks))))
+    saved, res = _fit(tmp_path, {"train.checkpoint_every_s": 2.5, "train.max_steps": 9})
+    assert res.step == 9 and saved == [3, 6, 9]
+    saved_off, _ = _fit(tmp_path, {"train.max_steps": 9})
+    assert saved_off == [9]  # only the last step's, without the clock
+
+
+def test_a_preemption_notice_checkpoints_at_the_next_step_boundary(tmp_path):
+    """A notice (what a SIGTERM to a Ray Train worker becomes) arriving during step 5 is seen at its end, between
+    log steps: the checkpoint is step 5's and the loop stops there, saying why."""
+    from pipeline.train.loop import StopRequest
+
+    calls = {"n": 0}
+
+    def notice():
+        calls["n"] += 1
+        return "SIGTERM to the worker on host-b (pid 7)" if calls["n"] >= 5 else None
+
+    stop = StopRequest(notices=[notice])
+    saved, res = _fit(tmp_path, {}, stop=stop)
+    assert res.stopped_early and res.step == 5 and saved == [5]
+    assert stop.preempted == "SIGTERM to the worker on host-b (pid 7)"
+
+
+def test_the_process_group_binds_to_the_node_ip_interface_or_refuses(monkeypatch):
+    """This machine's hostname may resolve to 127.0.0.1 (as here); a node IP no interface holds is refused in one
+    line naming the fix; a loopback node IP (every worker on this machine) needs nothing."""
+    from pipeline.train import node_network as nn
+
+    monkeypatch.setattr(nn, "hostname_address", lambda: "127.0.0.1")
+    for name in nn.IFNAME_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    assert nn.interface_of("127.0.0.1") == "lo"
+    assert nn.bind_process_group("127.0.0.1") is None
+    with pytest.raises(nn.ProcessGroupNetworkError) as err:
+        nn.bind_process_group("203.0.113.9")  # TEST-NET-3: on no interface here
+    assert "resolves to 127.0.0.1, and no interface of this machine holds Ray's node IP 203.0.113.9" in str(err.value)
+    assert "GLOO_SOCKET_IFNAME" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_node_refused_inside_ray_is_its_one_line_on_the_driver():
+    """The refusal raised in a worker during Ray Train's start reaches the driver wrapped (a task error inside a
+    controller error); the driver raises its one line, which the CLI prints as `error: ...`."""
+    from ray.exceptions import RayTaskError
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from pipeline.train.elastic import raise_setup_error
+    from pipeline.train.node_network import ProcessGroupNetworkError
+
+    line = "node 203.0.113.9: its hostname 'b' resolves to 127.0.0.1, ... set GLOO_SOCKET_IFNAME"
+    wrapped = ControllerError(RayTaskError("execute", "Traceback ...\n" + line, ProcessGroupNetworkError(line)))
+    with pytest.raises(ProcessGroupNetworkError) as err:
+        raise_setup_error(wrapped)
+    assert str(err.value) == line
+    raise_setup_error(ControllerError(RuntimeError("something else")))  # not ours: left to the caller
