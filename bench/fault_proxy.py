@@ -4,7 +4,7 @@ front of the session's SeaweedFS to make object storage misbehave on cue, and to
     proxy = FaultProxy("127.0.0.1", s3_port).start()        # a thread running an asyncio loop
     env = {"AWS_ENDPOINT_URL": proxy.endpoint}               # clients given this endpoint go through it
     proxy.down(30)                                           # an outage: connections refused for 30 s
-    proxy.refuse(r"^POST \\S*model\\.safetensors\\?uploadId=", seconds=15)   # one kind of request fails
+    proxy.refuse(r"^POST \\S*model\\.safetensors\\?uploadId=", lasting=15)   # one kind of request fails
     proxy.stall(seconds=8)                                   # requests get no answer (connections held open)
     proxy.latency(0.05)                                      # 50 ms before each request goes on
     proxy.deny()                                             # 403 AccessDenied to every request
@@ -44,6 +44,7 @@ class Rule:
     remaining: int | None = None  # matches left; None = unlimited
     delay_s: float = 0.0  # latency
     status: int = 0  # refuse: 0 = reset the connection, else this HTTP status
+    lasting: float | None = None  # seconds the rule stays on from its first match (then `until` is set)
     hits: int = 0  # requests it applied to
 
     def active(self, now: float) -> bool:
@@ -173,9 +174,11 @@ class FaultProxy:
         return time.monotonic() + seconds if seconds is not None else None
 
     def refuse(self, pattern: str = ".*", *, count: int | None = None, seconds: float | None = None,
-               status: int = 0) -> Rule:
-        """Matching requests fail: the connection is reset (status 0) or answered with `status` (e.g. 500)."""
-        return self._add(Rule("refuse", re.compile(pattern), self._until(seconds), count, status=status))
+               lasting: float | None = None, status: int = 0) -> Rule:
+        """Matching requests fail: the connection is reset (status 0) or answered with `status` (e.g. 500); for
+        `count` requests, for `seconds` from now, or for `lasting` seconds from the first request it matches."""
+        return self._add(Rule("refuse", re.compile(pattern), self._until(seconds), count, status=status,
+                              lasting=lasting))
 
     def stall(self, pattern: str = ".*", *, seconds: float | None = None) -> Rule:
         """Matching requests get no answer: their connection is held open, silent, until the rule ends (then
@@ -226,6 +229,8 @@ class FaultProxy:
                 elif chosen is None:
                     chosen = rule
                     rule.hits += 1
+                    if rule.lasting is not None and rule.until is None:
+                        rule.until = now + rule.lasting
                     if rule.remaining is not None:
                         rule.remaining -= 1
             seen = Seen(time.time(), line, chosen.kind if chosen else "")

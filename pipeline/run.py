@@ -5,7 +5,8 @@
     python pipeline/run.py prepare --data.source=files --data.path='corpus/*.jsonl'
     python pipeline/run.py validate runs/datasets/<hash>     # or s3://bucket/longtrain/datasets/<hash>
     python pipeline/run.py train --preset gpu --ray.num_workers=8
-    python pipeline/run.py train --resume runs/<run>         # continue a run from its latest checkpoint
+    python pipeline/run.py train --resume runs/<run>         # continue a run from its latest complete checkpoint
+    python pipeline/run.py train --resume runs/<run> --checkpoint <one of its checkpoints>   # ... or from that one
     python pipeline/run.py train --phases phases.yaml        # a curriculum: one dataset and step count per phase
     python pipeline/run.py train --no-ray                    # the same engine in one plain process
     python pipeline/run.py eval --checkpoint runs/<run>/checkpoint
@@ -53,7 +54,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--no-ray", action="store_true", help="train in this process with the Ray-free engine")
     p.add_argument("--phases", help="YAML list of phases: [{steps: N, overrides: {data.source: ...}}, ...]")
     p.add_argument("--checkpoint", help="eval/generate/export: a checkpoint directory or URI (default: the run's "
-                                        "latest)")
+                                        "latest); train --resume RUN: the checkpoint to continue from")
     p.add_argument("--prompt", action="append", help="generate: a prompt (repeatable)")
     p.add_argument("--prompts-file", help="generate: a file with one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -89,6 +90,9 @@ def stage_train(cfg: Config, args: argparse.Namespace):
     """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
     from pipeline.train.session import Phase, TrainSession, load_phases
 
+    if args.checkpoint and not args.resume:
+        raise UsageError("train --checkpoint continues a run from one of its checkpoints: add --resume RUN (a new "
+                         "run from another run's weights is a phase: --phases)")
     if args.resume:
         run_dir = find_run(cfg, args.resume)
         record = read_run_file(run_dir)
@@ -100,7 +104,8 @@ def stage_train(cfg: Config, args: argparse.Namespace):
         run_dir = new_run_dir(cfg)
         phases = load_phases(args.phases, cfg)
     audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))
-    session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit)
+    session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit,
+                           resume_from=args.checkpoint)
     return run_dir, session.run(resume=bool(args.resume))
 
 
@@ -230,13 +235,29 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, RuntimeError) as exc:
-        # The project's own user-facing errors (DatasetError, CheckpointError, TrackingError, ...) carry
-        # one clear line naming the problem and the fix; anything else is a bug and keeps its traceback.
-        if type(exc).__module__.split(".")[0] in ("pipeline", "model", "cuda_ops"):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except Exception as exc:  # noqa: BLE001
+        # The project's own user-facing errors (DatasetError, CheckpointError, StorageError, TrackingError, ...)
+        # carry one clear line naming the problem and the fix, also when Ray hands them back wrapped (RayTaskError,
+        # Ray Train's TrainingFailedError): that line is printed. Anything else is a bug and keeps its traceback.
+        found = user_error(exc)
+        if found is None:
+            raise
+        print(f"error: {str(found).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def user_error(exc: BaseException) -> BaseException | None:
+    """The first of the project's own ValueError/RuntimeError subclasses in `exc`'s chain (Ray's wrappers
+    followed: pipeline/ray_runtime.py find_cause), or None."""
+    def ours(e: BaseException) -> bool:
+        return (isinstance(e, (ValueError, RuntimeError))
+                and type(e).__module__.split(".")[0] in ("pipeline", "model", "cuda_ops"))
+
+    if ours(exc):
+        return exc
+    from pipeline.ray_runtime import find_cause
+
+    return find_cause(exc, ours)
 
 
 if __name__ == "__main__":
