@@ -30,12 +30,13 @@ BACKOFF_FIRST_S = 0.5  # the first wait after a transient failure; doubled each 
 BACKOFF_MAX_S = 10.0  # ... up to this, so a store that comes back is used within ~10 s
 
 # Substrings of the AWS SDK's (pyarrow's) and botocore's messages, by kind.
-_STALLED = ("curlCode: 28", "Operation too slow", "Read timed out", "ReadTimeoutError", "timed out", "Timeout was reached")
+# A stall: connected, then nothing (curl's low-speed limit, botocore's read timeout); a connect timeout is unreachable.
+_STALLED = ("Operation too slow", "transferred the last", "Read timed out", "ReadTimeoutError")
 _UNREACHABLE = ("NETWORK_CONNECTION", "curlCode", "Could not resolve host", "Connection refused", "Failed to connect",
                 "Couldn't connect", "Could not connect", "EndpointConnectionError", "Connection reset",
                 "ConnectionResetError", "Connection aborted", "RemoteDisconnected", "Broken pipe",
                 "ConnectionClosedError", "Max retries exceeded", "Connection was closed",
-                "Could not connect to the endpoint URL")
+                "Could not connect to the endpoint URL", "timed out", "Timeout was reached", "ConnectTimeoutError")
 _SERVER = ("HTTP status 500", "HTTP status 502", "HTTP status 503", "HTTP status 504", "SLOW_DOWN", "SlowDown",
            "INTERNAL_FAILURE", "InternalError", "ServiceUnavailable", "SERVICE_UNAVAILABLE", "503 Server Error",
            "500 Server Error", "502 Server Error", "504 Server Error", "too many 500 error responses",

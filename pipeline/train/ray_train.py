@@ -178,10 +178,12 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         fit(engine, train_batches, val_batches,
             standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples), max_steps=lc.get("max_steps"),
             progress=rank == 0, stop=StopRequest(join(run_storage, STOP_FILE)))
-    except BaseException:
+    except BaseException as exc:
         if audit is not None:  # one try, no waiting, and never in place of the error that ends the attempt
             with faults.retry_window_of(0), contextlib.suppress(Exception):
                 audit.close()
+        if isinstance(exc, StorageError):  # its line says it all: Ray logs it without 30 lines of frames
+            raise StorageError(str(exc)) from None
         raise
     if audit is not None:
         audit.close()
