@@ -301,7 +301,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         storage_error = find_cause(exc, lambda e: isinstance(e, StorageError))
         if storage_error is not None:  # the store (also when the workers could not start for it): its own line
             raise StorageError(str(storage_error).strip().splitlines()[0]) from None
-        raw = find_cause(exc, lambda e: isinstance(e, OSError) and bool(faults.kind(e)))
+        raw = find_cause(exc, lambda e: isinstance(e, OSError) and "AWS Error" in str(e) and bool(faults.kind(e)))
         if raw is not None:  # Ray's own storage call (its storage check at a worker's start, its snapshot)
             raise explain(raw, storage, "ray.storage_path") from None
         start_error = _start_failure(exc, cfg.ray.max_failures + 1)

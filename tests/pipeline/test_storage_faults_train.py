@@ -123,6 +123,13 @@ def faulty_ray_run(s3_dataset, fault_proxy, ray_address):
                                                     f"ray/phase0"}
 
 
+@pytest.fixture(scope="module")
+def clean(faulty_ray_run, s3_dataset) -> dict[int, float]:
+    """The faulty run's per-step losses had nothing gone wrong (computed once for the module's tests)."""
+    record = json.loads((faulty_ray_run["run_dir"] / "run.json").read_text())
+    return clean_losses(record, s3_dataset.dataset, STEPS)
+
+
 def test_a_checkpoint_whose_upload_fails_is_never_registered_and_its_folder_is_removed(faulty_ray_run):
     run = faulty_ray_run
     assert run["code"] == 0, run["out"][-5000:]
@@ -143,7 +150,8 @@ def test_a_checkpoint_whose_upload_fails_is_never_registered_and_its_folder_is_r
     assert registered <= {f.name for f in found}, (registered, found)
 
 
-def test_a_30s_outage_mid_run_ends_in_a_finished_run_with_the_losses_of_a_clean_run(faulty_ray_run, s3_dataset):
+def test_a_30s_outage_mid_run_ends_in_a_finished_run_with_the_losses_of_a_clean_run(faulty_ray_run, s3_dataset,
+                                                                                      clean):
     run = faulty_ray_run
     assert run["code"] == 0, run["out"][-5000:]
     assert run["outage"].get("at", 0) >= 15
@@ -153,13 +161,12 @@ def test_a_30s_outage_mid_run_ends_in_a_finished_run_with_the_losses_of_a_clean_
     assert meta["counters"]["step"] == STEPS
     logged = logged_losses(s3_dataset.run_root, record["mlflow_run_id"])
     assert sorted(logged) == list(range(1, STEPS + 1))
-    clean = clean_losses(record, s3_dataset.dataset, STEPS)
     assert list(logged.values()) == pytest.approx([clean[s] for s in logged], rel=1e-5, abs=1e-6)
     assert "Traceback" not in run["out"].split("outputs:")[-1]
 
 
 def test_resume_from_a_chosen_checkpoint_then_403_mid_run_ends_in_one_line(faulty_ray_run, s3_dataset, fault_proxy,
-                                                                           ray_address):
+                                                                           ray_address, clean):
     """`train --resume RUN --checkpoint PATH` goes back to an earlier checkpoint of the finished run; its steps are
     the clean run's. Then the store answers 403 to everything (credentials revoked): the next checkpoint cannot be
     published, restarts cannot start, and the driver ends with one line naming the object and the fix."""
@@ -201,7 +208,6 @@ def test_resume_from_a_chosen_checkpoint_then_403_mid_run_ends_in_one_line(fault
     resumed = {m.step: m.value for m in client.get_metric_history(record["mlflow_run_id"], "train/loss")
                if m.timestamp >= t0 * 1000}
     assert sorted(resumed) == list(range(start + 1, max(resumed) + 1)) and max(resumed) >= start + 3
-    clean = clean_losses(record, s3_dataset.dataset, max(resumed))
     assert [resumed[s] for s in sorted(resumed)] == pytest.approx([clean[s] for s in sorted(resumed)], rel=1e-5,
                                                                   abs=1e-6)
 
