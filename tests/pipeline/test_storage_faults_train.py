@@ -8,8 +8,8 @@ of SeaweedFS (tests/conftest.py `fault_proxy`, `proxy_env`).
   clean run, and the bucket holds only complete checkpoints.
 - Ray Train, `--resume RUN --checkpoint PATH` from an earlier checkpoint of that run, then 403 AccessDenied mid-run:
   the resumed steps have the clean run's losses, and the driver ends with one line, no boto3 or Ray traceback.
-- Ray-free, 50 ms of latency on every request and an evaluation every 2 steps: the validation split is read once,
-  not once per evaluation, and eval/data_wait is logged.
+- Ray-free, 20 ms of latency on every request and an evaluation every 2 steps: the validation split is read once,
+  not once per evaluation, and eval/data_wait is logged; then `--resume RUN --checkpoint PATH` back to step 20.
 - prepare, its shard writes refused (connections reset): one line; the rerun exits 0 and the dataset validates.
 """
 from __future__ import annotations
@@ -196,6 +196,7 @@ def test_resume_from_a_chosen_checkpoint_then_403_mid_run_ends_in_one_line(fault
     assert code == 2, out[-5000:]
     last = out.strip().splitlines()[-1]
     assert last.startswith("error: ") and "was denied (ACCESS_DENIED); give credentials" in last, out[-5000:]
+    assert "/STOP" not in last and "training_curves" not in last  # the first cause, not the cleanup's
     # the driver's own lines (Ray prefixes its workers' with "(RayTrainWorker pid=...)", "(pid=...)")
     driver = [ln for ln in out.splitlines() if not ln.startswith("(")]
     assert not [ln for ln in driver if re.search(r"Traceback|botocore|RayTaskError|TrainingFailedError", ln)], driver
@@ -212,34 +213,65 @@ def test_resume_from_a_chosen_checkpoint_then_403_mid_run_ends_in_one_line(fault
                                                                   abs=1e-6)
 
 
-def test_evaluation_reads_the_validation_split_once_and_says_how_long_it_waited(s3_dataset, fault_proxy):
-    """Ray-free training with 50 ms added to every request and an evaluation every 2 steps (20 evaluations): the
-    validation split's files are opened and read once, and each evaluation logs eval/data_wait."""
+@pytest.fixture(scope="module")
+def ray_free_run(s3_dataset, fault_proxy):
+    """Ray-free training with 20 ms added to every request and an evaluation every 2 steps (15 evaluations), a
+    checkpoint at steps 20 and 30; the requests it made, as the proxy saw them."""
     fault_proxy.clear()
     fault_proxy.reset_log()
-    fault_proxy.latency(0.05)
+    fault_proxy.latency(0.02)
     try:
         code, out = run_watching(["train", "--no-ray", "--preset", "test", *s3_dataset.overrides,
-                                  "--run.name=eval-reads", "--train.max_steps=40", "--train.eval_every=2",
-                                  "--train.checkpoint_every=40", "--train.sample_tokens=0"], proxy_env(fault_proxy))
+                                  "--run.name=eval-reads", "--train.max_steps=30", "--train.eval_every=2",
+                                  "--train.checkpoint_every=20", "--train.sample_tokens=0"], proxy_env(fault_proxy))
+        log = fault_proxy.requests()
     finally:
         fault_proxy.clear()
     assert code == 0, out[-5000:]
+    run_dir = s3_dataset.run_root / "eval-reads"
+    return {"log": log, "run_dir": run_dir, "record": json.loads((run_dir / "run.json").read_text())}
+
+
+def test_evaluation_reads_the_validation_split_once_and_says_how_long_it_waited(ray_free_run, s3_dataset):
     manifest = json.loads(storage.read_text(f"{s3_dataset.dataset}/manifest.json"))
     val_files = [s["file"] for s in manifest["shards"]["val"]]
-    val_reads = fault_proxy.requests(r"^(GET|HEAD) \S*/val-\d+\.parquet")
+    val_reads = [r for r in ray_free_run["log"] if re.match(r"^(GET|HEAD) \S*/val-\d+\.parquet", r.line)]
     per_file = {f: sum(f in r.line for r in val_reads) for f in val_files}
     # one reader's worth: a HEAD and a footer read to open each file, then its row groups (at most 3 here), once
     assert 0 < max(per_file.values()) <= 5, per_file
-    record = json.loads((s3_dataset.run_root / "eval-reads" / "run.json").read_text())
+    record = ray_free_run["record"]
     epochs = json.loads((Path(record["checkpoint"]) / "meta.json").read_text())["counters"]["epoch"] + 1
     # after the first evaluation began, only a new epoch's training reader reads the manifest (before: every one)
     first_eval = min(r.time for r in val_reads)
-    later = [r for r in fault_proxy.requests(r"^GET \S*/manifest\.json") if r.time > first_eval]
+    later = [r for r in ray_free_run["log"] if re.match(r"^GET \S*/manifest\.json", r.line) and r.time > first_eval]
     assert len(later) <= epochs, later
     waits = logged_losses(s3_dataset.run_root, record["mlflow_run_id"], "eval/data_wait")
-    assert sorted(waits) == list(range(2, 41, 2)) and all(0.0 <= w <= 1.0 for w in waits.values())
+    assert sorted(waits) == list(range(2, 31, 2)) and all(0.0 <= w <= 1.0 for w in waits.values())
     assert waits[2] > 0.0  # the first evaluation waited on the store for its reads
+
+
+def test_a_ray_free_run_resumes_from_a_chosen_checkpoint(ray_free_run, s3_dataset, capsys):
+    """`train --no-ray --resume RUN --checkpoint PATH` (in this process): back to step 20 of the finished run, on to
+    30 again, with the same losses as the first time."""
+    import time
+
+    from pipeline.run import main
+
+    first = logged_losses(s3_dataset.run_root, ray_free_run["record"]["mlflow_run_id"])
+    step20 = ray_free_run["run_dir"] / "checkpoints" / "phase0" / "step_000020"
+    t0 = time.time()
+    assert main(["train", "--no-ray", "--resume", str(ray_free_run["run_dir"]), "--checkpoint", str(step20)]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: from {step20} (step 20), as --checkpoint asks" in out, out[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{s3_dataset.run_root / 'mlflow.db'}")
+    again = {m.step: m.value for m in client.get_metric_history(ray_free_run["record"]["mlflow_run_id"], "train/loss")
+             if m.timestamp >= t0 * 1000}
+    assert sorted(again) == list(range(22, 31, 2))  # train.log_every=2 (the test preset)
+    assert [again[s] for s in sorted(again)] == [first[s] for s in sorted(again)]  # one process: bit for bit
+    record = json.loads((ray_free_run["run_dir"] / "run.json").read_text())
+    assert record["status"] == "finished" and record["checkpoint"].endswith("step_000030")
 
 
 def test_prepare_whose_shard_writes_fail_ends_in_one_line_and_the_rerun_exits_0(s3_bucket, s3_corpus, fault_proxy,
