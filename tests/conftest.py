@@ -207,9 +207,9 @@ def through_proxy(fault_proxy, monkeypatch) -> FaultProxy:
 
 def proxy_env(proxy: FaultProxy, **extra: str) -> dict[str, str]:
     """The environment for a subprocess whose S3 traffic, and that of every Ray worker of the job it starts, goes
-    through `proxy`: AWS_ENDPOINT_URL here, and for the workers the job's runtime_env (Ray's RAY_JOB_CONFIG_JSON_ENV_VAR,
-    what `ray job submit --runtime-env-json` sets), since Ray's workers inherit the raylet's environment, not the
-    driver's."""
+    through `proxy`: AWS_ENDPOINT_URL here, and for the workers the job's runtime_env (Ray's
+    RAY_JOB_CONFIG_JSON_ENV_VAR, what `ray job submit --runtime-env-json` sets), since Ray's workers inherit the
+    raylet's environment, not the driver's."""
     import json
 
     env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, **extra}

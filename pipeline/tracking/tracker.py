@@ -43,7 +43,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
 | metric | `train/bad_steps`          | optimizer steps skipped so far for a non-finite loss/gradient  |
 | metric | `train/data_wait`          | share of the logging window's wall clock spent waiting for the next batch (0..1) |
-| metric | `eval/data_wait`           | share of an evaluation's wall clock spent waiting for validation batches (0..1), at each `val/loss` |
+| metric | `eval/data_wait`           | share of an evaluation's wall clock waiting for validation batches (0..1) |
 | metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
 | metric | `val/ppl`                  | exp(val/loss)                                                  |
 | metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
