@@ -141,8 +141,9 @@ def call(fn: Callable[[], T], *, window_s: float | None = None, retry_if: Callab
 
 def wait_until(probe: Callable[[], object], window_s: float, *,
                on_wait: Callable[[BaseException, float], None] | None = None) -> None:
-    """Call probe() until it does not raise a transient error or `window_s` has passed (then the error goes up);
-    on_wait(error, seconds waited so far) is called once, at the first failure."""
+    """Call probe() (one storage call that does not retry itself: pipeline/storage.py's StorageError counts, by
+    what it says) until it does not fail transiently or `window_s` has passed (then its error goes up); on_wait(error,
+    0.0) is called once, at the first failure."""
     told = []
 
     def note(exc: BaseException, attempt: int, delay: float) -> None:
@@ -150,7 +151,7 @@ def wait_until(probe: Callable[[], object], window_s: float, *,
             on_wait(exc, 0.0)
             told.append(True)
 
-    call(probe, window_s=window_s, on_retry=note)
+    call(probe, window_s=window_s, on_retry=note, retry_if=lambda exc: kind(exc) in TRANSIENT)
 
 
 # ------------------------------------------------------------------------------------------ a filesystem for Ray
