@@ -37,7 +37,7 @@ def load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
 
 
 def _load_location(engine, location: str, via=None) -> dict[str, Any]:
-    """A checkpoint at `location` into the engine (module docstring of _load_restored); `via`: Ray's Checkpoint
+    """A checkpoint at `location` into the engine (as load_restored says); `via`: Ray's Checkpoint
     for it, whose as_directory shares one download per node."""
     from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
 
@@ -52,12 +52,8 @@ def _load_location(engine, location: str, via=None) -> dict[str, Any]:
             return meta
     if via is None:
         return engine.load(location)
-
-    def load_via_ray() -> dict[str, Any]:
-        with via.as_directory() as d:
-            return engine.load(d)
-
-    return faults.call(load_via_ray)  # the download rides out an outage like every other storage call
+    with via.as_directory() as d:  # Ray's download, through the storage filesystem that retries (storage_faults.py)
+        return engine.load(d)
 
 
 def load_chosen(engine, location: str) -> dict[str, Any]:
