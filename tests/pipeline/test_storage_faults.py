@@ -127,7 +127,7 @@ def test_a_restarted_worker_waits_for_the_store_and_not_for_refused_credentials(
     from pipeline.train.ray_checkpoints import wait_for_storage
 
     run_store = obj.rsplit("/", 1)[0]
-    through_proxy.down(2)
+    through_proxy.down(5)  # longer than the S3 client's own retries, so the first listing fails
     wait_for_storage(run_store, 60, rank=0)
     assert capsys.readouterr().out.startswith(f"storage: {run_store} does not answer (unreachable); waiting up to "
                                               f"60 s (run.storage_retry_s) before resuming")
