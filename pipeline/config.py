@@ -152,6 +152,7 @@ class RunConfig:
     # (data.dataset_store, ray.storage_path, tracking.artifact_location).
     storage: str = ""  # one root for datasets, checkpoints and artifacts, a path or a bucket URI
     name: str = ""  # empty = generated from tier and time
+    storage_retry_s: float = 300.0  # seconds training rides out an object-store outage, stall or 5xx before failing
 
 
 @dataclass
@@ -385,6 +386,7 @@ def validate(cfg: Config) -> None:
     _positive("ray.max_failures", r.max_failures, zero_ok=True)
     _one_of("ray.use_gpu", r.use_gpu, ("auto", "true", "false"))
     _one_of("ray.placement_strategy", r.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    _positive("run.storage_retry_s", cfg.run.storage_retry_s, zero_ok=True)
     tr = cfg.tracking
     if not (math.isfinite(tr.system_metrics_interval_s) and tr.system_metrics_interval_s >= 1.0):
         raise ConfigError(f"tracking.system_metrics_interval_s={tr.system_metrics_interval_s} is invalid; it must "

@@ -5,7 +5,8 @@
     python pipeline/run.py prepare --data.source=files --data.path='corpus/*.jsonl'
     python pipeline/run.py validate runs/datasets/<hash>     # or s3://bucket/longtrain/datasets/<hash>
     python pipeline/run.py train --preset gpu --ray.num_workers=8
-    python pipeline/run.py train --resume runs/<run>         # continue a run from its latest checkpoint
+    python pipeline/run.py train --resume runs/<run>         # continue a run from its latest complete checkpoint
+    python pipeline/run.py train --resume runs/<run> --checkpoint <one of its checkpoints>   # ... or from that one
     python pipeline/run.py train --phases phases.yaml        # a curriculum: one dataset and step count per phase
     python pipeline/run.py train --data.mixture=mixes/web_code.yaml   # several sources blended by token share
     python pipeline/run.py train --no-ray                    # the same engine in one plain process
@@ -86,7 +87,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                                           "still runs on Ray Data)")
     p.add_argument("--phases", help="YAML list of phases: [{steps: N, overrides: {data.source: ...}}, ...]")
     p.add_argument("--checkpoint", help="eval/generate/export: a run directory (its latest checkpoint), a checkpoint "
-                                        "directory or a URI (default: the --resume run's latest)")
+                                        "directory or a URI (default: the --resume run's latest); train --resume RUN: "
+                                        "the checkpoint of the run to continue from")
     p.add_argument("--prompt", action="append", help="generate: a prompt (repeatable)")
     p.add_argument("--prompts-file", help="generate: a file with one prompt per line")
     p.add_argument("--max-new-tokens", type=int, default=64, help="generate: tokens generated per prompt (64)")
@@ -154,6 +156,9 @@ def stage_train(cfg: Config, args: argparse.Namespace):
     from pipeline.train.run_dir import write_run_file
     from pipeline.train.session import TrainSession, load_phases
 
+    if args.checkpoint and not args.resume:
+        raise UsageError("train --checkpoint continues a run from one of its checkpoints: add --resume RUN (a new "
+                         "run from another run's weights is a phase: --phases)")
     start_step, extended = None, ""
     if args.resume:
         run_dir = find_run(cfg, args.resume)
@@ -164,7 +169,8 @@ def stage_train(cfg: Config, args: argparse.Namespace):
         # the run's own config, with the fields this command line set on top
         preset = load_config(args.preset).flat()
         cfg = saved.replace({k: v for k, v in cfg.flat().items() if k in typed or v != preset[k]})
-        plan = plan_resume(run_dir, record, cfg, typed, phases_file=args.phases, no_ray=args.no_ray)
+        plan = plan_resume(run_dir, record, cfg, typed, phases_file=args.phases, no_ray=args.no_ray,
+                           checkpoint=args.checkpoint)
         if plan.finished:
             print(plan.finished)
             return run_dir, None
@@ -177,7 +183,7 @@ def stage_train(cfg: Config, args: argparse.Namespace):
         phases = load_phases(args.phases, cfg, preset=args.preset)  # a preset may bring its own (long-32k)
     audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))
     session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit, start_step=start_step,
-                           extended=extended)
+                           extended=extended, resume_from=args.checkpoint)
     return run_dir, session.run(resume=bool(args.resume))
 
 
@@ -388,13 +394,29 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, RuntimeError) as exc:
-        # The project's own user-facing errors (DatasetError, CheckpointError, TrackingError, ...) carry
-        # one clear line naming the problem and the fix; anything else is a bug and keeps its traceback.
-        if type(exc).__module__.split(".")[0] in ("pipeline", "model", "cuda_ops"):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except Exception as exc:  # noqa: BLE001
+        # The project's own user-facing errors (DatasetError, CheckpointError, StorageError, TrackingError, ...)
+        # carry one clear line naming the problem and the fix, also when Ray hands them back wrapped (RayTaskError,
+        # Ray Train's TrainingFailedError): that line is printed. Anything else is a bug and keeps its traceback.
+        found = user_error(exc)
+        if found is None:
+            raise
+        print(f"error: {str(found).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def user_error(exc: BaseException) -> BaseException | None:
+    """The first of the project's own ValueError/RuntimeError subclasses in `exc`'s chain (Ray's wrappers
+    followed: pipeline/ray_runtime.py find_cause), or None."""
+    def ours(e: BaseException) -> bool:
+        return (isinstance(e, (ValueError, RuntimeError))
+                and type(e).__module__.split(".")[0] in ("pipeline", "model", "cuda_ops"))
+
+    if ours(exc):
+        return exc
+    from pipeline.ray_runtime import find_cause
+
+    return find_cause(exc, ours)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,11 @@ filesystem mounted at the same path everywhere is file:///that/path). So a Ray w
 handed a bare path (pipeline/ray_runtime.py `require_shared` refuses that before any worker starts). This
 module needs only pyarrow (fsspec for other protocols): the Ray-free engine reads URIs too.
 
-Every storage failure becomes a StorageError, one line naming the location and the fix (endpoint unreachable,
-bucket missing, access denied, ...).
+Every storage failure becomes a StorageError, one line naming the endpoint, the object and the fix (endpoint
+unreachable, stalled, bucket missing, access denied, ...). A transient one (the endpoint refuses connections, stalls,
+or answers 5xx) is first retried with capped exponential backoff for the process's retry window
+(pipeline/storage_faults.py: 0 unless set; `train` sets run.storage_retry_s after its up-front checks, which always
+fail at once). Deleting what is already gone is not an error.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import pyarrow.fs as pafs
 
+from pipeline import storage_faults as faults
+
 if TYPE_CHECKING:
     from pipeline.config import Config
 
@@ -52,6 +57,8 @@ CONNECT_TIMEOUT_S = 5.0  # an endpoint that does not answer fails in seconds, no
 class StorageError(RuntimeError):
     """A location cannot be used (unreachable endpoint, missing bucket, denied access, ...); one line naming
     the location and the fix."""
+
+    no_retry = True  # raised once the retry window is spent (or was 0): callers above never retry it again
 
 
 # ------------------------------------------------------------------------------------------ locations
@@ -198,11 +205,14 @@ def location_of(fs: pafs.FileSystem, path: str, like: str) -> str:
     return f"{sch}://{path.lstrip('/')}"
 
 
-def ray_storage_args(location: str) -> dict:
+def ray_storage_args(location: str, retry_s: float = 0.0) -> dict:
     """storage_path and storage_filesystem for a Ray Train or Tune RunConfig: Ray opens `location` with the same
-    filesystem as everything here (endpoint, region), not one it builds from the URI itself."""
+    filesystem as everything here (endpoint, region), not one it builds from the URI itself; with `retry_s`, one that
+    rides out transient failures that long (pipeline/storage_faults.py retrying_filesystem)."""
     fs, path = resolve(location)
-    return {"storage_path": path, "storage_filesystem": None if is_local(location) else fs}
+    if is_local(location):
+        return {"storage_path": path, "storage_filesystem": None}
+    return {"storage_path": path, "storage_filesystem": faults.retrying_filesystem(fs, retry_s) if retry_s else fs}
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -211,31 +221,36 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-_UNREACHABLE = ("NETWORK_CONNECTION", "curlCode", "Could not resolve host", "Connection refused",
-                "Failed to connect", "Couldn't connect", "timed out", "Timeout was reached")
-_NO_BUCKET = ("NO_SUCH_BUCKET", "NoSuchBucket", "bucket does not exist")
-_DENIED = ("ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId",
-           "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "EXPIRED_TOKEN", "ExpiredToken", "Forbidden",
-           "HTTP 403", "Permission denied", "PermissionDenied", "Unable to find credentials", "No credentials")
-
-
 def explain(exc: BaseException, location: str, what: str = "") -> StorageError:
-    """A StorageError naming the location, what went wrong and the fix, for an error a storage call raised."""
+    """A StorageError naming the endpoint, the object, what went wrong and the fix, for an error a storage call
+    raised (after its retries, when it was retried: `retried` on the error says how long)."""
     msg = str(exc)
     code = re.search(r"AWS Error ([A-Z_]+)", msg)
     detail = code.group(1) if code else first_line(exc)[:160]
     named = f"{what} {location}" if what else location
     sch = scheme(location)
-    if any(s in msg for s in _UNREACHABLE):
-        where = f"endpoint {endpoint()}" if sch == "s3" and endpoint() else "the object store"
+    where = f"endpoint {endpoint()}" if sch == "s3" and endpoint() else "the object store"
+    retried = getattr(exc, "retried", None)
+    waited = f"; retried for {retried[1]:.0f} s (run.storage_retry_s)" if retried else ""
+    found = faults.kind(exc)
+    if found == "stalled":
+        limit = faults.stall_seconds(exc)
+        timeout = (f"no byte for {limit:g} s, the S3 client's stall timeout" if limit is not None
+                   else "the client's request timeout")
+        return StorageError(f"{where} stalled on {named} ({timeout}; {detail}){waited}: the connection was open but "
+                            f"nothing came back; check the object store's health and load")
+    if found in ("unreachable", "server"):
         fix = ("set AWS_ENDPOINT_URL (or endpoint_url in ~/.aws/config) to the S3-compatible server's URL "
                "(http://host:port)" if sch == "s3" else "check the network")
-        return StorageError(f"cannot reach {where} for {named} ({detail}); is it running and reachable from this "
-                            f"machine? {fix}")
-    if any(s in msg for s in _NO_BUCKET):
+        if found == "server":
+            return StorageError(f"{where} failed on {named} with a server error ({detail}){waited}; check the "
+                                f"object store's health")
+        return StorageError(f"cannot reach {where} for {named} ({detail}){waited}; is it running and reachable from "
+                            f"this machine? {fix}")
+    if found == "no_bucket":
         return StorageError(f"the bucket of {named} does not exist ({detail}); create it (e.g. `aws s3 mb "
                             f"{sch}://{bucket_of(location)}`) or fix the URI")
-    if any(s in msg for s in _DENIED) or isinstance(exc, PermissionError):
+    if found == "denied":
         creds = ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the node's instance role" if sch == "s3"
                  else "GOOGLE_APPLICATION_CREDENTIALS or the node's service account" if sch in ("gs", "gcs")
                  else "the permissions of the path")
@@ -264,13 +279,20 @@ def explained(location: str, what: str = "") -> Iterator[None]:
         raise explain(exc, location, what) from None
 
 
+def _io(location: str, fn, what: str = ""):
+    """fn() (a call on the filesystem of `location`), retried while it fails transiently within this thread's
+    retry window (pipeline/storage_faults.py), then explained like `explained` does."""
+    with explained(location, what):
+        return faults.call(fn)
+
+
 def check_bucket(location: str, *, what: str) -> None:
     """On S3, StorageError when the location's bucket is missing, denied or unreachable (a missing bucket
     otherwise reads as "no such file"); nothing for other storage."""
     if scheme(location) != "s3":
         return
     fs, _ = resolve(location)
-    with explained(location, what):
+    with explained(location, what):  # no retries: this is the up-front check, one line at once
         missing = fs.get_file_info(bucket_of(location)).type == pafs.FileType.NotFound
     if missing:
         raise StorageError(f"the bucket of {what} {location} does not exist; create it (e.g. `aws s3 mb "
@@ -299,8 +321,7 @@ def check(location: str, *, what: str, write: bool = False) -> None:
 # ------------------------------------------------------------------------------------------ operations
 def info(location: str) -> pafs.FileInfo:
     fs, path = resolve(location)
-    with explained(location):
-        return fs.get_file_info(path)
+    return _io(location, lambda: fs.get_file_info(path))
 
 
 def exists(location: str) -> bool:
@@ -315,9 +336,12 @@ def read_bytes(location: str | os.PathLike) -> bytes:
     """The whole object; FileNotFoundError when there is none."""
     location = str(location)
     fs, path = resolve(location)
-    with explained(location):
+
+    def read() -> bytes:
         with fs.open_input_stream(path) as f:
             return f.read()
+
+    return _io(location, read)
 
 
 def read_text(location: str | os.PathLike) -> str:
@@ -329,19 +353,45 @@ def write_bytes(location: str | os.PathLike, data: bytes) -> None:
     previous version); on a local disk a temp file renamed over the name."""
     location = str(location)
     fs, path = resolve(location)
+    if not isinstance(fs, pafs.LocalFileSystem):
+        def put() -> None:
+            with fs.open_output_stream(path) as out:
+                out.write(data)
+
+        _io(location, put)  # a retry writes the whole object again: readers never see part of it
+        return
     with explained(location):
-        if isinstance(fs, pafs.LocalFileSystem):
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+
+
+def upload_file(local: str | os.PathLike, location: str) -> None:
+    """Copy a local file to `location` in one piece, streamed (no whole-file read into memory): on object storage
+    the object appears only when all of it is written, and a failed try is retried whole (within the retry
+    window); on a local disk a temp file renamed over the name."""
+    local = Path(local)
+    fs, path = resolve(location)
+    if isinstance(fs, pafs.LocalFileSystem):
+        with explained(location):
             target = Path(path)
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            shutil.copyfile(local, tmp)
             os.replace(tmp, target)
-            return
-        with fs.open_output_stream(path) as out:
-            out.write(data)
+        return
+
+    def put() -> None:
+        with open(local, "rb") as src, fs.open_output_stream(path) as out:
+            for chunk in iter(lambda: src.read(8 << 20), b""):
+                out.write(chunk)
+
+    _io(location, put)
 
 
 def write_text(location: str | os.PathLike, text: str) -> None:
@@ -351,8 +401,7 @@ def write_text(location: str | os.PathLike, text: str) -> None:
 def open_input(location: str):
     """A random-access pyarrow NativeFile (ranged reads on object storage)."""
     fs, path = resolve(location)
-    with explained(location):
-        return fs.open_input_file(path)
+    return _io(location, lambda: fs.open_input_file(path))
 
 
 def open_output(location: str):
@@ -374,29 +423,39 @@ def makedirs(location: str) -> None:
 def listdir(location: str, recursive: bool = False) -> list[pafs.FileInfo]:
     """Entries under a directory or prefix ([] when there is none); FileInfo.path is inside the filesystem."""
     fs, path = resolve(location)
-    with explained(location):
-        return fs.get_file_info(pafs.FileSelector(path, recursive=recursive, allow_not_found=True))
+    return _io(location, lambda: fs.get_file_info(pafs.FileSelector(path, recursive=recursive, allow_not_found=True)))
 
 
 def delete(location: str) -> None:
-    """Delete a file or a whole directory/prefix; nothing when it is not there."""
+    """Delete a file or a whole directory/prefix; nothing when it is not there, or is gone by the time it is
+    deleted (a listing may still show a prefix whose objects were just removed: SeaweedFS keeps an empty folder
+    entry after a large delete, and another process may be deleting the same thing)."""
     fs, path = resolve(location)
-    with explained(location):
-        kind = fs.get_file_info(path).type
-        if kind == pafs.FileType.Directory:
-            fs.delete_dir(path)
-        elif kind == pafs.FileType.File:
-            fs.delete_file(path)
+
+    def remove() -> None:
+        try:
+            kind = fs.get_file_info(path).type
+            if kind == pafs.FileType.Directory:
+                fs.delete_dir(path)
+            elif kind == pafs.FileType.File:
+                fs.delete_file(path)
+        except FileNotFoundError:
+            pass
+
+    _io(location, remove)
 
 
 def sha256(location: str | os.PathLike) -> str:
-    h = hashlib.sha256()
     fs, path = resolve(str(location))
-    with explained(str(location)):
+
+    def digest() -> str:
+        h = hashlib.sha256()
         with fs.open_input_stream(path) as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
-    return h.hexdigest()
+        return h.hexdigest()
+
+    return _io(str(location), digest)
 
 
 def glob(pattern: str) -> list[str]:
@@ -410,8 +469,8 @@ def glob(pattern: str) -> list[str]:
     parts = path.split("/")
     fixed = next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))
     regex = _glob_regex(parts)
-    with explained(pattern):
-        found = fs.get_file_info(pafs.FileSelector("/".join(parts[:fixed]), recursive=True, allow_not_found=True))
+    found = _io(pattern, lambda: fs.get_file_info(pafs.FileSelector("/".join(parts[:fixed]), recursive=True,
+                                                                    allow_not_found=True)))
     return sorted(location_of(fs, f.path, pattern) for f in found
                   if f.type == pafs.FileType.File and regex.fullmatch(f.path))
 
@@ -447,7 +506,8 @@ def download(location: str, dest: str | os.PathLike) -> Path:
     """Copy a file or a directory tree to a local path; returns it."""
     dest = Path(dest)
     fs, path = resolve(location)
-    with explained(location):
+
+    def copy() -> None:  # a retry copies everything again, over what a failed try left
         kind = fs.get_file_info(path).type
         if kind == pafs.FileType.NotFound:
             raise FileNotFoundError(f"{location} does not exist")
@@ -458,6 +518,8 @@ def download(location: str, dest: str | os.PathLike) -> Path:
             dest.mkdir(parents=True, exist_ok=True)
             pafs.copy_files(path, str(dest), source_filesystem=fs, destination_filesystem=_local(),
                             use_threads=True)
+
+    _io(location, copy)
     return dest
 
 

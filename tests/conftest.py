@@ -7,6 +7,10 @@ first use. Its endpoint and key are in this process's environment from the start
 AWS_ACCESS_KEY_ID, ...: the standard AWS settings), so every Ray worker the session starts inherits them, as
 the nodes of a configured cluster have theirs.
 
+`fault_proxy`: ONE fault-injecting TCP proxy (bench/fault_proxy.py) in front of the session's S3 server, healthy
+until a test makes it misbehave; `through_proxy` points this process's S3 clients at it for one test and clears its
+faults afterwards. A subprocess or Ray job reaches the bucket through it with `proxy_env(proxy)`.
+
 `ray_session`: ONE Ray instance for the whole test session (starting Ray takes ~10 s on 2 cores). It
 advertises 8 logical CPUs on purpose: with num_cpus=2, tokenizer actors or training workers take every
 CPU and Ray Data's read tasks would wait forever. Tests that need Ray depend on this fixture and never call
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.fault_proxy import FaultProxy
 from bench.s3_server import SeaweedS3, free_ports
 from pipeline import storage
 from pipeline.storage import STORAGE_ENV
@@ -175,6 +180,42 @@ def s3_bucket() -> str:
     finally:
         S3.stop()
         shutil.rmtree(S3.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def fault_proxy(s3_bucket) -> FaultProxy:
+    """The session's fault proxy in front of its S3 server (module docstring)."""
+    proxy = FaultProxy("127.0.0.1", S3.port).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture
+def through_proxy(fault_proxy, monkeypatch) -> FaultProxy:
+    """This process's S3 clients (pyarrow's, and boto3's for MLflow artifacts) go through the fault proxy for one
+    test; its faults and request log are cleared before and after."""
+    fault_proxy.clear()
+    fault_proxy.reset_log()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
+    try:
+        yield fault_proxy
+    finally:
+        fault_proxy.clear()
+
+
+def proxy_env(proxy: FaultProxy, **extra: str) -> dict[str, str]:
+    """The environment for a subprocess whose S3 traffic, and that of every Ray worker of the job it starts, goes
+    through `proxy`: AWS_ENDPOINT_URL here, and for the workers the job's runtime_env (Ray's
+    RAY_JOB_CONFIG_JSON_ENV_VAR, what `ray job submit --runtime-env-json` sets), since Ray's workers inherit the
+    raylet's environment, not the driver's."""
+    import json
+
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, **extra}
+    env["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps({"runtime_env": {"env_vars": {"AWS_ENDPOINT_URL": proxy.endpoint,
+                                                                                  **extra}}})
+    return env
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pipeline import storage_faults as faults
 from pipeline.data.shards import MANIFEST_FILE, DatasetError, Manifest, load_manifest
 from pipeline.storage import basename, delete, join, listdir, read_bytes, resolve, write_bytes
 
@@ -116,8 +117,9 @@ class Build:
         """Remove this build (it failed, or another prepare's manifest won); best effort."""
         self.stop()
         try:
-            delete(self.dir)
-            delete(self.lease)
+            with faults.retry_window_of(0):  # no waiting for a store that is away: a later cleanup removes it
+                delete(self.dir)
+                delete(self.lease)
         except Exception:  # noqa: BLE001 -- what is left is removed by a later cleanup (owner gone)
             pass
 

@@ -73,8 +73,8 @@ from pipeline.data.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE,
                                   load_manifest, token_numpy_type, write_manifest)
 from pipeline.data.tokenizer import Tokenizer, TokenizerError, file_sha256, train_tokenizer
 from pipeline.ray_runtime import ensure_ray, find_cause, require_shared
-from pipeline.storage import (absolute, check, dataset_store, delete, exists, is_local, is_uri, join, listdir,
-                              makedirs, read_bytes, resolve, write_bytes)
+from pipeline.storage import (StorageError, absolute, check, dataset_store, delete, exists, is_local, is_uri, join,
+                              listdir, makedirs, read_bytes, resolve, write_bytes)
 
 if TYPE_CHECKING:
     from pipeline.config import Config
@@ -249,10 +249,10 @@ def default_actor_count() -> int:
 
 
 def _user_error(exc: BaseException) -> BaseException | None:
-    """The DataSourceError/TokenizerError/DatasetError inside a Ray exception chain, if any."""
+    """The DataSourceError/TokenizerError/DatasetError/StorageError inside a Ray exception chain, if any."""
     from ray.exceptions import RayError
 
-    return find_cause(exc, lambda e: isinstance(e, (DataSourceError, TokenizerError, DatasetError))
+    return find_cause(exc, lambda e: isinstance(e, (DataSourceError, TokenizerError, DatasetError, StorageError))
                       and not isinstance(e, RayError))
 
 

@@ -45,7 +45,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.storage import absolute, basename, join, open_input, open_output, read_bytes, write_bytes
+from pipeline import storage_faults as faults
+from pipeline.storage import (StorageError, absolute, basename, explain, explained, join, open_input, open_output,
+                              read_bytes, write_bytes)
 
 if TYPE_CHECKING:
     import ray.data
@@ -221,13 +223,14 @@ def write_shard(path: Path | str, tables: Iterable[pa.Table], schema: pa.Schema)
     hashed while it is written (no second read of an object). Never overwritten in place: the builder writes
     each build under a name of its own (pipeline/data/pack.py), so a half-written shard is simply unreferenced."""
     rows = 0
-    with open_output(str(path)) as out:
-        sink = _HashingSink(out)
-        with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=False,
-                              write_statistics=["seq_id"], write_page_checksum=True) as writer:
-            for t in tables:
-                writer.write_table(t, row_group_size=max(1, t.num_rows))
-                rows += t.num_rows
+    with explained(str(path)):  # a failed upload (at a part or at close) is a StorageError naming the shard
+        with open_output(str(path)) as out:
+            sink = _HashingSink(out)
+            with pq.ParquetWriter(sink, schema, compression="zstd", use_dictionary=False,
+                                  write_statistics=["seq_id"], write_page_checksum=True) as writer:
+                for t in tables:
+                    writer.write_table(t, row_group_size=max(1, t.num_rows))
+                    rows += t.num_rows
     return ShardInfo(file=basename(str(path)), rows=rows, sha256=sink.hash.hexdigest())
 
 
@@ -281,9 +284,13 @@ class ShardReader:
 
     def __init__(self, dataset_dir: Path | str, split: str = "train", batch_size: int = 8, seed: int = 0,
                  epoch: int = 0, start: int = 0, rank: int = 0, world_size: int = 1, *,
-                 cache_bytes: int = 128 << 20, drop_last: bool = True):
+                 cache_bytes: int = 128 << 20, drop_last: bool = True, retry_s: float | None = None):
         self.dataset_dir = absolute(dataset_dir)
-        self.manifest = load_manifest(self.dataset_dir)
+        # Storage failures that pass (outage, stall, 5xx) are ridden out this long, in the reader's own threads too;
+        # None: the window of the thread that makes the reader (pipeline/storage_faults.py).
+        self.retry_s = faults.retry_window() if retry_s is None else retry_s
+        with faults.retry_window_of(self.retry_s):
+            self.manifest = load_manifest(self.dataset_dir)
         if (self.manifest.source or {}).get("kind") == "mixture":
             raise DatasetError(f"{str(dataset_dir)!r} is a mixture of datasets (no shards of its own); read it with "
                                "pipeline/data/mixture.py's MixtureReader, or one of its sources' datasets")
@@ -397,13 +404,26 @@ class ShardReader:
             return [r for f in work for r in run(f)]
         return [r for part in _read_pool().map(run, list(work)) for r in part]
 
+    def _storage(self, location: str, fn, corrupt):
+        """fn() with this reader's retry window: a storage failure that passes is retried, one that does not (or
+        outlasts the window) is a StorageError naming the endpoint; any other error is the data's: corrupt(exc)."""
+        with faults.retry_window_of(self.retry_s):
+            try:
+                return faults.call(fn)
+            except StorageError:
+                raise
+            except (OSError, pa.ArrowException) as exc:
+                if faults.kind(exc):
+                    raise explain(exc, location) from None
+                raise corrupt(exc) from None
+
     def _open(self, f: int) -> None:
         path = join(self.dataset_dir, self._shards[f].file)
-        try:
-            pf = pq.ParquetFile(open_input(path), pre_buffer=True, page_checksum_verification=True)
-        except (OSError, pa.ArrowException) as exc:
-            raise DatasetError(f"shard {path!r} cannot be opened ({str(exc).splitlines()[0]}); run "
-                               "`python pipeline/run.py validate` and prepare the dataset again") from None
+        pf = self._storage(path, lambda: pq.ParquetFile(open_input(path), pre_buffer=True,
+                                                        page_checksum_verification=True),
+                           lambda exc: DatasetError(f"shard {path!r} cannot be opened ({str(exc).splitlines()[0]}); "
+                                                    "run `python pipeline/run.py validate` and prepare the dataset "
+                                                    "again"))
         md = pf.metadata
         if md.num_rows != self._shards[f].rows:
             raise DatasetError(f"shard {path!r} has {md.num_rows} rows, the manifest says "
@@ -411,8 +431,21 @@ class ShardReader:
         self._files[f] = (pf, np.cumsum([0] + [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
 
     def _read_group(self, f: int, g: int) -> _RowGroup:
+        def read() -> pa.Table:
+            if f not in self._files:  # dropped by a failed try: a fresh file, nothing half-fetched cached
+                self._open(f)
+            try:
+                return self._files[f][0].read_row_group(g)
+            except (OSError, pa.ArrowException):
+                self._files.pop(f, None)
+                raise
+
+        table = self._storage(join(self.dataset_dir, self._shards[f].file), read,
+                              lambda exc: DatasetError(f"shard {self._shards[f].file!r} row group {g} is unreadable "
+                                                       f"({str(exc).splitlines()[0]}); the dataset is corrupt: "
+                                                       "prepare it again"))
         try:
-            group = _RowGroup(self._files[f][0].read_row_group(g), self.width)
+            group = _RowGroup(table, self.width)
         except (OSError, pa.ArrowException) as exc:
             raise DatasetError(f"shard {self._shards[f].file!r} row group {g} is unreadable "
                                f"({str(exc).splitlines()[0]}); the dataset is corrupt: prepare it again") from None
@@ -422,10 +455,37 @@ class ShardReader:
         return group
 
 
-def eval_reader(dataset_dir: Path | str, batch_size: int, rank: int = 0, world_size: int = 1) -> ShardReader:
+def eval_reader(dataset_dir: Path | str, batch_size: int, rank: int = 0, world_size: int = 1, *,
+                cache_bytes: int = 128 << 20) -> ShardReader:
     """Batches over the whole validation split in a fixed order, every row once across the ranks (module docstring:
     a short last batch is padded, its `pad` rows not counted). Rank r of world_size reads its share."""
-    return ShardReader(dataset_dir, "val", batch_size, 0, 0, 0, rank, world_size, drop_last=False)
+    return ShardReader(dataset_dir, "val", batch_size, 0, 0, 0, rank, world_size, drop_last=False,
+                       cache_bytes=cache_bytes)
+
+
+EVAL_CACHE_BYTES = 256 << 20  # decoded validation rows an EvalSplit keeps between evaluations, per worker
+
+
+class EvalSplit:
+    """The validation batches of every evaluation of a run (`val_batches()` gives one evaluation's, as
+    eval_reader): one reader for the whole run, rewound each time, so the manifest is read once, each shard's
+    Parquet footer once, and each row group once as long as the row groups the evaluations read fit in
+    `cache_bytes` of decoded rows (EVAL_CACHE_BYTES, 256 MiB; beyond that the least recently used are fetched
+    again). Every evaluation reads the same rows in the same order (the split's fixed order from position 0), so
+    with train.eval_batches x train.batch_size rows per worker well under the bound, the validation split is read
+    from storage once per run instead of once per evaluation."""
+
+    def __init__(self, dataset_dir: Path | str, batch_size: int, rank: int = 0, world_size: int = 1, *,
+                 cache_bytes: int = EVAL_CACHE_BYTES):
+        self.args = (dataset_dir, batch_size, rank, world_size)
+        self.cache_bytes = cache_bytes
+        self.reader: ShardReader | None = None
+
+    def __call__(self) -> ShardReader:
+        if self.reader is None:
+            self.reader = eval_reader(*self.args, cache_bytes=self.cache_bytes)
+        self.reader.position = self.reader._start  # from the split's first batch again
+        return self.reader
 
 
 def check_trainable(manifest: Manifest, dataset_dir: Path | str, batch_size: int, world_size: int = 1) -> None:
@@ -456,22 +516,23 @@ READ_TASKS = 2  # read tasks in flight per stream: one reading ahead while the o
 
 
 @functools.lru_cache(maxsize=8)
-def _worker_reader(*args: Any) -> ShardReader:
+def _worker_reader(args: tuple, retry_s: float = 0.0) -> ShardReader:
     """One reader per argument set per Ray worker process, so open files and the row-group cache are reused."""
-    return ShardReader(*args)
+    return ShardReader(*args, retry_s=retry_s)
 
 
-def _read_batches(batch: dict[str, np.ndarray], reader_args: tuple) -> dict[str, np.ndarray]:
-    reader = _worker_reader(*reader_args)
+def _read_batches(batch: dict[str, np.ndarray], reader_args: tuple, retry_s: float = 0.0) -> dict[str, np.ndarray]:
+    reader = _worker_reader(reader_args, retry_s)
     rows = np.concatenate([reader.rows_of_batch(int(j)) for j in batch["id"]])
     return reader.read_rows(rows)
 
 
 def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int = 8, seed: int = 0, epoch: int = 0,
-                start: int = 0, rank: int = 0, world_size: int = 1) -> "ray.data.Dataset":
+                start: int = 0, rank: int = 0, world_size: int = 1, *, retry_s: float = 0.0) -> "ray.data.Dataset":
     """A Ray Data pipeline yielding exactly ShardReader's rows, in the same order, for the same arguments.
 
-    Iterate with `.iter_torch_batches(batch_size=batch_size)` to get the same Batch dicts.
+    Iterate with `.iter_torch_batches(batch_size=batch_size)` to get the same Batch dicts. `retry_s`: how long the
+    read tasks ride out storage failures that pass (a setting handed to them, run.storage_retry_s in training).
     """
     import ray.data
 
@@ -486,6 +547,7 @@ def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int =
     blocks = max(1, min(-(-n_batches // BATCHES_PER_TASK), MAX_BLOCKS))
     ds = ray.data.range(n_batches, override_num_blocks=blocks, concurrency=READ_TASKS)
     ds.context.execution_options.preserve_order = True  # batch j must come j-th, as in ShardReader
-    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args}, batch_size=None, batch_format="numpy",
+    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args, "retry_s": retry_s}, batch_size=None,
+                          batch_format="numpy",
                           compute=ray.data.TaskPoolStrategy(size=READ_TASKS))
 

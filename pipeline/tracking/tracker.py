@@ -43,6 +43,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
 | metric | `train/bad_steps`          | optimizer steps skipped so far for a non-finite loss/gradient  |
 | metric | `train/data_wait`          | share of the logging window's wall clock spent waiting for the next batch (0..1) |
+| metric | `eval/data_wait`           | share of an evaluation's wall clock waiting for validation batches (0..1) |
 | metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
 | metric | `val/ppl`                  | exp(val/loss)                                                  |
 | metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
@@ -118,6 +119,7 @@ TRAIN_DATA_WAIT = "train/data_wait"  # pipeline/train/loop.py's DATA_WAIT
 TRAIN_WORLD_SIZE = "train/world_size"  # an elastic run's changes as nodes come and go (pipeline/train/elastic.py)
 TRAIN_STEPS_REDONE = "train/steps_redone"  # logged once after each restart of the worker group
 TRAIN_RESUME_S = "train/resume_s"
+EVAL_DATA_WAIT = "eval/data_wait"  # pipeline/train/loop.py's EVAL_DATA_WAIT
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
@@ -125,7 +127,7 @@ METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S,
            TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
            TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
            TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S,
-           VAL_LOSS, VAL_PPL, VAL_ACCURACY)
+           VAL_LOSS, VAL_PPL, VAL_ACCURACY, EVAL_DATA_WAIT)
 
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
 KERNELS_TAG = "longtrain.kernels"  # the backend each cuda_ops kernel family ran, and why when not Numba's
@@ -298,6 +300,10 @@ class Tracker:
         self.git_commit = git_commit()
         self._finished = False
         self._system_monitor = None
+        # Artifact uploads ride out object-store failures that pass for run.storage_retry_s; those that can wait
+        # (samples, curves) are logged from a background thread (pipeline/tracking/deferred.py).
+        self.storage_retry_s = cfg.run.storage_retry_s
+        self._deferred = None
         if run_id:
             run = self.client.get_run(run_id)  # raises MlflowException naming the id when it does not exist
             self.client.update_run(run_id, status="RUNNING")
@@ -413,18 +419,27 @@ class Tracker:
             self.client.log_batch(self._run_id, tags=chunk)
 
     # -- artifacts ----------------------------------------------------------------------------
+    # Each upload rides out storage failures that pass (outage, stall, 5xx) for run.storage_retry_s; after that, or at
+    # once for one that does not pass (denied), ArtifactError: one line naming the artifact.
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Upload a local file or directory; artifact_path is the folder inside the run's artifacts."""
+        from pipeline.tracking.deferred import upload_retrying
+
         path = Path(path)
         if not path.exists():
             raise TrackingError(f"artifact {path} does not exist; write it before logging it")
         if path.is_dir():
-            self.client.log_artifacts(self._run_id, str(path), artifact_path)
+            upload_retrying(path.name, lambda: self.client.log_artifacts(self._run_id, str(path), artifact_path),
+                            self.storage_retry_s)
         else:
-            self.client.log_artifact(self._run_id, str(path), artifact_path)
+            upload_retrying(path.name, lambda: self.client.log_artifact(self._run_id, str(path), artifact_path),
+                            self.storage_retry_s)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self._run_id, text, artifact_file)
+        from pipeline.tracking.deferred import upload_retrying
+
+        upload_retrying(artifact_file, lambda: self.client.log_text(self._run_id, text, artifact_file),
+                        self.storage_retry_s)
 
     def log_position_plot(self, title: str | None = None) -> bool:
         """Redraw position_loss.png from this run's val/pos_loss/* history (pipeline/tracking/long_context.py)."""
@@ -434,7 +449,34 @@ class Tracker:
 
     def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
         """A .json / .yaml / .yml artifact (format from the file name)."""
-        self.client.log_dict(self._run_id, dict(dictionary), artifact_file)
+        from pipeline.tracking.deferred import upload_retrying
+
+        upload_retrying(artifact_file, lambda: self.client.log_dict(self._run_id, dict(dictionary), artifact_file),
+                        self.storage_retry_s)
+
+    def log_later(self, artifact_file: str, text: str | None = None, path: str | Path | None = None,
+                  artifact_path: str | None = None) -> None:
+        """Log `text` as artifact_file (or the local file `path` into artifact_path) from a background thread:
+        what can wait for storage does not hold up training. `flush_deferred` (and finish) waits for it."""
+        from pipeline.tracking.deferred import DeferredArtifacts
+
+        if self._deferred is None:
+            self._deferred = DeferredArtifacts(self.storage_retry_s)
+        if text is not None:
+            self._deferred.submit(artifact_file, lambda: self.client.log_text(self._run_id, text, artifact_file))
+        else:
+            self._deferred.submit(artifact_file, lambda: self.client.log_artifact(self._run_id, str(path),
+                                                                                  artifact_path))
+
+    def flush_deferred(self, timeout_s: float | None = None) -> list[str]:
+        """Wait (up to run.storage_retry_s) for the artifacts log_later queued; one line per artifact not logged,
+        also printed as a warning (the run goes on without it)."""
+        if self._deferred is None:
+            return []
+        left = self._deferred.flush(self.storage_retry_s if timeout_s is None else timeout_s)
+        for line in left:
+            print(f"warning: {line}", flush=True)
+        return left
 
     def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train",
                           tags: Mapping[str, Any] | None = None) -> None:
@@ -485,6 +527,7 @@ class Tracker:
         self.stop_system_metrics()
         if self._finished:
             return
+        self.flush_deferred(0 if status == "FAILED" else None)  # a failed run does not wait for its artifacts
         if self.nonfinite_skipped:
             self.set_tags({NONFINITE_TAG: self.nonfinite_skipped})
         self.client.set_terminated(self._run_id, status=status)
@@ -546,6 +589,13 @@ class NullTracker:
 
     def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
         pass
+
+    def log_later(self, artifact_file: str, text: str | None = None, path: str | Path | None = None,
+                  artifact_path: str | None = None) -> None:
+        pass
+
+    def flush_deferred(self, timeout_s: float | None = None) -> list[str]:
+        return []
 
     def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train",
                           tags: Mapping[str, Any] | None = None) -> None:

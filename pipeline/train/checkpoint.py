@@ -14,6 +14,9 @@ Layouts (meta.json `layout`):
            FSDP worker writes its own files; Ray Train merges the workers' directories into one checkpoint
            (every rank reports its directory; the checkpoint is registered once all have).
 meta.json `format` 2; format 1 (written before sharded checkpoints existed) is the full layout and still loads.
+meta.json's `files` records every other file of the checkpoint with its size and sha256 (a sharded one: every
+worker's shards, gathered by rank 0), so a copy in storage can be checked complete with one listing before it is
+registered or resumed (pipeline/train/checkpoints_index.py); a checkpoint without it is checked by its layout.
 
 Loading either layout into either kind of engine: full -> one process or DDP (as always); full -> FSDP (every
 worker reads the full weights and keeps its shards: `set_model_state_dict(full_state_dict=True)`); sharded -> FSDP
@@ -48,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pipeline.train.checkpoints_index import file_record
 
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: the full layout, before sharded checkpoints
@@ -207,12 +212,13 @@ def _join(directory: str | os.PathLike, *names: str) -> str:
 def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
     """meta.json of a checkpoint (a local path or a location on object storage), after checking that the files
     of its layout are all there."""
-    from pipeline.storage import StorageError, is_file, read_text
+    from pipeline.storage import is_file, read_text
+    from pipeline.train.checkpoints_index import missing_files
 
     meta_path = _join(directory, "meta.json")
-    try:
+    try:  # a StorageError (endpoint down, stalled, denied) goes up as what it is: it says nothing of the checkpoint
         text = read_text(meta_path)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, StorageError):
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         from pipeline.train.run_dir import CHECKPOINT_HINT
 
         raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); {CHECKPOINT_HINT}") from None
@@ -224,6 +230,13 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{directory} has checkpoint format {meta.get('format')!r}; this version reads "
                               f"formats {', '.join(map(str, READABLE_FORMATS))}")
     layout = meta.setdefault("layout", FULL)
+    if layout not in (FULL, SHARDED):
+        raise CheckpointError(f"{directory} has checkpoint layout {layout!r}; this version reads {FULL} and {SHARDED}")
+    if meta.get("files"):  # names and sizes meta.json records: one listing (pipeline/train/checkpoints_index.py)
+        problem = missing_files(str(directory), meta)
+        if problem:
+            raise CheckpointError(f"{problem}; it is incomplete, use an earlier one")
+        return meta
     if layout == FULL:
         needed = ["model.safetensors", "train_state.pt"]
     elif layout == SHARDED:
@@ -293,7 +306,8 @@ def save(engine, directory: str | os.PathLike, extra: dict[str, Any] | None = No
         save_model(engine.module.decoder, str(tmp / "model.safetensors"))
         torch.save({"optimizer": engine.optimizer.state_dict(), "scheduler": engine.scheduler.state_dict(),
                     "rng": _rng_state(engine)}, tmp / "train_state.pt")
-        (tmp / "meta.json").write_text(json.dumps(_meta(engine, FULL, extra), indent=2, sort_keys=True))
+        meta = {**_meta(engine, FULL, extra), "files": file_record(tmp)}  # what a complete copy holds
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         _publish(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -315,8 +329,15 @@ def _save_sharded(engine, directory: Path, extra: dict[str, Any] | None) -> Path
         state = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                  "rng": _rng_state(engine)}
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDED_DIR)))
+        # Every worker hashes the files it wrote (rank 0 also DCP's index); rank 0 records them all in meta.json.
+        mine = [f"{SHARDED_DIR}/{p.name}" for p in (tmp / SHARDED_DIR).glob(f"__{engine.rank}_*.distcp")]
+        if engine.rank == 0:
+            mine.append(f"{SHARDED_DIR}/.metadata")
+        records: list[dict | None] = [None] * engine.world_size
+        dist.all_gather_object(records, file_record(tmp, mine))
         if engine.rank == 0:
             meta = _meta(engine, SHARDED, extra)
+            meta["files"] = {k: v for r in records for k, v in (r or {}).items()}
             meta["scheduler"] = engine.scheduler.state_dict()  # plain numbers and lists: JSON, not a pickle
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         dist.barrier()

@@ -13,19 +13,23 @@ from pipeline.train.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.data.mixture import mixture_of
 from pipeline.data.mixture import train_batches as mixed_train_batches
-from pipeline.data.shards import ShardReader, check_trainable, eval_reader, load_manifest
+from pipeline.data.shards import EvalSplit, ShardReader, check_trainable, load_manifest
 from pipeline.eval.sources import SourceValidation
 from pipeline.storage import absolute, local_copy
+from pipeline.train.checkpoint import CheckpointError
+from pipeline.train.checkpoints_index import resume_point
 from pipeline.train.run_dir import AUDIT_DIR
 
 
 def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, tracker=None, *,
                 init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
-                audit_data: bool = False, schedule: PhaseSchedule | None = None):
-    """Train to max_steps (default cfg.train.max_steps); resumes from this phase's latest checkpoint if
-    there is one, else starts from `init_from` (the previous phase) or from scratch. `schedule`: the phase's
-    place in the one LR schedule, its re-warmup and optimizer reset (engine.py PhaseSchedule). Returns the
-    latest checkpoint directory and whether a Ctrl+C stopped the run early: (checkpoint, stopped)."""
+                audit_data: bool = False, schedule: PhaseSchedule | None = None,
+                resume_from: str | Path | None = None):
+    """Train to max_steps (default cfg.train.max_steps); resumes from `resume_from` when given (`--checkpoint`),
+    else from this phase's newest complete checkpoint if there is one (an incomplete newer one is skipped, said in
+    one line), else starts from `init_from` (the previous phase) or from scratch. `schedule`: the phase's place in
+    the one LR schedule, its re-warmup and optimizer reset (engine.py PhaseSchedule). Returns the latest checkpoint
+    directory and whether a Ctrl+C stopped the run early: (checkpoint, stopped)."""
     run_dir, dataset_dir = Path(run_dir), str(dataset_dir)
     manifest = load_manifest(dataset_dir)
     check_trainable(manifest, dataset_dir, cfg.train.batch_size)
@@ -34,21 +38,29 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
         print(f"parallel: none ({engine.parallel_reason})", flush=True)
     announce_kernels(engine, tracker)
     ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
-    resumed = ckpts.latest() is not None
-    if resumed:
-        engine.load(ckpts.latest())
+    resume, note = resume_point(str(ckpts.directory)) if ckpts.directory.is_dir() else (None, None)
+    if resume_from is not None:
+        with local_copy(resume_from) as d:  # a chosen checkpoint, here or on object storage
+            engine.load(d)
+        print(f"resume: from {resume_from} (step {engine.step}), as --checkpoint asks", flush=True)
+    elif resume is not None:
+        if note:
+            print(note, flush=True)
+        engine.load(resume)
+    elif note:
+        raise CheckpointError(f"{note}, and {ckpts.directory} holds no complete checkpoint; start the run anew "
+                              f"(another --run.name) or pass a complete one with --checkpoint")
     elif init_from is not None:
         with local_copy(init_from) as d:  # the previous phase's checkpoint may be on object storage
             engine.load(d)
         engine.epoch, engine.cursor, engine.phase = 0, 0, phase  # a new phase starts its dataset afresh
-    engine.start_phase(schedule or PhaseSchedule(), fresh=not resumed)
+    engine.start_phase(schedule or PhaseSchedule(), fresh=resume_from is None and resume is None)
     t = cfg.train
 
     def train_batches(epoch: int, start: int):
         return ShardReader(dataset_dir, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start)
 
-    def val_batches():
-        return eval_reader(dataset_dir, t.batch_size)
+    val_batches = EvalSplit(dataset_dir, t.batch_size)  # read once, reused by every evaluation
 
     evaluate = None
     if (mix := mixture_of(dataset_dir, cfg)) is not None:  # several sources: one mixed stream, a loss per source
@@ -57,11 +69,11 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     audit = AuditLog(run_dir / AUDIT_DIR / "rank_0.jsonl") if audit_data else None
     extra = {"dataset_dir": absolute(dataset_dir), "phase": phase}
     hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
-                           on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens))
+                           on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True))
     try:
         with StopRequest() as stop:
             res = fit(engine, train_batches, val_batches, hooks, max_steps=max_steps, stop=stop, evaluate=evaluate)
     finally:
         if audit is not None:
             audit.close()
-    return ckpts.latest(), res.stopped_early
+    return ckpts.last_saved or ckpts.latest(), res.stopped_early

@@ -26,6 +26,8 @@ BatchIter = Iterator[dict[str, torch.Tensor]]
 # Share of the logging window's wall-clock time spent waiting for the next batch (starting an epoch's
 # stream included): ~0 when the data keeps up with the step (the tracker's stable name).
 DATA_WAIT = "train/data_wait"
+# The same for an evaluation: the share of its wall-clock time spent waiting for validation batches (storage reads).
+EVAL_DATA_WAIT = "eval/data_wait"
 
 
 class DataExhaustedError(ValueError):
@@ -49,8 +51,10 @@ class StopRequest:
     handlers are installed only in the main thread. Ray Train workers cannot see the driver's Ctrl+C,
     so the driver creates `stop_file` and workers look for it: a local path, or a URI in the run's storage
     when the workers run on other machines (a look costs one HEAD request, at log steps only; a failed look
-    counts as no request). `poll` is collective under DDP (every rank calls it at the same steps and they
-    agree), so all workers stop at the same step.
+    counts as no request). On object storage the look runs in a background thread and a poll takes the answer of
+    the last look that finished, so a stalled or unreachable store never holds up a step (a stop is seen one log
+    step later). `poll` is collective under DDP (every rank calls it at the same steps and they agree), so all
+    workers stop at the same step.
 
     `notices` are preemption notices a worker may get (pipeline/train/elastic.py: a SIGTERM to a Ray Train worker,
     Ray draining its node), each a callable returning a reason or None; with any, the loop asks at every step, so
@@ -66,6 +70,8 @@ class StopRequest:
         self.notices = list(notices)
         self.preempted: str | None = None
         self._previous: dict[int, Any] = {}
+        self._look: threading.Thread | None = None
+        self._seen = False  # what the last finished look in the background found
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
@@ -83,6 +89,21 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def _stop_file_seen(self) -> bool:
+        from pipeline.storage import is_local
+
+        if self.stop_file is None:
+            return False
+        if is_local(self.stop_file):
+            return _stop_file_exists(self.stop_file)
+        if self._look is None or not self._look.is_alive():
+            def look() -> None:
+                self._seen = _stop_file_exists(self.stop_file)
+
+            self._look = threading.Thread(target=look, name="stop-request-look", daemon=True)
+            self._look.start()
+        return self._seen
+
     def poll(self, device: torch.device) -> bool:
         return self.boundary(device)[0]
 
@@ -90,7 +111,7 @@ class StopRequest:
         """(stop now, checkpoint now), agreed by every rank in one all-reduce under a process group: a stop request
         (the stop file looked for only when `look`), a preemption notice on any rank, and `checkpoint_due` (rank 0's
         clock: CheckpointClock)."""
-        local = self.requested or (look and self.stop_file is not None and _stop_file_exists(self.stop_file))
+        local = self.requested or (look and self._stop_file_seen())
         reasons = [n() for n in self.notices]  # every one, every time: a notice may itself be a collective
         notice = next((why for why in reasons if why), None)
         flags = [local or notice is not None, notice is not None, checkpoint_due]
@@ -216,7 +237,7 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
             if (val_batches is not None or evaluate is not None) and (step % t.eval_every == 0 or last):
                 with watch.region("the evaluation (its forwards and the metrics all-reduce)", step):
                     result.last_eval = (evaluate(engine, t.eval_batches) if evaluate is not None
-                                        else engine.evaluate(val_batches(), max_batches=t.eval_batches))
+                                        else evaluate_timed(engine, val_batches(), t.eval_batches))
                     if t.eval_by_position:  # the same batches again, per token (every rank: one all-reduce at the end)
                         by_pos = evaluate_by_position(engine, val_batches(), engine.cfg.data.seq_len, t.eval_batches)
                         result.last_eval.update(by_pos.metrics("val"))
@@ -296,11 +317,15 @@ class LocalCheckpoints:
 
     def __init__(self, directory: str | Path, keep: int):
         self.directory, self.keep = Path(directory), keep
+        self.last_saved: Path | None = None
 
     def save(self, engine: Engine, extra: dict | None = None) -> Path:
         path = engine.save(self.directory / f"step_{engine.step:06d}", extra=extra)
+        self.last_saved = path
         for old in self.all()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+        for left in self.directory.glob(".step_*.tmp-*"):  # what a crash mid-save left: never a checkpoint
+            shutil.rmtree(left, ignore_errors=True)
         return path
 
     def all(self) -> list[Path]:
@@ -314,12 +339,35 @@ class LocalCheckpoints:
 
 
 def _stop_file_exists(location: str) -> bool:
+    from pipeline import storage_faults
     from pipeline.storage import StorageError, exists
 
     try:
-        return exists(location)
+        with storage_faults.retry_window_of(0):  # one look, no waiting: training goes on while the store is away
+            return exists(location)
     except (StorageError, OSError):  # a blip of the object store is not a stop request
         return False
+
+
+def evaluate_timed(engine: Engine, batches: Iterable[dict[str, torch.Tensor]], max_batches: int) -> dict[str, float]:
+    """engine.evaluate over `batches`, plus EVAL_DATA_WAIT: the share of the evaluation's wall-clock time spent
+    waiting for the next batch (reading the validation split, from object storage possibly)."""
+    waited = [0.0]
+
+    def timed() -> Iterator[dict[str, torch.Tensor]]:
+        it = iter(batches)
+        for _ in range(max_batches):  # no batch past the last one used is read
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            waited[0] += time.perf_counter() - t0
+            if batch is None:
+                return
+            yield batch
+
+    start = time.perf_counter()
+    metrics = engine.evaluate(timed(), max_batches=max_batches)
+    metrics[EVAL_DATA_WAIT] = waited[0] / max(time.perf_counter() - start, 1e-9)
+    return metrics
 
 
 class AuditLog:

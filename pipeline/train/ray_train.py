@@ -28,12 +28,14 @@ also before any worker starts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import signal
 import tempfile
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +43,9 @@ from typing import Any
 from pipeline.config import Config, from_flat
 from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet_ray_train_worker, worker_print
 from pipeline.ray_runtime import ensure_ray, require_shared, use_gpu, worker_cpus, workers_may_be_elsewhere
-from pipeline.storage import (absolute, check, delete, exists, is_local, join, local_copy, location_of, native,
-                              ray_storage, ray_storage_args, run_storage, write_bytes)
+from pipeline import storage_faults as faults
+from pipeline.storage import (StorageError, absolute, check, delete, exists, explain, join, local_copy, location_of,
+                              native, ray_storage, ray_storage_args, run_storage, write_bytes)
 
 # Light on purpose: Ray Train's controller and Tune's trial processes import this module (to unpickle
 # train_loop_per_worker). The engine, the model and numba load only in the training workers, inside
@@ -85,15 +88,18 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.train import elastic
     from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
     from pipeline.train.generate import eval_samples_hook
-    from pipeline.train.loop import AuditLog, StopRequest, fit, standard_hooks
+    from pipeline.train.loop import AuditLog, StopRequest, evaluate_timed, fit, standard_hooks
     from pipeline.data.mixture import mixture_of
     from pipeline.data.mixture import train_batches as mixed_train_batches
-    from pipeline.data.shards import eval_reader, ray_batches
+    from pipeline.data.shards import EvalSplit, ray_batches
     from pipeline.eval.sources import SourceValidation
     from pipeline.tracking.tracker import open_tracker
+    from pipeline.train.ray_checkpoints import (load_chosen, load_restored, prune_unregistered, publish_for_ray,
+                                                wait_for_storage, written_by)
 
     cfg: Config = from_flat(lc["config"])
     os.environ[INTERACTIVE_ENV] = "1" if lc.get("interactive") else "0"  # the driver's console, not this pipe
+    faults.set_retry_window(cfg.run.storage_retry_s)  # every storage call here rides out an outage that long
     quiet_ray_data(progress=False)  # the rank-0 progress line is the one to watch
     quiet_ray_train_worker()  # "Reporting training result N: ..." per checkpoint
     ctx = ray.train.get_context()
@@ -105,10 +111,16 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
         torch.cuda.set_device(device)
     engine = Engine(cfg, lc["vocab_size"], device, rank=rank, world_size=world)
+    # A restart after a storage failure waits here for the store to answer (up to run.storage_retry_s) instead of
+    # failing at its first read and spending another attempt (Ray Train restarts at once, without backoff).
+    wait_for_storage(lc["run_storage"], cfg.run.storage_retry_s, rank)
     restored = ray.train.get_checkpoint()
     meta = None
-    if restored is not None:
-        meta = _load_restored(engine, restored, lc["ray_storage"])
+    chosen = lc.get("resume_from")  # `train --resume RUN --checkpoint PATH`: until this fit reports its own
+    if chosen and (restored is None or not written_by(restored, lc)):
+        meta = load_chosen(engine, chosen)
+    elif restored is not None:
+        meta = load_restored(engine, restored, lc["ray_storage"])
     elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
         meta = engine.load(lc["init_from"])  # on object storage: sharded read in place, full copied first
         engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
@@ -124,14 +136,15 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     dataset_dir = lc["dataset_dir"]
 
     def train_batches(epoch: int, start: int):
-        ds = ray_batches(dataset_dir, "train", t.batch_size, t.seed, epoch, start, rank, world)
+        ds = ray_batches(dataset_dir, "train", t.batch_size, t.seed, epoch, start, rank, world,
+                         retry_s=cfg.run.storage_retry_s)
         return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=2, drop_last=True)
 
-    def val_batches():
-        # Read in this process: an eval takes train.eval_batches batches of the small val split, and a Ray Data
-        # pipeline per eval (a streaming executor, read tasks on other workers) cost more than the reads. Every
-        # row counts, a short last batch included (padded to the batch's shape on every rank).
-        return eval_reader(dataset_dir, t.batch_size, rank, world)
+    # Read in this process: an eval takes train.eval_batches batches of the small val split, and a Ray Data pipeline
+    # per eval (a streaming executor, read tasks on other workers) cost more than the reads. Every row counts, a
+    # short last batch included (padded to the batch's shape on every rank). One reader for the whole run: its
+    # manifest, open files and row groups are reused by every evaluation (pipeline/data/shards.py EvalSplit).
+    val_batches = EvalSplit(dataset_dir, t.batch_size, rank, world)
 
     evaluate = None
     if (mix := mixture_of(dataset_dir, cfg)) is not None:  # several sources: one mixed stream, a loss per source
@@ -153,7 +166,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         # under FSDP every worker attaches its own shards, which Ray merges into one directory.
         if "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
             metrics = {**metrics, **(evaluate(e, t.eval_batches) if evaluate is not None
-                                     else e.evaluate(val_batches(), max_batches=t.eval_batches))}
+                                     else evaluate_timed(e, val_batches(), t.eval_batches))}
         if required and required not in metrics:  # a sweep's trial: Tune cannot rank a report without it
             raise MissingMetricError(f"the report at step {e.step} has no {required} (it has: "
                                      f"{', '.join(sorted(metrics))}); a sweep's metric must be in every checkpoint's "
@@ -164,12 +177,17 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
                   PLACEMENT_GROUP_KEY: ray.get_runtime_context().get_placement_group_id() or ""}
         with tempfile.TemporaryDirectory() as tmp:
             if rank == 0 or e.sharded:
-                path = e.save(Path(tmp) / "state", extra={**extra, "metrics": metrics})
-                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
+                path = e.save(Path(tmp) / "state", extra={**extra, "metrics": metrics, "fit_id": lc.get("fit_id")})
+                # Uploaded and verified by the project's storage layer before Ray registers it (publish_for_ray).
+                published: dict[str, str] = {}
+                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)),
+                                 checkpoint_upload_fn=publish_for_ray(lc["ray_storage"], published))
+                if rank == 0:
+                    prune_unregistered(published["location"])
             else:
                 ray.train.report(report)
 
-    samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens) if rank == 0 else None
+    samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True) if rank == 0 else None
     if engine.sharded and lc.get("mlflow_run_id") and t.sample_tokens > 0:
         samples = _gathered(samples)  # every worker gathers the weights; rank 0 generates
 
@@ -182,36 +200,25 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     try:
         res = fit(engine, train_batches, val_batches, hooks, max_steps=lc.get("max_steps"), progress=rank == 0,
                   stop=stop, evaluate=evaluate)
+    except BaseException as exc:
+        if audit is not None:  # one try, no waiting, and never in place of the error that ends the attempt
+            with faults.retry_window_of(0), contextlib.suppress(Exception):
+                audit.close()
+        if isinstance(exc, StorageError):  # its line says it all: Ray logs it without 30 lines of frames
+            raise StorageError(str(exc)) from None
+        raise
     finally:
         elastic.NOTICE.training = False
-        if audit is not None:
-            audit.close()
+    if audit is not None:
+        audit.close()
     if res.stopped_early and stop.preempted:  # checkpointed; the next attempt starts on the nodes that remain
         elastic.wait_for_checkpoint()  # registered by Ray Train before this attempt ends, or the next would miss it
         if rank == 0:
             elastic.say(f"preemption: {stop.preempted}; checkpointed step {engine.step}, this attempt stops and the "
                         f"next starts on the nodes that remain")
         raise elastic.PreemptionStop(f"{stop.preempted}; checkpointed step {engine.step}, stopping this attempt")
-
-
-def _load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
-    """Ray Train's checkpoint into the engine. On object storage a sharded (FSDP) checkpoint is read in place:
-    each worker fetches only the byte ranges of its own shards, so no node downloads the whole model and
-    optimizer. A full checkpoint, which every worker needs whole, comes through Ray's as_directory (one
-    download per node, shared by its workers)."""
-    from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
-
-    location = location_of(restored.filesystem, restored.path, ray_storage)
-    if not is_local(location):
-        meta = read_checkpoint_meta(location)
-        if meta["layout"] == SHARDED:
-            meta = engine.load(location, meta=meta)
-            if engine.rank == 0:
-                worker_print(f"resume: read {meta['read_bytes'] / 2**20:,.1f} MiB of the checkpoint's "
-                             f"{meta['shard_bytes'] / 2**20:,.1f} MiB of shards from {location} (this worker's part)")
-            return meta
-    with restored.as_directory() as d:
-        return engine.load(d)
+    if tracker is not None:  # samples that waited for storage: logged now, within run.storage_retry_s
+        tracker.flush_deferred()
 
 
 def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
@@ -253,16 +260,18 @@ def _gathered(samples):
 def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, mlflow_run_id: str | None = None,
                  init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
                  audit_data: bool = False, callbacks: list | None = None,
-                 required_metric: str | None = None, schedule=None) -> TrainOutcome:
+                 required_metric: str | None = None, schedule=None,
+                 resume_from: str | Path | None = None) -> TrainOutcome:
     """Train with Ray Train. Checks inputs before any worker starts; returns the latest checkpoint.
 
     `callbacks` go to Ray Train's RunConfig (a Tune trial passes TuneReportCallback: pipeline/sweep/tune.py).
     `required_metric`: every report must carry it, or the workers fail with MissingMetricError (a sweep's metric).
 
     Rerunning with the same run_dir resumes from the latest checkpoint in its Ray storage (Ray Train
-    restores the run by name). `init_from` starts from another checkpoint's full state (phases); `schedule`
-    (pipeline/train/engine.py PhaseSchedule) places the phase in the one LR schedule, with its re-warmup and
-    optimizer reset.
+    restores the run by name; an incomplete one is skipped for the newest complete one). `resume_from` resumes from
+    that checkpoint instead (`train --resume RUN --checkpoint PATH`). `init_from` starts from another checkpoint's
+    full state (phases); `schedule` (pipeline/train/engine.py PhaseSchedule) places the phase in the one LR
+    schedule, with its re-warmup and optimizer reset.
     """
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -280,6 +289,10 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         init_from = absolute(init_from)
         with local_copy(init_from) as d:
             check_checkpoint_fits(read_checkpoint_meta(d), cfg.model.tier, manifest.vocab_size, init_from)
+    if resume_from is not None:  # complete and of this model, before any worker starts
+        resume_from = absolute(resume_from)
+        check_checkpoint_fits(read_checkpoint_meta(resume_from), cfg.model.tier, manifest.vocab_size, resume_from,
+                              mixer=cfg.model.mixer)
     ensure_ray(cfg.ray.address, cfg)
     check_fits_cluster(cfg)  # START_TIMEOUT_ENV, when set here, reaches Ray Train's controller
     run_store, storage = run_storage(cfg, run_dir), ray_storage(cfg, run_dir)
@@ -292,7 +305,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
           "run_storage": run_store, "ray_storage": storage, "mlflow_run_id": mlflow_run_id, "init_from": init_from,
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
           "required_metric": required_metric, "interactive": interactive(),
-          "schedule": dataclasses.asdict(schedule) if schedule is not None else {}}
+          "schedule": dataclasses.asdict(schedule) if schedule is not None else {},
+          "resume_from": resume_from, "fit_id": uuid.uuid4().hex}  # fit_id: in meta.json of what this fit writes
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=lc,
@@ -306,7 +320,9 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         # ends the attempt with one line instead of a silent hang (pipeline/train/collectives.py)
         torch_config=elastic.torch_config(cfg.train.collective_timeout_s),
         run_config=ray.train.RunConfig(
-            name=run_name, **ray_storage_args(storage),
+            # Ray's own storage calls (its snapshot of the checkpoints, each worker's storage check at start, restores,
+            # deletions) ride out an outage for run.storage_retry_s too: a restart waits for the store.
+            name=run_name, **ray_storage_args(storage, retry_s=cfg.run.storage_retry_s),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
                                                          checkpoint_score_attribute="val/loss",
                                                          checkpoint_score_order="min"),
@@ -323,6 +339,14 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         result = fit_with_clean_stop(trainer, join(run_store, STOP_FILE))
     except Exception as exc:  # noqa: BLE001 -- a failure to start becomes one line; anything else goes on up
         elastic.raise_setup_error(exc)  # a node whose workers cannot join the process group: its one line
+        from pipeline.ray_runtime import find_cause
+
+        storage_error = find_cause(exc, lambda e: isinstance(e, StorageError))
+        if storage_error is not None:  # the store (also when the workers could not start for it): its own line
+            raise StorageError(str(storage_error).strip().splitlines()[0]) from None
+        raw = find_cause(exc, lambda e: isinstance(e, OSError) and "AWS Error" in str(e) and bool(faults.kind(e)))
+        if raw is not None:  # Ray's own storage call (its storage check at a worker's start, its snapshot)
+            raise explain(raw, storage, "ray.storage_path") from None
         start_error = _start_failure(exc, cfg.ray.max_failures + 1)
         if start_error is None:
             from pipeline.ray_runtime import find_cause
@@ -447,7 +471,11 @@ def fit_with_clean_stop(trainer, stop_file: str):
             thread.join(0.2)
     finally:
         signal.signal(signal.SIGINT, previous)
-        delete(stop_file)
+        try:  # a stop request left behind is harmless (the next fit deletes it first): never hide fit()'s outcome
+            delete(stop_file)
+        except StorageError as exc:
+            if "error" not in box:
+                print(f"warning: the stop request {stop_file} was not removed: {exc}", flush=True)
     if "error" in box:
         raise box["error"]
     return box["result"]

@@ -62,9 +62,11 @@ def checkpoint_counters(location: str | None) -> dict[str, Any]:
 
 
 def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[str, Any], *,
-                phases_file: str | None = None, no_ray: bool = False) -> ResumePlan:
+                phases_file: str | None = None, no_ray: bool = False, checkpoint: str | None = None) -> ResumePlan:
     """What `train --resume run_dir` runs, from its run.json `record`, the merged config (the run's own with the
-    command line's fields on top), the fields the user typed, --phases and --no-ray. ResumeError when it cannot."""
+    command line's fields on top), the fields the user typed, --phases, --no-ray and --checkpoint (a checkpoint of
+    the run to go back to: its step and phase, not the run's latest, are where it continues). ResumeError when it
+    cannot."""
     was_local = trained_without_ray(run_dir, record)
     if was_local != no_ray:
         how = "with --no-ray (its checkpoints are under checkpoints/)" if was_local else \
@@ -72,7 +74,9 @@ def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[
         raise ResumeError(f"run {run_dir} trained {how}; resume it the same way: {resume_command(run_dir, was_local)}")
     recorded = [Phase(**p) for p in record["phases"]] if record.get("phases") else load_phases(None, cfg)
     done = int(record.get("phases_done", 0))
-    counters = checkpoint_counters(record.get("checkpoint"))
+    counters = checkpoint_counters(checkpoint or record.get("checkpoint"))
+    if checkpoint and counters:  # going back: the checkpoint's phase is open again, even in a finished run
+        done = min(done, int(counters.get("phase", 0)))
     reached = int(counters.get("step", 0))
     total = sum(p.steps for p in recorded)
     if phases_file:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import storage_faults as faults
 from pipeline.config import Config, ConfigError
 from pipeline.console import stage
 from pipeline.storage import check, is_uri, join, native, storage_root
@@ -82,6 +83,13 @@ def run_params(cfg: Config, manifest: Any) -> dict[str, Any]:
     return {PARAM_MODEL_PARAMS: param_count(tier, manifest.vocab_size, cfg.model.tie_embeddings),
             PARAM_WORLD_SIZE: cfg.ray.num_workers, PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
             PARAM_MANIFEST_HASH: manifest.settings_hash}
+
+
+def _phase_of(checkpoint: str) -> int:
+    """The phase a checkpoint was written in (meta.json's counters); the checkpoint must be complete."""
+    from pipeline.train.checkpoint import read_checkpoint_meta
+
+    return int(read_checkpoint_meta(checkpoint)["counters"].get("phase", 0))
 
 
 def load_phases(path: str | None, cfg: Config, preset: str | None = None) -> list[Phase]:
@@ -197,9 +205,11 @@ class SessionResult:
 
 class TrainSession:
     def __init__(self, cfg: Config, run_dir: Path, phases: list[Phase], *, use_ray: bool = True,
-                 audit_data: bool = False, start_step: int | None = None, extended: str = ""):
+                 audit_data: bool = False, start_step: int | None = None, extended: str = "",
+                 resume_from: str | None = None):
         """`start_step`: where a resumed run's first phase continues (its header shows it); `extended`: how a resume
-        stretched the run's schedule (pipeline/train/resume.py), said in the header and as an MLflow tag."""
+        stretched the run's schedule (pipeline/train/resume.py), said in the header and as an MLflow tag;
+        `resume_from`: `--resume RUN --checkpoint PATH`, the checkpoint the phase in progress starts from."""
         from pipeline.tracking.tracker import pin_tracking_uri
 
         # Workers may run in another directory or on another node: pin paths, the storage root and the tracking
@@ -211,6 +221,7 @@ class TrainSession:
         self.run_dir, self.phases = Path(run_dir).resolve(), phases
         self.use_ray, self.audit_data = use_ray, audit_data
         self.start_step, self.extended = start_step, extended
+        self.resume_from = resume_from  # `--resume RUN --checkpoint PATH`: the phase in progress starts there
 
     def _record(self, **changes: Any) -> dict[str, Any]:
         path = self.run_dir / RUN_FILE
@@ -220,6 +231,13 @@ class TrainSession:
         return record
 
     def run(self, resume: bool = False) -> SessionResult:
+        before = faults.set_retry_window(0)  # set after the up-front checks; put back as it was afterwards
+        try:
+            return self._run()
+        finally:
+            faults.set_retry_window(before)
+
+    def _run(self) -> SessionResult:
         from pipeline.data.mixture import inline_mixture
         from pipeline.data.shards import load_manifest
         from pipeline.data.stages import prepare_main
@@ -241,6 +259,9 @@ class TrainSession:
 
             check_exportable({"config": cfg.to_dict()}, "tracking.register_model: this run")
             require_tokenizers()
+        # From here on every storage call of this process rides out an outage, a stall or a 5xx answer for
+        # run.storage_retry_s (the checks above answered at once, with one line).
+        faults.set_retry_window(cfg.run.storage_retry_s)
         try:
             sized = self._size(cfg, record)  # before the MLflow run opens: its params are the sized config
         except BaseException:
@@ -255,6 +276,8 @@ class TrainSession:
             tracker.set_tags({EXTENDED_TAG: self.extended})
         if cfg.tracking.system_metrics:
             tracker.start_system_metrics(cfg.tracking.system_metrics_interval_s)
+        if self.resume_from:  # `--checkpoint`: the phase that checkpoint belongs to is the one to continue
+            record = self._record(phases_done=min(record.get("phases_done", 0), _phase_of(self.resume_from)))
         datasets: list[str] = list(record.get("datasets", []))
         checkpoint = native(record["checkpoint"]) if record.get("checkpoint") else None
         tokenizer = record.get("tokenizer") or cfg.data.tokenizer
@@ -283,6 +306,7 @@ class TrainSession:
                     tracker.log_dict(manifest.to_dict(), "manifest.json")
                     tracker.log_dict(pcfg.to_dict(), "config.json")
                 init_from = checkpoint if i > 0 else None
+                resume_from, self.resume_from = self.resume_from, None  # the phase in progress only
                 count = (f"{pcfg.ray.min_workers}-{pcfg.ray.num_workers} (elastic)" if pcfg.ray.min_workers
                          else pcfg.ray.num_workers)
                 where = f"{count} Ray Train worker(s)" if self.use_ray else "one process, no Ray"
@@ -302,14 +326,15 @@ class TrainSession:
                     from pipeline.train.ray_train import run_training
 
                     out = run_training(pcfg, dataset, self.run_dir, mlflow_run_id=tracker.run_id, init_from=init_from,
-                                       max_steps=end_step, phase=i, audit_data=self.audit_data, schedule=schedule)
+                                       max_steps=end_step, phase=i, audit_data=self.audit_data, schedule=schedule,
+                                       resume_from=resume_from)
                     checkpoint, stopped = out.checkpoint, out.stopped
                 else:
                     from pipeline.train.local import train_local
 
                     checkpoint, stopped = train_local(pcfg, dataset, self.run_dir, tracker, init_from=init_from,
                                                       max_steps=end_step, phase=i, audit_data=self.audit_data,
-                                                      schedule=schedule)
+                                                      schedule=schedule, resume_from=resume_from)
                 if stopped:  # Ctrl+C: a checkpoint was written; `--resume` continues this phase
                     record = self._record(checkpoint=str(checkpoint) if checkpoint else None)
                     status = "KILLED"
@@ -352,7 +377,10 @@ class TrainSession:
         print(f"registered {name} version {version.version}: {result.out_dir}")
 
     def _finish(self, tracker, status: str) -> None:
-        """Curves from the MLflow history, the run record, and the run's final status."""
+        """Curves from the MLflow history, the run record, and the run's final status. The curves and run.json are
+        logged from the tracker's background thread (they can wait for storage, up to run.storage_retry_s; one that
+        is not logged is a warning: the run's outcome stands). When the run failed, nothing here may take the place
+        of the error that ended it: what fails here is dropped, and nothing waits for storage."""
         from pipeline.tracking.curves import plot_training_curves
         from pipeline.tracking.tracker import METRICS
 
@@ -366,7 +394,15 @@ class TrainSession:
                     by_step.setdefault(m.step, {"step": m.step})[name] = m.value
             history = [by_step[s] for s in sorted(by_step)]
             png = plot_training_curves(history, self.run_dir / "training_curves.png", title=self.run_dir.name)
-            tracker.log_artifact(png)
-            tracker.log_artifact(self.run_dir / RUN_FILE)
+            if status != "FAILED":
+                tracker.log_later(png.name, path=png)
+                tracker.log_later(RUN_FILE, path=self.run_dir / RUN_FILE)
+        except Exception:  # noqa: BLE001 -- the curves never replace the run's own error
+            if status != "FAILED":
+                raise
         finally:
-            tracker.finish(status)
+            try:
+                tracker.finish(status)  # waits for the queued artifacts (a finished or stopped run)
+            except Exception:  # noqa: BLE001
+                if status != "FAILED":
+                    raise
