@@ -121,7 +121,7 @@ def test_rays_storage_calls_ride_out_an_outage_through_the_retrying_filesystem(s
         fast.get_file_info(path)
 
 
-def test_a_restarted_worker_waits_for_the_store_and_not_for_refused_credentials(obj, through_proxy, capsys):
+def test_a_restarted_worker_waits_for_the_store_and_not_for_refused_credentials(obj, through_proxy, capfd):
     """pipeline/train/ray_checkpoints.py wait_for_storage, what a Ray Train worker does first: it returns once the
     store answers again, saying once that it waits; denied access ends it at once."""
     from pipeline.train.ray_checkpoints import wait_for_storage
@@ -129,8 +129,8 @@ def test_a_restarted_worker_waits_for_the_store_and_not_for_refused_credentials(
     run_store = obj.rsplit("/", 1)[0]
     through_proxy.down(5)  # longer than the S3 client's own retries, so the first listing fails
     wait_for_storage(run_store, 60, rank=0)
-    assert capsys.readouterr().out.startswith(f"storage: {run_store} does not answer (unreachable); waiting up to "
-                                              f"60 s (run.storage_retry_s) before resuming")
+    assert capfd.readouterr().out.startswith(f"storage: {run_store} does not answer (unreachable); waiting up to "
+                                             f"60 s (run.storage_retry_s) before resuming")
     through_proxy.reset_log()
     through_proxy.deny()
     with pytest.raises(StorageError, match="was denied"):
