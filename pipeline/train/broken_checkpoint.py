@@ -84,9 +84,15 @@ def _library_error(exc: BaseException) -> bool:
 
 
 def _reason(exc: BaseException) -> str:
-    """The library's own words, short: 'safetensors: Error while deserializing header: ...'."""
-    lib = type(exc).__module__.split(".")[0]
-    return f"{lib}: {first_line(exc)}"[:200]
+    """The library's own words, short (their first sentence): 'safetensors: Error while deserializing header: ...'."""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException: rank -> (exc, tb)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))[0]
+        said = f"torch.distributed.checkpoint: {type(inner).__name__}: {first_line(inner)}"
+    else:
+        lib = type(exc).__module__.split(".")[0]
+        said = f"{type(exc).__name__ if lib == 'builtins' else lib}: {first_line(exc)}"
+    return said.split(". ")[0][:160]
 
 
 def diagnose(location: str, exc: BaseException) -> BrokenCheckpoint | None:

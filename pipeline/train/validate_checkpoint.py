@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.storage import first_line, join, local_copy
 from pipeline.train.broken_checkpoint import TokenizerMissing, dataset_tokenizer_of, previous_complete
 from pipeline.train.checkpoint import FULL, TRAIN_STATE, CheckpointError, load_model_state, read_checkpoint_meta
-from pipeline.train.checkpoints_index import file_problems, read_meta
+from pipeline.train.checkpoints_index import file_problems, incomplete, read_meta
 
 
 def _loads(location: str) -> str | None:
@@ -46,11 +46,10 @@ def check_checkpoint(location: str) -> tuple[list[str], list[str]]:
     lines, problems = [], []
     try:
         meta: dict[str, Any] | None = read_meta(location)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        problems.append(f"meta.json is corrupt ({first_line(exc)})")
-        return problems, [f"  BROKEN  {problems[-1]}"]
-    if meta is None:
-        problems.append("meta.json is missing")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        meta = None
+    if meta is None:  # no meta.json, or one that does not parse: incomplete() says which
+        problems.append(incomplete(location))
         return problems, [f"  BROKEN  {problems[-1]}"]
     record = meta.get("files") or {}
     counters = meta.get("counters", {})

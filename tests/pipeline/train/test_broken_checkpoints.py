@@ -102,7 +102,7 @@ KINDS = {
     "safetensors-truncated": ("source", "model.safetensors", _truncate, r"holds [\d,]+ bytes of model\.safetensors, "
                               r"meta\.json says [\d,]+"),
     "safetensors-corrupt": ("source", "model.safetensors", _corrupt,
-                            r"model\.safetensors does not match the sha256 meta\.json records \(safetensors: "),
+                            r"model\.safetensors does not match the sha256 meta\.json records"),
     "train_state-truncated": ("source", "train_state.pt", _truncate, r"holds [\d,]+ bytes of train_state\.pt"),
     "train_state-corrupt": ("source", "train_state.pt", _corrupt,
                             r"train_state\.pt does not match the sha256 meta\.json records"),
@@ -158,10 +158,13 @@ WEIGHT_KINDS = ["safetensors-truncated", "safetensors-corrupt", "meta-corrupt", 
 @pytest.mark.parametrize("command", list(READERS))
 @pytest.mark.parametrize("broken", WEIGHT_KINDS, indirect=True)
 def test_eval_generate_export_name_the_broken_file_and_offer_the_previous_checkpoint(broken, command, tmp_path,
-                                                                                     capsys):
+                                                                                     capsys, request):
     run, ckpt, prev, pattern = broken
     code, _, err = _main(READERS[command](ckpt, tmp_path), capsys)
     assert_one_line(code, err, ckpt, pattern, prev, f"python pipeline/run.py {command} --checkpoint {prev}")
+    if request.node.callspec.params["broken"] in ("safetensors-corrupt", "dcp-shard-corrupt"):
+        # found by the failed load, which the line quotes in the library's words
+        assert re.search(r"records \((safetensors|torch\.distributed\.checkpoint): \S", err), err
     assert not (tmp_path / "hf").exists()
 
 
