@@ -281,8 +281,8 @@ def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Names
 def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
     """validate TARGET: a dataset (its manifest), a checkpoint (its meta.json: every file against it, and that it
     loads) or a run directory (its latest checkpoint); 0 when whole, 1 with the report's reasons."""
-    from pipeline.train.broken_checkpoint import offered_command
-    from pipeline.train.validate_checkpoint import is_checkpoint, validate_checkpoint
+    from pipeline.train.broken_checkpoint import is_checkpoint, offered_command
+    from pipeline.train.validate_checkpoint import validate_checkpoint
 
     target, run_dir = args.target, run_dir_of(cfg, args.target)
     if run_dir is not None:

@@ -72,6 +72,13 @@ def previous_complete(location: str) -> tuple[str | None, int | None]:
     return None, None
 
 
+def is_checkpoint(location: str) -> bool:
+    """Whether `location` is a checkpoint directory (it holds meta.json, or one of a checkpoint's files)."""
+    from pipeline.storage import is_file
+
+    return any(is_file(join(location, n)) for n in ("meta.json", "model.safetensors", "sharded/.metadata"))
+
+
 def _library_error(exc: BaseException) -> bool:
     """An error a file format raised on bytes it could not read (not a bug in the code that called it)."""
     from safetensors import SafetensorError
@@ -99,6 +106,8 @@ def diagnose(location: str, exc: BaseException) -> BrokenCheckpoint | None:
     """What `exc` (raised loading the checkpoint at `location`) says about its files: a BrokenCheckpoint naming the
     file (its size and sha256 against meta.json's record), or None when no broken file explains it."""
     problem = incomplete(location, content=True)  # StorageError goes up as what it is
+    if problem is not None and problem.endswith("has no meta.json") and not is_checkpoint(location):
+        return None  # not a checkpoint at all (a wrong path): the error that says so stands
     if problem is None:
         if not _library_error(exc):
             return None
@@ -146,7 +155,7 @@ def dataset_tokenizer_of(meta: dict[str, Any], checkpoint: Any):
     except TokenizerError as exc:
         try:
             recorded = load_manifest(dataset_dir).tokenizer_sha256
-            sha = f"; its sha256 is not the one the manifest records" if recorded and sha256(path) != recorded else ""
+            sha = "; its sha256 is not the one the manifest records" if recorded and sha256(path) != recorded else ""
         except (FileNotFoundError, DatasetError):
             sha = ""
         raise CheckpointError(f"tokenizer model {path} (the dataset's, which checkpoint {checkpoint} names) is "

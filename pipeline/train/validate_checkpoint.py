@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeline.storage import first_line, join, local_copy
+from pipeline.storage import first_line, local_copy
 from pipeline.train.broken_checkpoint import TokenizerMissing, dataset_tokenizer_of, previous_complete
 from pipeline.train.checkpoint import FULL, TRAIN_STATE, CheckpointError, load_model_state, read_checkpoint_meta
 from pipeline.train.checkpoints_index import file_problems, incomplete, read_meta
@@ -100,10 +100,3 @@ def validate_checkpoint(location: str, command_for=None) -> int:
                  f"it with --checkpoint {previous}")
     print(f"checkpoint {location} is broken ({len(problems)} problem{'s' * (len(problems) > 1)}); {offer}")
     return 1
-
-
-def is_checkpoint(location: str) -> bool:
-    """Whether `location` is a checkpoint directory (it holds meta.json, or one of a checkpoint's files)."""
-    from pipeline.storage import is_file
-
-    return any(is_file(join(location, n)) for n in ("meta.json", "model.safetensors", "sharded/.metadata"))
