@@ -308,3 +308,19 @@ def test_a_checkpoint_on_s3_with_a_missing_object(on_s3, source, command, tmp_pa
     code, _, err = _main(args, capsys)
     start = f"train --resume {run}" if command == "train" else command
     assert_one_line(code, err, ckpt, pattern, prev, f"python pipeline/run.py {start} --checkpoint {prev}")
+
+
+def test_the_line_survives_a_trip_through_a_worker_process():
+    """Ray Train's workers raise it and the CLI prints it from the driver: its fields travel with it (pickled)."""
+    import pickle
+
+    from pipeline.train.broken_checkpoint import BrokenCheckpoint
+
+    broken = BrokenCheckpoint("s3://b/r/ray/phase0/checkpoint_2", "checkpoint s3://b/r/ray/phase0/checkpoint_2 lacks "
+                              "model.safetensors", "s3://b/r/ray/phase0/checkpoint_1", 20)
+    back = pickle.loads(pickle.dumps(broken))
+    assert (back.location, back.problem, back.previous, back.previous_step) == (
+        broken.location, broken.problem, broken.previous, 20)
+    assert str(back) == str(broken) == ("checkpoint s3://b/r/ray/phase0/checkpoint_2 lacks model.safetensors; the "
+                                        "previous complete checkpoint is s3://b/r/ray/phase0/checkpoint_1 (step 20): "
+                                        "pass --checkpoint s3://b/r/ray/phase0/checkpoint_1")
