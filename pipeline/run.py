@@ -4,6 +4,7 @@
     python pipeline/run.py                                   # prepare -> train -> eval -> generate, embedded defaults
     python pipeline/run.py prepare --data.source=files --data.path='corpus/*.jsonl'
     python pipeline/run.py validate runs/datasets/<hash>     # or s3://bucket/longtrain/datasets/<hash>
+    python pipeline/run.py validate runs/<run>               # its latest checkpoint: every file, and that it loads
     python pipeline/run.py train --preset gpu --ray.num_workers=8
     python pipeline/run.py train --resume runs/<run>         # continue a run from its latest complete checkpoint
     python pipeline/run.py train --resume runs/<run> --checkpoint <one of its checkpoints>   # ... or from that one
@@ -76,7 +77,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("stage", nargs="?", default="all", choices=STAGES,
                    help="all (the default: prepare, train, eval, generate) | prepare | validate DIR | train | eval | "
                         "generate | tune | export | runs (list the runs under run.root)")
-    p.add_argument("target", nargs="?", help="validate: the dataset directory (a path or a URI)")
+    p.add_argument("target", nargs="?", help="validate: a dataset directory, a checkpoint directory or a run "
+                                            "directory (its latest checkpoint); a path or a URI")
     p.add_argument("--preset", help="cpu | gpu | fineweb-32k | long-32k | test | a YAML preset file (default: by "
                                     "hardware)")
     p.add_argument("--resume", metavar="RUN", help="a run directory (or its name under run.root): train continues "
@@ -127,7 +129,7 @@ def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
     if args.stage == "validate":  # it reads no config: nothing to load (the default preset would import torch)
         if rest:
             raise IgnoredSettingError(f"{rest[0]} is not used by `validate`: validate reads only the dataset "
-                                      f"directory it is given; drop it")
+                                      f"directory, checkpoint or run it is given; drop it")
         return Config()
     overrides = parse_overrides(list(rest))
     if args.address:
@@ -276,8 +278,28 @@ def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Names
     return report
 
 
+def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
+    """validate TARGET: a dataset (its manifest), a checkpoint (its meta.json: every file against it, and that it
+    loads) or a run directory (its latest checkpoint); 0 when whole, 1 with the report's reasons."""
+    from pipeline.train.broken_checkpoint import is_checkpoint, offered_command
+    from pipeline.train.validate_checkpoint import validate_checkpoint
+
+    target, run_dir = args.target, run_dir_of(cfg, args.target)
+    if run_dir is not None:
+        target = recorded_checkpoint(run_dir)
+        if target is None:
+            raise UsageError(f"validate {args.target}: run {run_dir} has no checkpoint yet; validate a dataset "
+                             f"directory or a checkpoint")
+    elif not is_checkpoint(target):
+        from pipeline.data.stages import validate_main
+
+        return validate_main(target)
+    return validate_checkpoint(target, lambda prev: offered_command(argv, prev, "validate", args.target))
+
+
 def stage_export(cfg: Config, args: argparse.Namespace) -> None:
     from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
+    from pipeline.train.broken_checkpoint import diagnosed
     from pipeline.train.export import export_checkpoint, register_export
 
     if not args.out:
@@ -291,7 +313,8 @@ def stage_export(cfg: Config, args: argparse.Namespace) -> None:
             raise UsageError(f"--register needs the MLflow run that trained {checkpoint}, and none was found (no "
                              f"run.json above it, or tracking was off); export without --register")
     stage("export", f"{checkpoint} -> {args.out} (Hugging Face LlamaForCausalLM)")
-    result = export_checkpoint(checkpoint, args.out, overwrite=args.overwrite)
+    with diagnosed(checkpoint):  # a file that does not load: one line, the previous checkpoint offered
+        result = export_checkpoint(checkpoint, args.out, overwrite=args.overwrite)
     print(f"exported {result.out_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained / AutoTokenizer")
     if run is not None:
         version = register_export(result, run[0], run[1], args.register)
@@ -327,18 +350,17 @@ def main(argv: list[str] | None = None) -> int:
         # first second, as whoever sends it means it.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     reset_stage()
-    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, rest = parse_args(argv)
     quiet_mlflow()
     plain_worker_prefixes()
     try:
         long_context = long_context_options(args) is not None  # eval's options: checked before any stage runs
         if args.stage == "validate":
-            from pipeline.data.stages import validate_main
-
-            build_config(args, rest)  # refuses what validate would not use
             if not args.target:
-                raise UsageError("validate needs a dataset directory: python pipeline/run.py validate DIR")
-            return validate_main(args.target)
+                raise UsageError("validate needs a dataset directory, a checkpoint or a run: python pipeline/run.py "
+                                 "validate DIR")
+            return stage_validate(build_config(args, rest), args, argv)
         cfg = build_config(args, rest)
         if args.stage == "runs":
             from pipeline.runs_list import runs_main
@@ -351,16 +373,21 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline.sweep.tune import tune_main
 
             return tune_main(cfg, args.space)
+        if args.stage in ("eval", "generate"):
+            from pipeline.train.broken_checkpoint import diagnosed
         if args.stage == "eval":
             checkpoint = latest_checkpoint(cfg, args)
             run_dir = (find_run(cfg, args.resume) if args.resume else  # the run to log to, also for a bucket's checkpoint
                        run_dir_of(cfg, args.checkpoint) if args.checkpoint else None)
-            stage_eval(cfg, checkpoint, run_dir=run_dir)
-            if long_context:
-                stage_long_context(cfg, checkpoint, args, run_dir)
+            with diagnosed(checkpoint):  # a file that does not load: one line, the previous checkpoint offered
+                stage_eval(cfg, checkpoint, run_dir=run_dir)
+                if long_context:
+                    stage_long_context(cfg, checkpoint, args, run_dir)
             return 0
         if args.stage == "generate":
-            stage_generate(latest_checkpoint(cfg, args), args)
+            checkpoint = latest_checkpoint(cfg, args)
+            with diagnosed(checkpoint):
+                stage_generate(checkpoint, args)
             return 0
         if args.stage == "export":
             stage_export(cfg, args)
@@ -401,7 +428,13 @@ def main(argv: list[str] | None = None) -> int:
         found = user_error(exc)
         if found is None:
             raise
-        print(f"error: {str(found).strip().splitlines()[0]}", file=sys.stderr)
+        from pipeline.train.broken_checkpoint import BrokenCheckpoint, offered_command
+
+        if isinstance(found, BrokenCheckpoint) and found.previous is not None:  # the exact command to run instead
+            line = found.line(offered_command(argv, found.previous, args.stage, args.target))
+        else:
+            line = str(found).strip().splitlines()[0]
+        print(f"error: {line}", file=sys.stderr)
         return 2
 
 

@@ -94,7 +94,7 @@ def typed_fields(preset: str | None, overrides: dict[str, Any]) -> dict[str, Any
 
 # Fields that each stage reads; anything else typed for it is refused. Stages not listed read every field.
 _STAGE_FIELDS = {
-    "validate": ((), "validate reads only the dataset directory it is given"),
+    "validate": ((), "validate reads only the dataset directory, checkpoint or run it is given"),
     "runs": (("run.",), "runs lists the runs under run.root"),
     "generate": (("run.",), "generate takes the model and its settings from the checkpoint"),
     "eval": (("run.", "tracking."), "eval takes the model, its data and its settings from the checkpoint"),

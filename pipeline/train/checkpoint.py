@@ -58,6 +58,7 @@ CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: the full layout, before sharded checkpoints
 FULL, SHARDED = "full", "sharded"
 SHARDED_DIR = "sharded"  # the DCP directory inside a sharded checkpoint
+TRAIN_STATE = "train_state.pt"  # a full checkpoint's optimizer, scheduler and RNG state
 MODEL_PREFIX = "decoder."  # LossModule's name for the decoder: checkpoint keys are the engine module's FQNs
 
 
@@ -209,9 +210,10 @@ def _join(directory: str | os.PathLike, *names: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ meta.json
-def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
+def read_checkpoint_meta(directory: str | os.PathLike, weights_only: bool = False) -> dict[str, Any]:
     """meta.json of a checkpoint (a local path or a location on object storage), after checking that the files
-    of its layout are all there."""
+    of its layout are all there; weights_only: those a reader of the weights alone needs (eval, generate and
+    export read no train_state.pt, so a checkpoint that lost it still evaluates and exports)."""
     from pipeline.storage import is_file, read_text
     from pipeline.train.checkpoints_index import missing_files
 
@@ -233,12 +235,12 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
     if layout not in (FULL, SHARDED):
         raise CheckpointError(f"{directory} has checkpoint layout {layout!r}; this version reads {FULL} and {SHARDED}")
     if meta.get("files"):  # names and sizes meta.json records: one listing (pipeline/train/checkpoints_index.py)
-        problem = missing_files(str(directory), meta)
+        problem = missing_files(str(directory), meta, skip=[TRAIN_STATE] if weights_only else [])
         if problem:
             raise CheckpointError(f"{problem}; it is incomplete, use an earlier one")
         return meta
     if layout == FULL:
-        needed = ["model.safetensors", "train_state.pt"]
+        needed = ["model.safetensors"] + ([] if weights_only else [TRAIN_STATE])
     elif layout == SHARDED:
         needed = [f"{SHARDED_DIR}/{name}" for name in sorted(_shard_files(directory))]
     else:
@@ -364,7 +366,7 @@ def load(engine, directory: str | os.PathLike, weights_only_model: bool = False,
     directory first. `meta`: what read_checkpoint_meta(directory) returned, when the caller has it already."""
     from pipeline.storage import is_local, local_copy
 
-    meta = meta or read_checkpoint_meta(directory)
+    meta = meta or read_checkpoint_meta(directory, weights_only=weights_only_model)
     check_checkpoint_fits(meta, engine.cfg.model.tier, engine.vocab_size, directory, mixer=engine.cfg.model.mixer)
     if meta["layout"] == SHARDED:
         _load_sharded(engine, str(directory), meta, weights_only_model)
@@ -476,7 +478,7 @@ def load_model_state(directory: str | os.PathLike, meta: dict[str, Any] | None =
     layout, in this process without a process group: a sharded checkpoint is consolidated on load, its tensors
     sized from its metadata."""
     directory = Path(directory)
-    meta = meta or read_checkpoint_meta(directory)
+    meta = meta or read_checkpoint_meta(directory, weights_only=True)
     if meta["layout"] == FULL:
         from safetensors.torch import load_file
 

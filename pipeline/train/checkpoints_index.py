@@ -29,7 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from pyarrow.fs import FileType
 
@@ -78,23 +78,32 @@ def read_meta(location: str) -> dict[str, Any] | None:
         return None
 
 
-def missing_files(location: str, meta: dict[str, Any], content: bool = False) -> str | None:
-    """None when every file meta.json says the checkpoint at `location` holds is there (with its recorded size;
-    and sha256 with content=True); else one line naming the first that is not."""
+def file_problems(location: str, meta: dict[str, Any], content: bool = False,
+                  skip: Iterable[str] = ()) -> Iterator[str]:
+    """One line for every file meta.json says the checkpoint at `location` holds that is not there, not its recorded
+    size, or (content=True) not its recorded sha256; `skip`: names not checked (train_state.pt for a reader of the
+    weights alone)."""
     listed = _listed(location)
     record = meta.get("files")
     if not record:  # written before the record: the layout's files by name
         needed = [SHARDED_METADATA] if meta.get("layout") == "sharded" else list(FULL_LAYOUT_FILES)
-        lost = next((n for n in needed if n not in listed), None)
-        return f"checkpoint {location} lacks {lost}" if lost else None
+        yield from (f"checkpoint {location} lacks {n}" for n in needed if n not in listed and n not in skip)
+        return
     for name, want in sorted(record.items()):
+        if name in skip:
+            continue
         if name not in listed:
-            return f"checkpoint {location} lacks {name}"
-        if listed[name] != want["bytes"]:
-            return f"checkpoint {location} holds {listed[name]:,} bytes of {name}, meta.json says {want['bytes']:,}"
-        if content and sha256(join(location, name)) != want["sha256"]:
-            return f"checkpoint {location}: {name} does not match the sha256 meta.json records"
-    return None
+            yield f"checkpoint {location} lacks {name}"
+        elif listed[name] != want["bytes"]:
+            yield f"checkpoint {location} holds {listed[name]:,} bytes of {name}, meta.json says {want['bytes']:,}"
+        elif content and sha256(join(location, name)) != want["sha256"]:
+            yield f"checkpoint {location}: {name} does not match the sha256 meta.json records"
+
+
+def missing_files(location: str, meta: dict[str, Any], content: bool = False, skip: Iterable[str] = ()) -> str | None:
+    """None when every file meta.json says the checkpoint at `location` holds is there (with its recorded size;
+    and sha256 with content=True), `skip` left out; else one line naming the first that is not."""
+    return next(file_problems(location, meta, content, skip), None)
 
 
 def incomplete(location: str, content: bool = False) -> str | None:

@@ -28,7 +28,7 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
     from pipeline.eval.sources import SourceValidation
 
     with local_copy(checkpoint) as local:  # a checkpoint on object storage: a temporary local copy
-        meta = read_checkpoint_meta(local)
+        meta = read_checkpoint_meta(local, weights_only=True)
         cfg = from_dict(meta["config"])
         dataset_dir = dataset_dir or meta.get("dataset_dir")
         if not dataset_dir:
@@ -36,7 +36,7 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
         manifest = load_manifest(dataset_dir)
         check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
         engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size)
-        engine.load(local, weights_only_model=True)
+        engine.load(local, weights_only_model=True, meta=meta)
     mix = mixture_of(dataset_dir, cfg)
     if mix is not None:  # a mixture: every source's split, and the aggregate weighted by the run's mixture
         return SourceValidation(mix, cfg.train.batch_size, prefix="eval")(engine, max_batches)
@@ -53,7 +53,7 @@ def eval_report(checkpoint: str | Path, metrics: dict[str, float]) -> str:
     if not source_names(metrics, "eval"):
         return line
     with local_copy(checkpoint) as local:
-        mixture = read_checkpoint_meta(local)["config"]["data"]["mixture"]
+        mixture = read_checkpoint_meta(local, weights_only=True)["config"]["data"]["mixture"]
     specs = parse_mixture(mixture)
     return line + "\n" + source_table(metrics, {s.name: w for s, w in zip(specs, normalized(specs))}, "eval")
 
@@ -98,6 +98,6 @@ def log_eval_to_run(checkpoint: str | Path, metrics: dict[str, float], run_dir: 
         return None
     check_tracking_uri(run[0])
     with local_copy(checkpoint) as local:
-        step = read_checkpoint_meta(local).get("counters", {}).get("step", 0)
+        step = read_checkpoint_meta(local, weights_only=True).get("counters", {}).get("step", 0)
     log_metrics_to_run(run[0], run[1], metrics, step)
     return run

@@ -338,13 +338,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     from pipeline.data.shards import DatasetError, load_manifest, tokenizer_location
     from pipeline.train.engine import model_rope
     from pipeline.storage import local_copy
+    from pipeline.train.broken_checkpoint import dataset_tokenizer_of
     from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
 
     out = Path(out_dir).resolve()
     if (out.exists() or out.is_symlink()) and not overwrite:  # before any work
         raise ExportError(f"--out {out} already exists; pass --overwrite to replace it or choose another directory")
     with local_copy(checkpoint) as local:  # a checkpoint on object storage: a temporary local copy
-        meta = read_checkpoint_meta(local)
+        meta = read_checkpoint_meta(local, weights_only=True)
         check_exportable(meta, f"checkpoint {checkpoint}")
         require_tokenizers()
         dataset_dir = meta.get("dataset_dir", "")
@@ -354,6 +355,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
         except (DatasetError, FileNotFoundError) as exc:
             raise ExportError(f"tokenizer for checkpoint {checkpoint} not found ({exc}); the checkpoint names its "
                               f"dataset, which must still exist") from None
+        dataset_tokenizer_of(meta, checkpoint)  # a broken tokenizer model: one line naming it, before any work
         state = load_model_state(local, meta)  # either layout: a sharded (FSDP) checkpoint is consolidated here
     tier, tie, vocab = get_tier(meta["tier"]), bool(meta.get("tie_embeddings", True)), int(meta["vocab_size"])
     rope = model_rope(from_dict(meta["config"]))  # the RoPE base and scaling the checkpoint's last phase used

@@ -362,20 +362,16 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
     storage: read through a temporary local copy), and its dataset's tokenizer."""
     from model.decoder import build_model
     from pipeline.config import from_dict
-    from pipeline.data.shards import DatasetError
     from pipeline.storage import local_copy
-    from pipeline.train.checkpoint import CheckpointError, load_decoder_weights, read_checkpoint_meta
+    from pipeline.train.broken_checkpoint import dataset_tokenizer_of
+    from pipeline.train.checkpoint import load_decoder_weights, read_checkpoint_meta
     from pipeline.train.engine import model_rope
     from pipeline.train.hardware import default_device
 
     with local_copy(checkpoint) as local:
-        meta = read_checkpoint_meta(local)
+        meta = read_checkpoint_meta(local, weights_only=True)
         cfg = from_dict(meta["config"])
-        try:
-            tokenizer = dataset_tokenizer(meta.get("dataset_dir", ""))
-        except (DatasetError, FileNotFoundError) as exc:
-            raise CheckpointError(f"tokenizer for checkpoint {checkpoint} not found ({exc}); the checkpoint names its "
-                                  "dataset, which must still exist") from None
+        tokenizer = dataset_tokenizer_of(meta, checkpoint)  # or one line naming its file and what is wrong
         device = device or default_device()
         decoder = build_model(cfg.model.tier, meta["vocab_size"], mixer=cfg.model.mixer, rope=model_rope(cfg),
                               tie_embeddings=cfg.model.tie_embeddings)  # the RoPE tables the checkpoint trained with

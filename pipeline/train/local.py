@@ -16,6 +16,7 @@ from pipeline.data.mixture import train_batches as mixed_train_batches
 from pipeline.data.shards import EvalSplit, ShardReader, check_trainable, load_manifest
 from pipeline.eval.sources import SourceValidation
 from pipeline.storage import absolute, local_copy
+from pipeline.train.broken_checkpoint import diagnosed
 from pipeline.train.checkpoint import CheckpointError
 from pipeline.train.checkpoints_index import resume_point
 from pipeline.train.run_dir import AUDIT_DIR
@@ -40,13 +41,14 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
     resume, note = resume_point(str(ckpts.directory)) if ckpts.directory.is_dir() else (None, None)
     if resume_from is not None:
-        with local_copy(resume_from) as d:  # a chosen checkpoint, here or on object storage
+        with diagnosed(resume_from), local_copy(resume_from) as d:  # a chosen one, here or on object storage
             engine.load(d)
         print(f"resume: from {resume_from} (step {engine.step}), as --checkpoint asks", flush=True)
     elif resume is not None:
         if note:
             print(note, flush=True)
-        engine.load(resume)
+        with diagnosed(resume):  # complete by its listing, yet it may not load: one line offering the previous
+            engine.load(resume)
     elif note:
         raise CheckpointError(f"{note}, and {ckpts.directory} holds no complete checkpoint; start the run anew "
                               f"(another --run.name) or pass a complete one with --checkpoint")

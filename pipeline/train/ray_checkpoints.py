@@ -24,6 +24,7 @@ def load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
     sharded (FSDP) checkpoint is read in place: each worker fetches only the byte ranges of its own shards, so no
     node downloads the whole model and optimizer. A full checkpoint, which every worker needs whole, comes through
     Ray's as_directory (one download per node, shared by its workers)."""
+    from pipeline.train.broken_checkpoint import diagnosed
     from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.checkpoints_index import resume_point, run_folder
 
@@ -34,7 +35,8 @@ def load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
                               f"run anew (another --run.name) or pass a complete one with --checkpoint")
     if note and engine.rank == 0:
         worker_print(note)
-    return _load_location(engine, chosen, via=restored if chosen == location else None)
+    with diagnosed(chosen):  # complete by its listing, yet it may not load: one line offering the previous
+        return _load_location(engine, chosen, via=restored if chosen == location else None)
 
 
 def _load_location(engine, location: str, via=None) -> dict[str, Any]:
@@ -59,15 +61,16 @@ def _load_location(engine, location: str, via=None) -> dict[str, Any]:
 def load_chosen(engine, location: str) -> dict[str, Any]:
     """`--checkpoint PATH` on a resume: that checkpoint, which must be complete (the user chose it: no other is
     taken in its place)."""
-    from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.broken_checkpoint import BrokenCheckpoint, diagnosed, previous_complete
     from pipeline.train.checkpoints_index import incomplete, step_of
 
     problem = incomplete(location)
     if problem is not None:
-        raise CheckpointError(f"--checkpoint: {problem}; choose a complete one")
+        raise BrokenCheckpoint(location, problem, *previous_complete(location))
     if engine.rank == 0:
         worker_print(f"resume: from {location} (step {step_of(location)}), as --checkpoint asks")
-    return _load_location(engine, location)
+    with diagnosed(location):
+        return _load_location(engine, location)
 
 
 def written_by(restored, lc: dict[str, Any]) -> bool:

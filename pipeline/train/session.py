@@ -87,9 +87,11 @@ def run_params(cfg: Config, manifest: Any) -> dict[str, Any]:
 
 def _phase_of(checkpoint: str) -> int:
     """The phase a checkpoint was written in (meta.json's counters); the checkpoint must be complete."""
+    from pipeline.train.broken_checkpoint import diagnosed
     from pipeline.train.checkpoint import read_checkpoint_meta
 
-    return int(read_checkpoint_meta(checkpoint)["counters"].get("phase", 0))
+    with diagnosed(checkpoint):  # broken: one line offering the previous complete checkpoint
+        return int(read_checkpoint_meta(checkpoint)["counters"].get("phase", 0))
 
 
 def load_phases(path: str | None, cfg: Config, preset: str | None = None) -> list[Phase]:

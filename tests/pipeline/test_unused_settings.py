@@ -49,7 +49,7 @@ MISTAKES = [
      "error: data.tokenizer_sample_bytes is not used: data.tokenizer is given, so no tokenizer is trained and nothing "
      "is sampled for one; drop it"),
     (["validate", "runs/datasets/x", "--data.seq_len=128"],
-     "error: --data.seq_len=128 is not used by `validate`: validate reads only the dataset directory it is given"),
+     "error: --data.seq_len=128 is not used by `validate`: validate reads only the dataset directory, checkpoint or run it is given"),
     (["tune", "--space", BS_TIER, "--train.batch_size=4"],
      f"error: train.batch_size is searched by {BS_TIER} (params), which sets it in every trial; drop it from the "
      f"command line, or from the space's params"),
