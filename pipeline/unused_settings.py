@@ -59,7 +59,7 @@ def check_flags(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
             hint = (f"to continue a run or use its checkpoint, pass --resume {args.target} (or --checkpoint "
                     f"{args.target})")
         raise IgnoredSettingError(f"`{args.stage}` takes no positional argument ({args.target!r}; only validate "
-                                  f"reads one, its dataset directory); {hint}")
+                                  f"reads one: a dataset, a checkpoint or a run); {hint}")
     for dest, (flag, stages) in FLAG_STAGES.items():
         if getattr(args, dest) == getattr(defaults, dest) or args.stage in stages:
             continue

@@ -29,8 +29,8 @@ MISTAKES = [
     (["eval", "--checkpoint", "runs/x", "--train.eval_batches=4"],
      "error: train.eval_batches is not used by `eval`: eval takes the model, its data and its settings from the "
      "checkpoint; drop it"),
-    (["train", "runs/x"], "error: `train` takes no positional argument ('runs/x'; only validate reads one, its "
-                          "dataset directory); to continue a run or use its checkpoint, pass --resume runs/x (or "
+    (["train", "runs/x"], "error: `train` takes no positional argument ('runs/x'; only validate reads one: a "
+                          "dataset, a checkpoint or a run); to continue a run or use its checkpoint, pass --resume runs/x (or "
                           "--checkpoint runs/x)"),
     (["prepare", "--prompt", "Once upon a time"],
      "error: --prompt is not used by `prepare` (it is for generate); drop it, or run the stage it is for"),
