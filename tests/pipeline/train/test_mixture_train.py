@@ -163,7 +163,8 @@ def test_two_phases_with_two_mixtures_log_each_source_and_refuse_an_over_demande
     assert {t["longtrain.tokenizer_sha256"] for t in sources.values()} == {record["phases"][0]["tokenizer_sha256"]}
     assert any(dict(tags).get("mlflow.data.context") == "eval" for _, tags in inputs)  # topics in phase 0
 
-    assert main(["eval", "--preset", "test", *mixture_setup.overrides, f"--tracking.tracking_uri={uri}",
+    # eval takes the mixture and its data from the checkpoint: only where the runs are
+    assert main(["eval", "--preset", "test", f"--run.root={mixture_setup.run_root}", f"--tracking.tracking_uri={uri}",
                  "--resume", "two-phase"]) == 0
     out = capsys.readouterr().out
     table = out[out.index("source        weight"):].splitlines()
