@@ -60,24 +60,13 @@ def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None
                           passkey_trials: int = 5, echo: Callable[[str], None] = print) -> LongContextReport:
     """Run the asked measures on `checkpoint` over its dataset's validation split (or `dataset_dir`), printing each
     as it finishes through `echo`; see the module docstring for what they log."""
-    from pipeline.config import from_dict
-    from pipeline.data.shards import check_compatible, eval_reader, load_manifest
+    from pipeline.data.shards import eval_reader
     from pipeline.eval.long_rows import LongRows
     from pipeline.eval.passkey import default_lengths, haystack_tokens, passkey_grid
     from pipeline.eval.positions import evaluate_by_position
-    from pipeline.storage import local_copy
-    from pipeline.train.engine import CheckpointError, Engine, read_checkpoint_meta
+    from pipeline.train.evaluate import load_for_eval
 
-    with local_copy(checkpoint) as local:
-        meta = read_checkpoint_meta(local)
-        cfg = from_dict(meta["config"])
-        dataset_dir = dataset_dir or meta.get("dataset_dir")
-        if not dataset_dir:
-            raise CheckpointError(f"checkpoint {checkpoint} does not name its dataset; pass the dataset directory")
-        manifest = load_manifest(dataset_dir)
-        check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
-        engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size)
-        engine.load(local, weights_only_model=True)
+    engine, meta, cfg, dataset_dir, manifest = load_for_eval(checkpoint, dataset_dir)
     T, batch = manifest.seq_len, cfg.train.batch_size
     report = LongContextReport(meta.get("counters", {}).get("step", 0), T)
     if by_position:

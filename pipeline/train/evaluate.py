@@ -19,13 +19,10 @@ from pipeline.storage import is_uri, local_copy
 from pipeline.train.engine import CheckpointError, Engine, read_checkpoint_meta
 
 
-def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None = None,
-                        max_batches: int | None = None) -> dict[str, float]:
-    """{eval/loss, eval/ppl, eval/accuracy} over every row of the validation split the checkpoint was trained with
-    (or `dataset_dir`), in batches of the run's train.batch_size."""
-    from pipeline.data.mixture import mixture_of
-    from pipeline.data.shards import check_compatible, eval_reader, load_manifest
-    from pipeline.eval.sources import SourceValidation
+def load_for_eval(checkpoint: str | Path, dataset_dir: str | Path | None = None):
+    """(engine, meta, cfg, dataset_dir, manifest): the checkpoint's weights in an Engine (compile off; the training
+    state is not read) beside the dataset it trained on (or `dataset_dir`), checked compatible with it."""
+    from pipeline.data.shards import check_compatible, load_manifest
 
     with local_copy(checkpoint) as local:  # a checkpoint on object storage: a temporary local copy
         meta = read_checkpoint_meta(local, weights_only=True)
@@ -37,6 +34,18 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
         check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
         engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size)
         engine.load(local, weights_only_model=True, meta=meta)
+    return engine, meta, cfg, dataset_dir, manifest
+
+
+def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None = None,
+                        max_batches: int | None = None) -> dict[str, float]:
+    """{eval/loss, eval/ppl, eval/accuracy} over every row of the validation split the checkpoint was trained with
+    (or `dataset_dir`), in batches of the run's train.batch_size."""
+    from pipeline.data.mixture import mixture_of
+    from pipeline.data.shards import eval_reader
+    from pipeline.eval.sources import SourceValidation
+
+    engine, meta, cfg, dataset_dir, _ = load_for_eval(checkpoint, dataset_dir)
     mix = mixture_of(dataset_dir, cfg)
     if mix is not None:  # a mixture: every source's split, and the aggregate weighted by the run's mixture
         return SourceValidation(mix, cfg.train.batch_size, prefix="eval")(engine, max_batches)
