@@ -297,7 +297,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     check_fits_cluster(cfg)  # START_TIMEOUT_ENV, when set here, reaches Ray Train's controller
     run_store, storage = run_storage(cfg, run_dir), ray_storage(cfg, run_dir)
     check_places_for_workers(cfg, {"the dataset": dataset_dir, "ray.storage_path": storage,
-                                   "the run's storage": run_store, "the previous phase's checkpoint": init_from or ""})
+                                   "the run's storage": run_store, "the previous phase's checkpoint": init_from or "",
+                                   "--checkpoint": resume_from or ""})
     for what, where in (("ray.storage_path", storage), ("the run's storage", run_store)):
         check(where, what=what, write=True)  # endpoint, bucket, credentials: one line, before any worker
     run_name = f"phase{phase}"
