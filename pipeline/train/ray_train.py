@@ -115,16 +115,18 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     # failing at its first read and spending another attempt (Ray Train restarts at once, without backoff).
     wait_for_storage(lc["run_storage"], cfg.run.storage_retry_s, rank)
     restored = ray.train.get_checkpoint()
-    meta = None
+    meta, resumed = None, True  # resumed: inside the phase (its optimizer state is the checkpoint's)
     chosen = lc.get("resume_from")  # `train --resume RUN --checkpoint PATH`: until this fit reports its own
     if chosen and (restored is None or not written_by(restored, lc)):
         meta = load_chosen(engine, chosen)
     elif restored is not None:
         meta = load_restored(engine, restored, lc["ray_storage"])
-    elif lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
+    else:
+        resumed = False
+    if not resumed and lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
         meta = engine.load(lc["init_from"])  # on object storage: sharded read in place, full copied first
         engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
-    engine.start_phase(PhaseSchedule(**lc.get("schedule", {})), fresh=restored is None)
+    engine.start_phase(PhaseSchedule(**lc.get("schedule", {})), fresh=not resumed)
     run_storage = lc["run_storage"]
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
     resumes = elastic.ResumeReport(run_storage, lc.get("phase", 0)) if rank == 0 else None
