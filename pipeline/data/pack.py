@@ -383,8 +383,9 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
 
     stats = StreamStats()
     t0 = time.perf_counter()
+    stream = iter(batches.iter_batches(batch_size=None, batch_format="pyarrow"))
     try:
-        for batch in batches.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for batch in stream:
             for file, offset, n, st in zip(*(batch.column(c).to_pylist() for c in ("file", "offset", "tokens",
                                                                                     "stats"))):
                 segments.append(file, offset, n)
@@ -406,8 +407,12 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
         hand_out(planner.finish(n_windows, rule.force_last_val), dataclasses.asdict(rule))
         counts = dict(planner.counts)
         written = writers.results()
-    except BaseException:
-        writers.cancel()
+    except BaseException as exc:
+        # Before the caller removes the build: the shard writers have ended (none still maps a part file) and the
+        # tokenize actors are shut down (Ray Data's executor stops when its iterator is closed, not at some later
+        # garbage collection), so nothing prints an error about a file the failed build no longer has.
+        writers.drain(wait_s=0 if isinstance(exc, KeyboardInterrupt) else 120)  # Ctrl+C: out at once
+        getattr(stream, "close", lambda: None)()
         raise
     timings["shards_after_tokenize_s"] = round(time.perf_counter() - t0 - timings["tokenize_s"], 2)
     _hold(build, "shards")

@@ -232,9 +232,20 @@ class ShardWriters:
         self.pending = []
         return self.done
 
-    def cancel(self) -> None:
+    def drain(self, wait_s: float = 120.0) -> None:
+        """After a failure: wait (up to wait_s) until the writers still running have ended, so that none of them
+        still reads the parts when the caller removes the build, and fetch their errors (a task whose error nobody
+        fetched is printed by Ray as an "Unhandled error" traceback when the driver exits, after the one line).
+        Each writes one shard and there are at most `in_flight`, so this is seconds. Not ray.cancel: cancelling a
+        task while its reply arrives crashes the driver's core worker in Ray ("Check failed: it !=
+        submissible_tasks_.end() Tried to complete task that was not pending", ray-project/ray#54846)."""
         import ray
 
+        if self.pending and wait_s > 0:
+            ray.wait(self.pending, num_returns=len(self.pending), timeout=wait_s)
         for ref in self.pending:
-            ray.cancel(ref, force=True)
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 -- failed as the build failed, or still running: both expected
+                pass
         self.pending = []
