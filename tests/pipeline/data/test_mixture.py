@@ -152,10 +152,12 @@ def test_a_mixture_validates_and_sources_that_cannot_share_a_stream_are_refused(
     from pipeline.data.synthetic import write_synthetic_dataset
     from pipeline.run import main
 
-    assert main(["validate", mixture_setup.dataset]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"mixture {mixture_setup.dataset}: 3 sources")
-    assert out.count("  OK\n") == 3 and out.rstrip().endswith("OK (every source valid, one tokenizer, one seq_len)")
+    rc = main(["validate", mixture_setup.dataset])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert out.startswith(f"mixture {mixture_setup.dataset}: 3 sources"), out + err
+    assert out.count("  OK\n") == 3 and out.rstrip().endswith("OK (every source valid, one tokenizer, one seq_len)"), \
+        out + err
 
     manifest = load_manifest(mixture_setup.dataset)
     std = next(s["dataset_dir"] for s in manifest.source["sources"] if s["name"] == "std")
@@ -168,10 +170,12 @@ def test_a_mixture_validates_and_sources_that_cannot_share_a_stream_are_refused(
                                            r"tokenizer and one row length; prepare them with the same "
                                            r"data.tokenizer and data.seq_len$"):
         prepare_mixture(cfg)
-    assert main(["train", "--no-ray", "--preset", "test", f"--run.root={tmp_path / 'runs'}",
-                 f"--data.mixture={json.dumps(mixture)}", "--tracking.enabled=false"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: data.mixture source 'synthetic'") and "\n" not in err
+    rc = main(["train", "--no-ray", "--preset", "test", f"--run.root={tmp_path / 'runs'}",
+               f"--data.mixture={json.dumps(mixture)}", "--tracking.enabled=false"])
+    out, err = capsys.readouterr()
+    assert rc == 2, out + err
+    err = err.strip()
+    assert err.startswith("error: data.mixture source 'synthetic'") and "\n" not in err, out + err
 
 
 def test_new_weights_or_a_new_source_tokenize_nothing_already_prepared(mixture_setup):
