@@ -22,7 +22,9 @@ Stages, overlapped (shards are written while the corpus is still being tokenized
      memory does not grow with the corpus.
   3. manifest.json, written last in one piece, naming only this build's files (pipeline/data/builds.py: how
      a killed prepare, a rerun and two prepares of one dataset at once stay safe on object storage). A killed
-     run leaves no manifest; the rerun starts a new build and removes the dead one.
+     run leaves no manifest; the rerun starts a new build and removes the dead one. A build that fails (bad records,
+     a store that refuses writes) first lets its shard writers end and stops its tokenize actors, then removes its
+     files: nothing is left writing into, or reading from, a directory that is gone.
 
 Ray Data settings (why): `compute=ActorPoolStrategy(size=n)` with n = one actor per core (a fixed pool:
 each actor costs ~1 CPU-s to start and the work is CPU-bound from the first to the last batch, so
