@@ -413,7 +413,7 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
         # Before the caller removes the build: the shard writers have ended (none still maps a part file) and the
         # tokenize actors are shut down (Ray Data's executor stops when its iterator is closed, not at some later
         # garbage collection), so nothing prints an error about a file the failed build no longer has.
-        writers.drain(wait_s=0 if isinstance(exc, KeyboardInterrupt) else 120)  # Ctrl+C: out at once
+        writers.drain(wait_s=15 if isinstance(exc, KeyboardInterrupt) else 120)  # Ctrl+C: out soon
         getattr(stream, "close", lambda: None)()
         raise
     timings["shards_after_tokenize_s"] = round(time.perf_counter() - t0 - timings["tokenize_s"], 2)

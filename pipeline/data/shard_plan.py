@@ -18,8 +18,9 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data.shards import rows_per_row_group, shard_schema, token_numpy_type, windows_table, write_shard
-from pipeline.storage import is_local, join, read_bytes, resolve
+from pipeline.data.shards import (DatasetError, rows_per_row_group, shard_schema, token_numpy_type, windows_table,
+                                  write_shard)
+from pipeline.storage import StorageError, exists, is_local, join, read_bytes, resolve
 
 PARTS_DIR = "_parts"
 
@@ -200,9 +201,24 @@ def write_planned_shard(spec: dict, *, out_dir: str, segments: list, base: int, 
             eos += int(np.count_nonzero(windows == eos_id))
             yield windows_table(windows, chunk, eos_id, vocab_size)
 
-    info = write_shard(join(out_dir, spec["file"]), tables(), shard_schema(seq_len, vocab_size))
+    try:
+        info = write_shard(join(out_dir, spec["file"]), tables(), shard_schema(seq_len, vocab_size))
+    except (OSError, StorageError):
+        if _removed(join(out_dir, PARTS_DIR)):  # the build failed or was interrupted and is gone: nothing to write
+            return {"split": spec["split"], "index": spec["index"], ABANDONED: True}
+        raise
     return {"split": spec["split"], "index": spec["index"], "file": info.file, "rows": info.rows,
             "sha256": info.sha256, "eos": eos, "used": np.packbits(used).tobytes()}
+
+
+ABANDONED = "abandoned"  # a writer's result when the build it wrote into had been removed under it
+
+
+def _removed(where: str) -> bool:
+    try:
+        return not exists(where)
+    except Exception:  # noqa: BLE001 -- a store that cannot say: the writer's own error is the better report
+        return False
 
 
 class ShardWriters:
@@ -222,13 +238,13 @@ class ShardWriters:
 
         if len(self.pending) >= self.in_flight:
             ready, self.pending = ray.wait(self.pending, num_returns=len(self.pending) - self.in_flight + 1)
-            self.done += ray.get(ready)
+            self.done += _written(ray.get(ready))
         self.pending.append(self.remote.remote(spec, segments=segments, base=base, rule=rule, **self.kw))
 
     def results(self) -> list[dict]:
         import ray
 
-        self.done += ray.get(self.pending)
+        self.done += _written(ray.get(self.pending))
         self.pending = []
         return self.done
 
@@ -236,7 +252,8 @@ class ShardWriters:
         """After a failure: wait (up to wait_s) until the writers still running have ended, so that none of them
         still reads the parts when the caller removes the build, and fetch their errors (a task whose error nobody
         fetched is printed by Ray as an "Unhandled error" traceback when the driver exits, after the one line).
-        Each writes one shard and there are at most `in_flight`, so this is seconds. Not ray.cancel: cancelling a
+        Each writes one shard and there are at most `in_flight`, so this is seconds; a writer still running after
+        that finds the parts gone and ends without an error (write_planned_shard). Not ray.cancel: cancelling a
         task while its reply arrives crashes the driver's core worker in Ray ("Check failed: it !=
         submissible_tasks_.end() Tried to complete task that was not pending", ray-project/ray#54846)."""
         import ray
@@ -249,3 +266,13 @@ class ShardWriters:
             except Exception:  # noqa: BLE001 -- failed as the build failed, or still running: both expected
                 pass
         self.pending = []
+
+
+def _written(results: list[dict]) -> list[dict]:
+    """The writers' results, refused in one line when a writer found the build directory gone while the build was
+    still going on (only a failed or interrupted build removes it; here something else did)."""
+    for r in results:
+        if r.get(ABANDONED):
+            raise DatasetError(f"the {r['split']} shard {r['index']}'s parts were removed while it was being written "
+                               f"(another process deleted the build directory?); run prepare again")
+    return results

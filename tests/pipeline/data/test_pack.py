@@ -188,6 +188,35 @@ def test_segments_from_interleaved_part_files_read_as_one_stream(tmp_path):
     assert np.array_equal(TokenStream(parts, segs, base, np.uint16).read(100, len(stream)), stream[100:])
 
 
+def test_a_shard_writer_whose_build_was_removed_ends_quietly_and_a_missing_part_is_still_an_error(tmp_path):
+    """A failed or interrupted prepare removes its build while a shard writer may still run: the writer then ends
+    without an error (Ray would print an unfetched one after the command's last line). The same writer with its
+    parts directory present but a part file missing fails, and a removed build seen by a build that goes on is one
+    clear line."""
+    from pipeline.data.shard_plan import ABANDONED, _written, write_planned_shard
+
+    seq_len, vocab = 8, 500
+    parts = tmp_path / "build" / PARTS_DIR
+    parts.mkdir(parents=True)
+    tokens = np.arange(4 * (seq_len + 1), dtype=np.uint16) % vocab
+    (parts / "a.bin").write_bytes(tokens.tobytes())
+    spec = {"split": "train", "index": 0, "first": 0, "stop": 4, "rows": 4, "file": "train-00000.parquet"}
+    rule = {"n_windows": 4, "val_fraction": 0.0, "seed": 1, "force_last_val": False}
+    kw = dict(out_dir=str(tmp_path / "build"), base=0, rule=rule, seq_len=seq_len, vocab_size=vocab, eos_id=2)
+    done = write_planned_shard(spec, segments=[("a.bin", 0, len(tokens))], **kw)
+    assert done["rows"] == 4 and (tmp_path / "build" / "train-00000.parquet").exists()
+
+    with pytest.raises(FileNotFoundError):  # parts present, a file of them missing: a real error, not hidden
+        write_planned_shard(spec, segments=[("gone.bin", 0, len(tokens))], **kw)
+    for f in parts.iterdir():
+        f.unlink()
+    parts.rmdir()
+    gone = write_planned_shard(spec, segments=[("a.bin", 0, len(tokens))], **kw)
+    assert gone == {"split": "train", "index": 0, ABANDONED: True}
+    with pytest.raises(DatasetError, match=r"^the train shard 0's parts were removed while it was being written"):
+        _written([done, gone])
+
+
 def test_same_settings_same_bytes_whatever_the_parallelism(ray_session, tok_path, messy_corpus, messy_dataset,
                                                            tmp_path):
     root, _ = messy_corpus
