@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         # first second, as whoever sends it means it.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     reset_stage()
+    ray_before = _ray_connected()  # a Ray this command did not join (a test's, in-process) is left alone
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rest = parse_args(argv)
     quiet_mlflow()
@@ -416,9 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         from pipeline.interrupted import what_was_kept
 
+        _flush_worker_lines(ray_before)
         print(f"\ninterrupted: {what_was_kept(current_stage(), args)}", file=sys.stderr, flush=True)
         return 130
     except (ConfigError, UsageError, FileNotFoundError) as exc:
+        _flush_worker_lines(ray_before)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001
@@ -434,8 +437,31 @@ def main(argv: list[str] | None = None) -> int:
             line = found.line(offered_command(argv, found.previous, args.stage, args.target))
         else:
             line = str(found).strip().splitlines()[0]
+        _flush_worker_lines(ray_before)
         print(f"error: {line}", file=sys.stderr)
         return 2
+
+
+def _ray_connected() -> bool:
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return ray.is_initialized()
+
+
+def _flush_worker_lines(ray_before: bool) -> None:
+    """Before the command's last line: Ray forwards its workers' output to this console from a thread of its own,
+    and a worker's traceback of the very error being reported can arrive after that line. Leaving Ray (when this
+    command joined it) prints what was already received and stops the forwarding, so the one line is the last."""
+    if ray_before or not _ray_connected():
+        return
+    import ray
+
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 -- the process is ending anyway; the line matters more
+        pass
 
 
 def user_error(exc: BaseException) -> BaseException | None:
