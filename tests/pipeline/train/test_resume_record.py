@@ -138,7 +138,7 @@ def test_the_eta_leaves_out_the_first_step(common, tmp_path):  # noqa: F811
     hold = tmp_path / "hold"
     hold.write_text("")
     proc = subprocess.Popen([*RUN, "train", "--no-ray", *common, "--run.name=eta", "--train.max_steps=6",
-                             "--train.log_every=1", "--train.eval_every=100", "--tracking.enabled=false"],
+                             "--train.log_every=1", "--train.eval_every=100"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "LONGTRAIN_TRAIN_HOLD": str(hold)})
     lines: list[str] = []
@@ -150,7 +150,7 @@ def test_the_eta_leaves_out_the_first_step(common, tmp_path):  # noqa: F811
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not any(ln.startswith("==> train") for ln in lines):
+    while time.monotonic() < deadline and proc.poll() is None and not any(ln.startswith("==> train") for ln in lines):
         time.sleep(0.1)
     time.sleep(8)  # the loop waits on the file before step 1: the first step takes these seconds too
     hold.unlink()
