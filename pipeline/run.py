@@ -45,8 +45,8 @@ if __package__ in (None, ""):  # `python pipeline/run.py`: make the project impo
 
 from pipeline.config import Config, ConfigError, from_flat, load_config, parse_overrides  # noqa: E402
 from pipeline.console import current_stage, plain_worker_prefixes, quiet_mlflow, reset_stage, stage  # noqa: E402
-from pipeline.train.run_dir import (CHECKPOINT_HINT, find_run, new_run_dir, read_run_file,  # noqa: E402
-                                    recorded_checkpoint, run_dir_of)
+from pipeline.train.run_dir import (CHECKPOINT_HINT, check_run_root, find_run, new_run_dir,  # noqa: E402
+                                    read_run_file, recorded_checkpoint, run_dir_of)
 
 STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune", "export", "runs")
 REAL_CORPUS_COMMAND = "python pipeline/run.py --preset fineweb-32k"  # printed after a run sized to the built-in corpus
@@ -127,10 +127,14 @@ def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
 
     check_flags(args, parse_args([])[0])
     if args.stage == "validate":  # it reads no config: nothing to load (the default preset would import torch)
-        if rest:
-            raise IgnoredSettingError(f"{rest[0]} is not used by `validate`: validate reads only the dataset "
-                                      f"directory, checkpoint or run it is given; drop it")
-        return Config()
+        # run.root only: where a run named by its name is found
+        roots = [a for a in rest if a.startswith("--run.root=")]
+        others = [a for a in rest if a not in roots]
+        if others:
+            raise IgnoredSettingError(f"{others[0]} is not used by `validate`: validate reads only the dataset "
+                                      f"directory, checkpoint or run it is given (and --run.root, where a run's "
+                                      f"name is looked up); drop it")
+        return Config().replace(parse_overrides(roots)) if roots else Config()
     overrides = parse_overrides(list(rest))
     if args.address:
         overrides["ray.address"] = args.address
@@ -155,13 +159,12 @@ def stage_prepare(cfg: Config) -> Path:
 def stage_train(cfg: Config, args: argparse.Namespace):
     """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
     from pipeline.train.resume import plan_resume
-    from pipeline.train.run_dir import write_run_file
     from pipeline.train.session import TrainSession, load_phases
 
     if args.checkpoint and not args.resume:
         raise UsageError("train --checkpoint continues a run from one of its checkpoints: add --resume RUN (a new "
                          "run from another run's weights is a phase: --phases)")
-    start_step, extended = None, ""
+    start_step, extended, reopened = None, "", None
     if args.resume:
         run_dir = find_run(cfg, args.resume)
         args.run_dir = run_dir  # what a Ctrl+C from here on leaves behind is this run (main)
@@ -177,15 +180,15 @@ def stage_train(cfg: Config, args: argparse.Namespace):
             print(plan.finished)
             return run_dir, None
         phases, start_step, extended = plan.phases, plan.start_step, plan.extended
-        if plan.phases_done != record.get("phases_done", 0):  # a finished phase that grew is open again
-            write_run_file(run_dir, {**record, "phases_done": plan.phases_done})
+        # a finished phase that grew is open again: the session records it once its up-front checks pass
+        reopened = plan.phases_done if plan.phases_done != record.get("phases_done", 0) else None
     else:
         run_dir = new_run_dir(cfg)
         args.run_dir = run_dir
         phases = load_phases(args.phases, cfg, preset=args.preset)  # a preset may bring its own (long-32k)
     audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))
     session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit, start_step=start_step,
-                           extended=extended, resume_from=args.checkpoint)
+                           extended=extended, resume_from=args.checkpoint, phases_done=reopened)
     return run_dir, session.run(resume=bool(args.resume))
 
 
@@ -290,6 +293,10 @@ def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> in
         if target is None:
             raise UsageError(f"validate {args.target}: run {run_dir} has no checkpoint yet; validate a dataset "
                              f"directory or a checkpoint")
+    elif "://" not in target and not Path(target).exists():
+        raise UsageError(f"validate {target}: no such path, and no run named {target} under run.root "
+                         f"({cfg.run.root}); validate takes a dataset directory, a checkpoint directory, a run "
+                         f"directory or a run's name (add --run.root=DIR for a run under another root)")
     elif not is_checkpoint(target):
         from pipeline.data.stages import validate_main
 
@@ -361,8 +368,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args.target:
                 raise UsageError("validate needs a dataset directory, a checkpoint or a run: python pipeline/run.py "
                                  "validate DIR")
-            return stage_validate(build_config(args, rest), args, argv)
+            cfg = build_config(args, rest)
+            check_run_root(cfg.run.root)
+            return stage_validate(cfg, args, argv)
         cfg = build_config(args, rest)
+        check_run_root(cfg.run.root)  # a file there: one line, before any stage writes under it
         if args.stage == "runs":
             from pipeline.runs_list import runs_main
 

@@ -60,6 +60,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | tag    | `mlflow.experimentKind` (experiment) | `custom_model_development`: MLflow 3's UI opens the runs table, not the GenAI overview |
 | tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
 | tag    | `longtrain.restart`        | the latest restart of the worker group: its size before and after, why, the steps redone |
+| tag    | `longtrain.extended`, `longtrain.max_steps` | a resume that extended the run: the schedule's stretch, and the steps it now trains to (param `train.max_steps` keeps its first value) |
 | input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py); a mixture: one per source, tagged with its name and weight |
 
 Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
@@ -356,18 +357,20 @@ class Tracker:
         return self._run_id
 
     # -- params, metrics, tags ----------------------------------------------------------------
-    def log_params(self, params: Mapping[str, Any]) -> None:
+    def log_params(self, params: Mapping[str, Any], keep_logged: tuple[str, ...] = ()) -> None:
         """Log params as strings (MLflow's value limit: 6,000 chars, longer values are cut with '...').
 
         MLflow params are write-once: on a resumed run, params already logged with the same value are
         skipped, and a changed value is kept as first logged (with a warning) instead of failing training.
+        `keep_logged`: params whose change is expected and recorded elsewhere (a resume's longer train.max_steps:
+        the tag longtrain.max_steps), kept as first logged without a warning.
         """
         from mlflow.entities import Param
 
         values = {str(k): _param_value(v) for k, v in params.items()}
         existing = self.client.get_run(self._run_id).data.params
         for key in [k for k in values if k in existing]:
-            if existing[key] != values[key]:
+            if existing[key] != values[key] and key not in keep_logged:
                 log.warning("param %s was logged as %r in run %s; keeping it (MLflow params are write-once), "
                             "new value %r not recorded", key, existing[key], self._run_id, values[key])
             del values[key]
@@ -375,16 +378,16 @@ class Tracker:
         for chunk in _chunks(items, _MAX_PARAMS_PER_BATCH):
             self.client.log_batch(self._run_id, params=chunk)
 
-    def log_config(self, extra: Mapping[str, Any] | None = None) -> None:
+    def log_config(self, extra: Mapping[str, Any] | None = None, keep_logged: tuple[str, ...] = ()) -> None:
         """Every config field path (cfg.flat()) plus extras, e.g. {PARAM_WORLD_SIZE: 2, PARAM_MODEL_PARAMS: n}.
 
-        git_commit is added when known and not given.
+        git_commit is added when known and not given; `keep_logged` as in log_params.
         """
         params: dict[str, Any] = dict(self.cfg.flat())
         if self.git_commit:
             params[PARAM_GIT_COMMIT] = self.git_commit
         params.update(extra or {})
-        self.log_params(params)
+        self.log_params(params, keep_logged)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:
         """Log numeric metrics at `step` in one batch; NaN/inf values are skipped and counted.
@@ -566,10 +569,10 @@ class NullTracker:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def log_params(self, params: Mapping[str, Any]) -> None:
+    def log_params(self, params: Mapping[str, Any], keep_logged: tuple[str, ...] = ()) -> None:
         pass
 
-    def log_config(self, extra: Mapping[str, Any] | None = None) -> None:
+    def log_config(self, extra: Mapping[str, Any] | None = None, keep_logged: tuple[str, ...] = ()) -> None:
         pass
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> int:

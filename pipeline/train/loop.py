@@ -284,22 +284,35 @@ def _progress_bar(engine: Engine, total: int, enabled: bool):
 
 
 class _LogLines:
-    """The progress bar's interface, printing `train nano  step 50/200  loss 5.892 ...  eta 1m10s` lines."""
+    """The progress bar's interface, printing `train nano  step 50/200  loss 5.892 ...  eta 1m10s` lines.
+
+    The eta is the mean time of the steps after this process's first one, times the steps left: the first step
+    also compiles, allocates and warms up (several times a step's time on a GPU), so it says nothing of the rest.
+    Until a second step is done the eta is `?`."""
 
     def __init__(self, desc: str, total: int, initial: int):
         self.desc, self.total, self.n, self.start_n, self.t0 = desc, total, initial, initial, time.monotonic()
+        self.t_first: float | None = None  # when the first step ended (time.monotonic(), seconds)
 
     def update(self, n: int = 1) -> None:
+        if self.t_first is None:
+            self.t_first = time.monotonic()
         self.n += n
 
     def set_postfix(self, refresh: bool = False, **fields: str) -> None:
-        elapsed = time.monotonic() - self.t0
-        done = self.n - self.start_n
-        eta = elapsed / done * (self.total - self.n) if done else 0.0
+        now = time.monotonic()
+        elapsed = now - self.t0
+        after_first = self.n - self.start_n - 1  # steps done after the first
+        if self.n >= self.total:
+            eta = "0m00s"
+        elif after_first > 0 and self.t_first is not None:
+            eta = _clock((now - self.t_first) / after_first * (self.total - self.n))
+        else:
+            eta = "?"
         shown = "  ".join(f"{k} {v}" for k, v in fields.items())
         # The process's own stdout, not print(): Ray Train workers patch print to log each line twice.
         out = sys.__stdout__ or sys.stdout
-        out.write(f"{self.desc}  step {self.n}/{self.total}  {shown}  elapsed {_clock(elapsed)}  eta {_clock(eta)}\n")
+        out.write(f"{self.desc}  step {self.n}/{self.total}  {shown}  elapsed {_clock(elapsed)}  eta {eta}\n")
         out.flush()
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
-from pipeline.train.session import EXTENDED_TAG, Phase, load_phases  # noqa: F401  (EXTENDED_TAG: part of this API)
+from pipeline.train.session import FIXED_ACROSS_PHASES, Phase, load_phases
+from pipeline.train.session import EXTENDED_TAG, MAX_STEPS_TAG  # noqa: F401  (part of this API)
 
 
 class ResumeError(ValueError):
@@ -48,17 +49,45 @@ def trained_without_ray(run_dir: Path, record: dict[str, Any]) -> bool:
     return (Path(run_dir) / "checkpoints").is_dir()
 
 
-def checkpoint_counters(location: str | None) -> dict[str, Any]:
-    """meta.json's counters of a recorded checkpoint ({} when there is none or it cannot be read: the training
-    itself then reports what is wrong with it)."""
+def checkpoint_meta(location: str | None) -> dict[str, Any]:
+    """meta.json of a recorded checkpoint ({} when there is none or it cannot be read: the training itself then
+    reports what is wrong with it)."""
     if not location:
         return {}
     from pipeline.storage import join, read_text
 
     try:
-        return dict(json.loads(read_text(join(location, "meta.json"))).get("counters") or {})
+        meta = json.loads(read_text(join(location, "meta.json")))
     except (OSError, ValueError):
         return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def checkpoint_counters(location: str | None) -> dict[str, Any]:
+    """meta.json's counters of a recorded checkpoint ({} when there is none or it cannot be read)."""
+    return dict(checkpoint_meta(location).get("counters") or {})
+
+
+def check_kept_settings(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[str, Any],
+                        meta: dict[str, Any], where: str | None) -> None:
+    """ResumeError, before anything of the run is touched, for a command line that asks a resumed run to be
+    something it is not: another model or tokenizer (FIXED_ACROSS_PHASES) than the run's record or its checkpoint
+    (`meta`, the meta.json of the checkpoint at `where`) has, or another run.name (the run's name is its directory)."""
+    if "run.name" in typed and str(typed["run.name"]) != run_dir.name:
+        raise ResumeError(f"--run.name={typed['run.name']}: --resume continues run {run_dir} under its own name "
+                          f"({run_dir.name}); drop --run.name (a new run of that name: leave out --resume)")
+    saved, asked = record.get("config") or {}, cfg.flat()
+    for key in FIXED_ACROSS_PHASES:
+        if key in saved and saved[key] != asked[key]:
+            how = f"--{key}={typed[key]}" if key in typed else "the --preset that sets it"
+            raise ResumeError(f"run {run_dir} was trained with {key}={saved[key]!r} and a resumed run keeps its model "
+                              f"and tokenizer; drop {how} (or start a new run without --resume)")
+    model = (meta.get("config") or {}).get("model") or {}
+    found = {"model.tier": meta.get("tier"), "model.mixer": model.get("mixer")}
+    for key, value in found.items():  # `--checkpoint` of another run, or a record edited by hand
+        if value is not None and value != asked[key]:
+            raise ResumeError(f"checkpoint {where} has {key}={value!r} but run {run_dir} trains "
+                              f"{key}={asked[key]!r}; pass --checkpoint one of this run's own checkpoints")
 
 
 def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[str, Any], *,
@@ -72,9 +101,11 @@ def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[
         how = "with --no-ray (its checkpoints are under checkpoints/)" if was_local else \
             "on Ray Train (its checkpoints are under its Ray storage, ray/)"
         raise ResumeError(f"run {run_dir} trained {how}; resume it the same way: {resume_command(run_dir, was_local)}")
+    meta = checkpoint_meta(checkpoint or record.get("checkpoint"))
+    check_kept_settings(run_dir, record, cfg, typed, meta, checkpoint or record.get("checkpoint"))
     recorded = [Phase(**p) for p in record["phases"]] if record.get("phases") else load_phases(None, cfg)
     done = int(record.get("phases_done", 0))
-    counters = checkpoint_counters(checkpoint or record.get("checkpoint"))
+    counters = dict(meta.get("counters") or {})
     if checkpoint and counters:  # going back: the checkpoint's phase is open again, even in a finished run
         done = min(done, int(counters.get("phase", 0)))
     reached = int(counters.get("step", 0))

@@ -34,6 +34,19 @@ class RunDirError(ValueError):
     """A run directory that is not there or already taken; printed as one line."""
 
 
+def check_run_root(root: str | Path) -> None:
+    """RunDirError when run.root cannot hold run directories: it, or a folder above it, is a file (it is created
+    when missing)."""
+    path = Path(root)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                what = "is a file" if place == path else f"is under {place}, which is a file"
+                raise RunDirError(f"run.root={root} {what}, not a directory; pass --run.root=DIR a directory (it is "
+                                  f"created when missing), or move the file away")
+            return
+
+
 def new_run_dir(cfg: Config) -> Path:
     name = cfg.run.name or f"{cfg.model.tier}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.root).resolve() / name

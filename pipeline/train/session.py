@@ -46,8 +46,11 @@ from pipeline.storage import pin as pin_storage
 from pipeline.train.run_dir import RUN_FILE, write_run_file
 
 EXTENDED_TAG = "longtrain.extended"  # MLflow tag on a run whose schedule a resume stretched (pipeline/train/resume.py)
+# MLflow tag beside it: the steps the extended run now trains to (the param train.max_steps is write-once and keeps
+# the value the run started with)
+MAX_STEPS_TAG = "longtrain.max_steps"
 # Fields that fix the model's shape or the token ids: they cannot change between phases.
-_FIXED_ACROSS_PHASES = ("model.tier", "model.mixer", "model.tie_embeddings", "data.vocab_size", "data.tokenizer")
+FIXED_ACROSS_PHASES = ("model.tier", "model.mixer", "model.tie_embeddings", "data.vocab_size", "data.tokenizer")
 
 
 _PHASE_KEYS = ("steps", "overrides", "name", "lr_warmup_steps", "reset_optimizer")
@@ -129,7 +132,7 @@ def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
         steps, overrides = item["steps"], dict(item.get("overrides") or {})
         if not isinstance(steps, int) or steps <= 0:
             raise ConfigError(f"{where}: phase {i} steps={steps!r}; it must be a positive integer")
-        fixed = [k for k in overrides if k in _FIXED_ACROSS_PHASES]
+        fixed = [k for k in overrides if k in FIXED_ACROSS_PHASES]
         if fixed:
             raise ConfigError(f"{where}: phase {i} changes {fixed}; the model and tokenizer stay the same "
                               f"across phases, set them on the command line instead")
@@ -208,10 +211,12 @@ class SessionResult:
 class TrainSession:
     def __init__(self, cfg: Config, run_dir: Path, phases: list[Phase], *, use_ray: bool = True,
                  audit_data: bool = False, start_step: int | None = None, extended: str = "",
-                 resume_from: str | None = None):
+                 resume_from: str | None = None, phases_done: int | None = None):
         """`start_step`: where a resumed run's first phase continues (its header shows it); `extended`: how a resume
-        stretched the run's schedule (pipeline/train/resume.py), said in the header and as an MLflow tag;
-        `resume_from`: `--resume RUN --checkpoint PATH`, the checkpoint the phase in progress starts from."""
+        stretched the run's schedule (pipeline/train/resume.py), said in the header and as MLflow tags;
+        `resume_from`: `--resume RUN --checkpoint PATH`, the checkpoint the phase in progress starts from;
+        `phases_done`: a resume's count of finished phases when it differs from run.json's (a finished phase that
+        grew is open again), recorded once the up-front checks pass."""
         from pipeline.tracking.tracker import pin_tracking_uri
 
         # Workers may run in another directory or on another node: pin paths, the storage root and the tracking
@@ -224,10 +229,14 @@ class TrainSession:
         self.use_ray, self.audit_data = use_ray, audit_data
         self.start_step, self.extended = start_step, extended
         self.resume_from = resume_from  # `--resume RUN --checkpoint PATH`: the phase in progress starts there
+        self.phases_done = phases_done
+
+    def _record_now(self) -> dict[str, Any]:
+        path = self.run_dir / RUN_FILE
+        return json.loads(path.read_text()) if path.exists() else {}
 
     def _record(self, **changes: Any) -> dict[str, Any]:
-        path = self.run_dir / RUN_FILE
-        record = json.loads(path.read_text()) if path.exists() else {}
+        record = self._record_now()
         record.update(changes)
         write_run_file(self.run_dir, record)
         return record
@@ -249,8 +258,8 @@ class TrainSession:
         from pipeline.train.mixture_run import record_data
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
-        record = self._record(config=cfg.flat(), phases=[p.to_dict() for p in self.phases], status="running",
-                              audit_data=self.audit_data, no_ray=not self.use_ray)
+        # Everything that can refuse the command is checked before run.json or the MLflow run is touched: a refused
+        # command (a resume's included) leaves the run's record and its MLflow run as they were.
         if is_uri(storage_root(cfg)):  # the bucket: endpoint, existence, credentials, before anything else
             check(storage_root(cfg), what="run.storage", write=True)
         if cfg.tracking.enabled:
@@ -261,13 +270,23 @@ class TrainSession:
 
             check_exportable({"config": cfg.to_dict()}, "tracking.register_model: this run")
             require_tokenizers()
+        before_run = self._record_now() or None  # a resumed run's record as it was
+        reopened = {} if self.phases_done is None else {"phases_done": self.phases_done}
+        if self.resume_from:  # `--checkpoint`: the phase that checkpoint belongs to is the one to continue
+            previous = (before_run or {}).get("phases_done", 0) if self.phases_done is None else self.phases_done
+            reopened = {"phases_done": min(previous, _phase_of(self.resume_from))}
+        record = self._record(config=cfg.flat(), phases=[p.to_dict() for p in self.phases], status="running",
+                              audit_data=self.audit_data, no_ray=not self.use_ray, **reopened)
         # From here on every storage call of this process rides out an outage, a stall or a 5xx answer for
         # run.storage_retry_s (the checks above answered at once, with one line).
         faults.set_retry_window(cfg.run.storage_retry_s)
         try:
             sized = self._size(cfg, record)  # before the MLflow run opens: its params are the sized config
         except BaseException:
-            self._record(status="failed")
+            if before_run is not None:  # a resumed run: its data refused, the run itself is as it was
+                write_run_file(self.run_dir, before_run)
+            else:
+                self._record(status="failed")
             raise
         if sized is not None:
             cfg, total = sized.cfg, sized.cfg.train.max_steps
@@ -275,11 +294,9 @@ class TrainSession:
         tracker = open_tracker(cfg, run_id=record.get("mlflow_run_id"), run_name=self.run_dir.name)
         self._record(mlflow_run_id=tracker.run_id)
         if self.extended:
-            tracker.set_tags({EXTENDED_TAG: self.extended})
+            tracker.set_tags({EXTENDED_TAG: self.extended, MAX_STEPS_TAG: total})
         if cfg.tracking.system_metrics:
             tracker.start_system_metrics(cfg.tracking.system_metrics_interval_s)
-        if self.resume_from:  # `--checkpoint`: the phase that checkpoint belongs to is the one to continue
-            record = self._record(phases_done=min(record.get("phases_done", 0), _phase_of(self.resume_from)))
         datasets: list[str] = list(record.get("datasets", []))
         checkpoint = native(record["checkpoint"]) if record.get("checkpoint") else None
         tokenizer = record.get("tokenizer") or cfg.data.tokenizer
@@ -303,8 +320,8 @@ class TrainSession:
                 record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
                 # a mixture: each source's rows and passes for this phase (refused when one would run out), logged
                 record_data(pcfg, dataset, manifest, tracker, steps=phase.steps, phase=i, run_dir=self.run_dir)
-                if i == 0:
-                    tracker.log_config(run_params(pcfg, manifest))
+                if i == 0:  # a resume that extended the run says its new train.max_steps in MAX_STEPS_TAG
+                    tracker.log_config(run_params(pcfg, manifest), keep_logged=("train.max_steps",))
                     tracker.log_dict(manifest.to_dict(), "manifest.json")
                     tracker.log_dict(pcfg.to_dict(), "config.json")
                 init_from = checkpoint if i > 0 else None
