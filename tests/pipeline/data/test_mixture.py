@@ -199,3 +199,23 @@ def test_new_weights_or_a_new_source_tokenize_nothing_already_prepared(mixture_s
                before[n]["settings_hash"] for n in before)
     builds = {n: [p.name for p in Path(before[n]["dataset_dir"]).glob("build-*") if p.is_dir()] for n in before}
     assert all(len(b) == 1 for b in builds.values()), builds  # each source was built once, by the session's prepare
+
+
+def test_a_source_whose_path_does_not_exist_is_named_with_its_own_field(tmp_path):
+    """`prepare` as a user types it: the line names the source and the field it set (`path`), not data.path, which
+    the user did not set; nothing is written to the dataset store."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    nope = tmp_path / "nope.jsonl"
+    mixture = [{"name": "std", "weight": 0.5, "source": "builtin"},
+               {"name": "web", "weight": 0.5, "source": "files", "path": str(nope)}]
+    res = subprocess.run([sys.executable, str(root / "pipeline" / "run.py"), "prepare", "--preset", "test",
+                          f"--run.root={tmp_path / 'runs'}", f"--data.mixture={json.dumps(mixture)}"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (f"error: data.mixture source 'web': path={str(nope)!r} does not "
+                                                   "exist; give a file, a directory or a glob")
+    assert "Traceback" not in res.stdout + res.stderr
+    assert not (tmp_path / "runs" / "datasets").exists() or not any((tmp_path / "runs" / "datasets").rglob("*"))
