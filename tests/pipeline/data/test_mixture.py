@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.config import ConfigError, load_config
 from pipeline.data.mixture import (MixtureError, MixtureReader, block_counts, check_plan, describe_plan,
-                                   mixture_of)
+                                   fitted_block_rows, mixture_of)
 from pipeline.data.mixture_spec import parse_mixture
 
 FILES = {"name": "web", "weight": 0.7, "source": "files", "path": "corpus/*.jsonl"}
@@ -91,6 +91,14 @@ def test_block_counts_sum_to_the_block_and_round_each_weight_to_one_row(seed):
 
 
 # ------------------------------------------------------------------------------------------ the real mixture
+def test_a_run_shorter_than_a_block_gets_a_block_of_its_own_length():
+    """0.2 / 0.2 / 0.6 over 32 rows: the first 32 rows of a 1,024-row block may hold 4 / 9 / 19 of them; a 32-row
+    block holds round(w x 32) of each, by largest remainder: 7 / 6 / 19."""
+    assert fitted_block_rows(1024, 32) == 32 and fitted_block_rows(1024, 5000) == 1024
+    assert fitted_block_rows(1024, 0) == 1024  # no run length known: the configured block
+    assert block_counts([0.2, 0.2, 0.6], fitted_block_rows(1024, 32)).tolist() == [7, 6, 19]
+
+
 def test_three_sources_keep_their_token_share_in_every_block(mixture_setup):
     """builtin / local JSONL / JSONL in S3 at 0.5 / 0.3 / 0.2: every block of 1,024 rows of the stream the training
     workers read holds 512 / 307 / 205 rows of them (exact to one row of w x 1,024), and ten blocks and a part
@@ -142,7 +150,8 @@ def test_an_over_demanded_source_is_refused_in_one_line_with_the_fix(mixture_set
                         f"{np.ceil(plan[1].repetitions * 100) / 100:g} or more), or add data") and "\n" not in msg
     check_plan(mix.plan(100 * 8), 100, 8, mix.seq_len)  # a short run passes
     lines = describe_plan(mix.plan(100 * 8), mix.block_rows)
-    assert lines[0].startswith("mixture: std          weight  50.0%, 512 of every 1,024 rows; ")
+    assert lines[0].startswith("mixture: std          weight  50.0% (trains on  ") and \
+        "%), 512 of every 1,024 rows; " in lines[0]
     assert "passes (max_repetitions 4)" in lines[0]
 
 
