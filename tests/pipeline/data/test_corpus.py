@@ -287,3 +287,28 @@ def test_prepare_reads_compressed_files_and_names_those_it_skips(ray_session, tm
     assert (f"  skipped 2 file(s) of data.path={str(corpus)!r} of a type it does not read: notes.md, old.jsonl.xz "
             "(it reads .txt, .jsonl, .json and .parquet; .txt, .jsonl and .json also compressed as .gz, .bz2 or "
             ".zst)") in out
+
+
+def test_compressed_objects_in_a_bucket_are_listed_read_and_checked(s3_bucket, tmp_path):
+    """The same in object storage (Ray-free): a prefix's .jsonl.gz is read through its compression, its other files
+    are named."""
+    import gzip
+
+    from pipeline import storage
+    from pipeline.data.corpus import check_first_records, open_stream, skipped_files
+
+    prefix = f"{s3_bucket}/gzcorpus"
+    packed = gzip.compress(b'{"body": "x"}\n{"body": "y"}\n')
+    storage.write_bytes(f"{prefix}/a.jsonl.gz", packed)
+    assert storage.read_bytes(f"{prefix}/a.jsonl.gz") == packed  # bytes stored and read as given, not (un)gzipped
+    storage.write_bytes(tmp_path / "a.jsonl.gz", packed)
+    assert (tmp_path / "a.jsonl.gz").read_bytes() == storage.read_bytes(tmp_path / "a.jsonl.gz") == packed
+    storage.write_bytes(f"{prefix}/b.txt", b"plain")
+    storage.write_bytes(f"{prefix}/README", b"not read")
+    assert resolve_files(prefix) == [f"{prefix}/a.jsonl.gz", f"{prefix}/b.txt"]
+    assert skipped_files(prefix) == [f"{prefix}/README"]
+    with open_stream(f"{prefix}/a.jsonl.gz") as f:
+        assert f.read() == b'{"body": "x"}\n{"body": "y"}\n'
+    check_first_records(cfg_for(source="files", path=prefix, text_column="body"))
+    with pytest.raises(DataSourceError, match=r"none of the first 2 records of .*a.jsonl.gz is usable"):
+        check_first_records(cfg_for(source="files", path=prefix))
