@@ -12,8 +12,9 @@ Sources (`data.source`):
            URI: pipeline/storage.py), read by one Ray Data file datasource in sorted path order. .txt, .jsonl
            and .json files may be compressed (.gz, .bz2, .zst/.zstd: decompressed as they are read; the cache key
            lists them as any file). A directory's files of other types are not read, and the prepare summary
-           names each of them. A .txt file is one document. A .jsonl file holds one JSON object per line and a .json file a list of objects;
-           the document is the `data.text_column` field. Parquet: that column, string or binary.
+           names each of them. A .txt file is one document. A .jsonl file holds one JSON object per line and a
+           .json file a list of objects; the document is the `data.text_column` field. Parquet: that column,
+           string or binary.
   hf       a Hugging Face dataset through `datasets.load_dataset(data.hf_name, data.hf_config,
            split=data.hf_split, streaming=data.hf_streaming)` and `ray.data.from_huggingface` (streaming:
            a datasource reading the dataset's shards in parallel). With `data.path` set, it is passed as
@@ -49,8 +50,8 @@ import numpy as np
 import pyarrow as pa
 from pyarrow.fs import FileType
 
-from pipeline.storage import (check_bucket, explained, info, is_local, is_uri, listdir, location_of, open_input,
-                              resolve, scheme)
+from pipeline.storage import (StorageError, check_bucket, explained, info, is_local, is_uri, listdir, location_of,
+                              open_input, resolve, scheme)
 from pipeline.storage import glob as glob_files
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def skipped_files(path: str) -> list[str]:
         try:
             if info(path).type != FileType.Directory:
                 return []
-        except Exception:  # noqa: BLE001 -- resolve_files has named the problem already, or will
+        except (StorageError, OSError):  # resolve_files has named the problem already, or will
             return []
         fs, base = resolve(path)
         return sorted(location_of(fs, f.path, path) for f in listdir(path, recursive=True)

@@ -110,8 +110,8 @@ def _field(spec) -> str:
 
 
 def _skipped_line(d, indent: str = "  ", field: str = "data.path") -> str:
-    """`\n  skipped 2 file(s) of data.path='corpus/' of a type it does not read: notes.md, old.jsonl.xz (...)` when the corpus
-    directory holds files of a type not read (compressed .txt/.jsonl/.json are read): none is left out unsaid."""
+    """`\n  skipped 2 file(s) of data.path='corpus/' of a type it does not read: notes.md, old.jsonl.xz (...)` when
+    the corpus directory holds files of a type not read (compressed .txt/.jsonl/.json are read): none left out unsaid."""
     from pipeline.data.corpus import READS, skipped_files
 
     if d.source not in ("files", "hf") or not d.path:

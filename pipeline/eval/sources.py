@@ -7,8 +7,9 @@
 Each source's validation split is read with pipeline/data/shards.py's EvalSplit, one per source kept for the whole
 run as a single dataset's is (every rank the same number of forwards of the same shape: a short last batch is
 padded; the manifest, each shard's footer and each row group read once per run, not once per evaluation, within
-EVAL_CACHE_BYTES shared by the sources), its first `max_batches` batches evaluated by the engine (collective under DDP/FSDP, the same calls in the same order on every rank), sources in the mixture's
-order, evaluation-only sources (weight 0) too.
+EVAL_CACHE_BYTES shared by the sources), its first `max_batches` batches evaluated by the engine (collective under
+DDP/FSDP, the same calls in the same order on every rank), sources in the mixture's order, evaluation-only sources
+(weight 0) too.
 
 - val/<source>/loss: mean cross-entropy per predicted token (nats); ppl = exp(loss); accuracy as val/accuracy.
 - val/<source>/bpb: bits per UTF-8 byte of the predicted text, loss x tokens / ln 2 / bytes, where bytes are what

@@ -61,7 +61,8 @@ def test_a_mixture_reads_each_source_validation_split_once_per_run(s3_bucket, fa
     def val_gets(eval_every: int) -> dict[str, int]:
         fault_proxy.clear()
         fault_proxy.reset_log()
-        res = subprocess.run([sys.executable, str(root / "pipeline" / "run.py"), "train", "--no-ray", "--preset", "test",
+        res = subprocess.run([sys.executable, str(root / "pipeline" / "run.py"), "train", "--no-ray", "--preset",
+                              "test",
                               f"--run.root={tmp_path / 'runs'}", f"--run.name=every{eval_every}",
                               f"--data.mixture={json.dumps(mixture)}", "--train.max_steps=16",
                               f"--train.eval_every={eval_every}", "--train.checkpoint_every=16",
