@@ -312,7 +312,7 @@ def check(location: str, *, what: str, write: bool = False) -> None:
             probe = f"{path}/.write-probe-{uuid.uuid4().hex[:12]}"
             if isinstance(fs, pafs.LocalFileSystem):
                 fs.create_dir(path, recursive=True)
-            with fs.open_output_stream(probe) as out:
+            with fs.open_output_stream(probe, compression=None) as out:
                 out.write(b"")
             with contextlib.suppress(FileNotFoundError):
                 fs.delete_file(probe)
@@ -338,7 +338,7 @@ def read_bytes(location: str | os.PathLike) -> bytes:
     fs, path = resolve(location)
 
     def read() -> bytes:
-        with fs.open_input_stream(path) as f:
+        with fs.open_input_stream(path, compression=None) as f:  # the object's bytes (pyarrow would gunzip a .gz)
             return f.read()
 
     return _io(location, read)
@@ -355,7 +355,7 @@ def write_bytes(location: str | os.PathLike, data: bytes) -> None:
     fs, path = resolve(location)
     if not isinstance(fs, pafs.LocalFileSystem):
         def put() -> None:
-            with fs.open_output_stream(path) as out:
+            with fs.open_output_stream(path, compression=None) as out:  # as given (pyarrow would gzip a .gz)
                 out.write(data)
 
         _io(location, put)  # a retry writes the whole object again: readers never see part of it
@@ -387,7 +387,7 @@ def upload_file(local: str | os.PathLike, location: str) -> None:
         return
 
     def put() -> None:
-        with open(local, "rb") as src, fs.open_output_stream(path) as out:
+        with open(local, "rb") as src, fs.open_output_stream(path, compression=None) as out:
             for chunk in iter(lambda: src.read(8 << 20), b""):
                 out.write(chunk)
 
@@ -410,7 +410,7 @@ def open_output(location: str):
     with explained(location):
         if isinstance(fs, pafs.LocalFileSystem):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return fs.open_output_stream(path)
+        return fs.open_output_stream(path, compression=None)
 
 
 def makedirs(location: str) -> None:
@@ -450,7 +450,7 @@ def sha256(location: str | os.PathLike) -> str:
 
     def digest() -> str:
         h = hashlib.sha256()
-        with fs.open_input_stream(path) as f:
+        with fs.open_input_stream(path, compression=None) as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
         return h.hexdigest()

@@ -9,9 +9,12 @@ Sources (`data.source`):
            about 2 MB, no download.
   files    `data.path` is a file, a directory (searched recursively) or a glob of .txt, .jsonl, .json, .parquet,
            on this machine or in object storage (s3://bucket/corpus/*.jsonl, gs://..., any pyarrow or fsspec
-           URI: pipeline/storage.py), read by one Ray Data file datasource in sorted path order. A .txt file
-           is one document. A .jsonl file holds one JSON object per line and a .json file a list of objects;
-           the document is the `data.text_column` field. Parquet: that column, string or binary.
+           URI: pipeline/storage.py), read by one Ray Data file datasource in sorted path order. .txt, .jsonl
+           and .json files may be compressed (.gz, .bz2, .zst/.zstd: decompressed as they are read; the cache key
+           lists them as any file). A directory's files of other types are not read, and the prepare summary
+           names each of them. A .txt file is one document. A .jsonl file holds one JSON object per line and a
+           .json file a list of objects; the document is the `data.text_column` field. Parquet: that column,
+           string or binary.
   hf       a Hugging Face dataset through `datasets.load_dataset(data.hf_name, data.hf_config,
            split=data.hf_split, streaming=data.hf_streaming)` and `ray.data.from_huggingface` (streaming:
            a datasource reading the dataset's shards in parallel). With `data.path` set, it is passed as
@@ -47,8 +50,8 @@ import numpy as np
 import pyarrow as pa
 from pyarrow.fs import FileType
 
-from pipeline.storage import (check_bucket, explained, info, is_local, is_uri, listdir, location_of, open_input,
-                              resolve, scheme)
+from pipeline.storage import (StorageError, check_bucket, explained, info, is_local, is_uri, listdir, location_of,
+                              open_input, resolve, scheme)
 from pipeline.storage import glob as glob_files
 
 if TYPE_CHECKING:
@@ -57,6 +60,10 @@ if TYPE_CHECKING:
     from pipeline.config import DataConfig
 
 FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+# Whole-file compression of the streamed kinds (txt, jsonl, json), decompressed while read (pyarrow's codecs, as Ray
+# Data's readers do). A compressed Parquet file is not read: Parquet compresses inside and needs random access.
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
+READS = ".txt, .jsonl, .json and .parquet; .txt, .jsonl and .json also compressed as .gz, .bz2 or .zst"
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
 _PARQUET_BATCH_ROWS = 1024  # rows per block the Parquet reader yields
@@ -201,6 +208,52 @@ def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None,
 # ----------------------------------------------------------------------------------------------
 # Local files
 
+def file_kind(path: str) -> str | None:
+    """txt / jsonl / json / parquet by the file's name (a compressed txt, jsonl or json by the name inside its
+    compression suffix: corpus/part-1.jsonl.gz is jsonl); None for a file data.source=files does not read."""
+    suffixes = [x.lower() for x in Path(path).suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        kind = FILE_KINDS.get(suffixes[-2]) if len(suffixes) > 1 else None
+        return kind if kind != "parquet" else None
+    return FILE_KINDS.get(suffixes[-1]) if suffixes else None
+
+
+def compression_of(path: str) -> str | None:
+    """The codec of a compressed corpus file (pyarrow's name: gzip, bz2, zstd), else None."""
+    suffix = Path(path).suffix.lower()
+    return COMPRESSIONS.get(suffix)
+
+
+def open_stream(path: str) -> Any:
+    """A corpus file to read from its start, decompressed when it is compressed (a local path or a URI)."""
+    raw = open_input(path)
+    codec = compression_of(path)
+    return pa.CompressedInputStream(raw, codec) if codec else raw
+
+
+def skipped_files(path: str) -> list[str]:
+    """The files a directory (or prefix) `path` holds that data.source=files does not read (hidden ones apart),
+    sorted: what the prepare summary names, so no file is left out without a word. [] for a file or a glob (a glob
+    names its files: one of a type not read is an error)."""
+    if not path or any(c in path for c in "*?["):
+        return []
+    if is_uri(path) and not is_local(path):
+        try:
+            if info(path).type != FileType.Directory:
+                return []
+        except (StorageError, OSError):  # resolve_files has named the problem already, or will
+            return []
+        fs, base = resolve(path)
+        return sorted(location_of(fs, f.path, path) for f in listdir(path, recursive=True)
+                      if f.type == FileType.File and file_kind(f.path) is None
+                      and not any(part.startswith(".") for part in f.path[len(base) + 1:].split("/")))
+    p = Path(path[len("file://"):] if path.startswith("file://") else path).expanduser()
+    if not p.is_dir():
+        return []
+    return sorted(str(m) for m in p.rglob("*") if (m.is_file() or m.is_symlink()) and file_kind(str(m)) is None
+                  and not any(part.startswith(".") for part in m.relative_to(p).parts))
+
+
 def resolve_files(path: str) -> list[str]:
     """The files `path` names (a file, a directory searched recursively, or a glob; a local path or a URI such
     as s3://bucket/corpus/*.jsonl), sorted, all of a supported type: absolute local paths or URIs. Raises
@@ -209,10 +262,9 @@ def resolve_files(path: str) -> list[str]:
         files = _resolve_uri(path)
     else:
         files = [str(f) for f in _resolve_local(path[len("file://"):] if path.startswith("file://") else path)]
-    bad = [f for f in files if Path(f).suffix.lower() not in FILE_KINDS]
+    bad = [f for f in files if file_kind(f) is None]
     if bad:
-        raise DataSourceError(f"{bad[0]!r} has an unsupported type; data.source=files reads "
-                              f"{', '.join(FILE_KINDS)}")
+        raise DataSourceError(f"{bad[0]!r} has an unsupported type; data.source=files reads {READS}")
     return files
 
 
@@ -222,7 +274,7 @@ def _resolve_local(path: str) -> list[Path]:
         matches = [Path(m) for m in glob.glob(str(p), recursive=True)]
         files = sorted(m for m in matches if m.is_file() or m.is_symlink())
     elif p.is_dir():
-        files = sorted(m for m in p.rglob("*") if (m.is_file() or m.is_symlink()) and m.suffix.lower() in FILE_KINDS
+        files = sorted(m for m in p.rglob("*") if (m.is_file() or m.is_symlink()) and file_kind(str(m)) is not None
                        and not any(part.startswith(".") for part in m.relative_to(p).parts))
     elif p.exists() or p.is_symlink():
         files = [p]
@@ -253,7 +305,7 @@ def _resolve_uri(path: str) -> list[str]:
         elif kind == FileType.Directory:
             fs, base = resolve(path)
             files = sorted(location_of(fs, f.path, path) for f in listdir(path, recursive=True)
-                           if f.type == FileType.File and Path(f.path).suffix.lower() in FILE_KINDS
+                           if f.type == FileType.File and file_kind(f.path) is not None
                            and not any(part.startswith(".") for part in f.path[len(base) + 1:].split("/")))
         else:
             raise DataSourceError(f"data.path={path!r} does not exist: no object and no prefix of that name; check "
@@ -399,10 +451,12 @@ def _read_files(files: list[str], column: str) -> "ray.data.Dataset":
         def _open_input_source(self, filesystem, path: str, **open_args):
             if path.lower().endswith(".parquet"):  # Parquet needs random access (footer first)
                 return filesystem.open_input_file(path)
+            if compression_of(path):  # by our suffixes: Ray infers from Arrow's, which lack .zstd
+                open_args = {**open_args, "compression": compression_of(path)}
             return super()._open_input_source(filesystem, path, **open_args)
 
         def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
-            kind = FILE_KINDS[Path(path).suffix.lower()]
+            kind = file_kind(path)
             path = prefix + path  # what messages and the manifest name: the URI, not the bucket-relative key
             stream = f if kind == "parquet" else io.BufferedReader(_RawReader(f), 1 << 20)
             try:
@@ -628,11 +682,11 @@ def blocks_at_least(d: "DataConfig") -> int | None:
     files = resolve_files(d.path)
     total, docs_per_block = 0, None
     for f, size, _ in _listing(files):  # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet 1,024 rows
-        kind = FILE_KINDS[Path(f).suffix.lower()]
-        if kind == "jsonl":
+        kind = file_kind(f)
+        if kind == "jsonl":  # compressed: its compressed size, fewer blocks than it yields (still a lower bound)
             total += max(1, size // _BLOCK_BYTES)
             if docs_per_block is None:  # the first ~1 MB block of the first .jsonl: how many documents a block holds
-                with open_input(f) as fh:  # a local file or one ranged read of an object
+                with open_stream(f) as fh:  # a local file or one ranged read of an object
                     docs_per_block = max(1, sum(1 for line in fh.read(_BLOCK_BYTES).splitlines() if line.strip()))
         elif kind == "parquet":
             import pyarrow.parquet as pq
@@ -730,14 +784,14 @@ def check_first_records(d: "DataConfig") -> None:
         names = ", ".join(Path(f).name for f in files[:3]) + (", ..." if len(files) > 3 else "")
         raise DataSourceError(f"no text in data.path={d.path!r}: its {len(files)} file(s) ({names}) are empty; "
                               "point data.path at the corpus")
-    kind_of = {f: FILE_KINDS[Path(f).suffix.lower()] for f in nonempty}
+    kind_of = {f: file_kind(f) for f in nonempty}
     first_parquet = next((f for f in nonempty if kind_of[f] == "parquet"), None)
     if first_parquet:
         _check_parquet_column([first_parquet], d.text_column)
     first_json = next((f for f in nonempty if kind_of[f] in ("jsonl", "json")), None)
     if first_json is None:
         return
-    with open_input(first_json) as fh:
+    with open_stream(first_json) as fh:
         head = fh.read(_BLOCK_BYTES)
     if kind_of[first_json] == "json" and len(head) == _BLOCK_BYTES:
         return  # a .json file is one document: its first MiB alone does not parse

@@ -23,6 +23,13 @@ count with the same global batch reads the same rows (rank r of W reads position
 of each global micro-batch). The stream has no end: the run's length is decided before training (`plan`),
 each source repeating at most max_repetitions times, and `engine.epoch` stays 0.
 
+Short runs. The weights are exact over whole blocks only: a run (or a sweep trial, or a phase) of fewer rows than
+one block would train on the first rows of one shuffled block, whose shares can be far from the weights (0.2 / 0.2
+/ 0.6 over 32 rows of a 1,024-row block: 4 / 9 / 19 rows). Such a run uses blocks of its own length instead
+(`fitted_block_rows`), so it trains on round(w_i x its rows) of each source; the block it used is recorded in the
+run's mixture.json, and a resume of that phase keeps it (pipeline/train/mixture_run.py), so resume stays exact.
+The run prints, per source, the share it asked for and the share it trains on.
+
 Batches carry, beside tokens / doc_ids / seq_id, `source` (the source's index in data.mixture) and `pass` (its
 repetition), so the data audit names every row unambiguously (seq_ids are per dataset).
 """
@@ -60,6 +67,12 @@ class MixtureError(DatasetError):
 
 def is_mixture(manifest: Manifest) -> bool:
     return (manifest.source or {}).get("kind") == MIXTURE_KIND
+
+
+def fitted_block_rows(block_rows: int, total_rows: int) -> int:
+    """Rows per block for a run of `total_rows` rows of the mixed stream: data.mixture_block_rows, or the run's own
+    rows when it is shorter than one block (its shares then as close to the weights as whole rows allow)."""
+    return max(1, min(int(block_rows), int(total_rows))) if total_rows > 0 else int(block_rows)
 
 
 def block_counts(weights: list[float], block_rows: int) -> np.ndarray:
@@ -100,6 +113,7 @@ class SourcePlan:
     max_repetitions: float
     dataset_dir: str
     dataset_hash: str
+    share: float = 0.0  # what the run trains on: rows_needed / the run's rows (the weight, over whole blocks)
 
     @property
     def over(self) -> bool:
@@ -183,7 +197,8 @@ class Mixture:
         need = self.rows_needed(total_rows)
         return [SourcePlan(s.name, s.weight, int(self.counts[s.index]), int(need[s.index]), s.train_rows,
                            float(need[s.index] / s.train_rows) if s.train_rows else math.inf, s.max_repetitions,
-                           s.dataset_dir, s.manifest.settings_hash) for s in self.sources]
+                           s.dataset_dir, s.manifest.settings_hash, float(need[s.index] / max(1, total_rows)))
+                for s in self.sources]
 
 
 def check_plan(plan: list[SourcePlan], steps: int, rows_per_step: int, seq_len: int) -> None:
@@ -199,21 +214,28 @@ def check_plan(plan: list[SourcePlan], steps: int, rows_per_step: int, seq_len: 
                 f"{math.ceil(p.repetitions * 100) / 100:g} or more), or add data")
 
 
-def describe_plan(plan: list[SourcePlan], block_rows: int) -> list[str]:
-    """One printed line per source: its share, rows per block, and the passes over its data the run makes."""
+def describe_plan(plan: list[SourcePlan], block_rows: int, asked_block_rows: int | None = None) -> list[str]:
+    """One printed line per source: its share asked and trained on, rows per block, and the passes over its data the
+    run makes; first, when the run is shorter than data.mixture_block_rows (`asked_block_rows`), a line saying so."""
     lines = []
+    if asked_block_rows is not None and block_rows < asked_block_rows:
+        lines.append(f"mixture: the run's {block_rows:,} rows are fewer than data.mixture_block_rows="
+                     f"{asked_block_rows:,}, over which the weights are exact: it uses blocks of {block_rows:,} rows, "
+                     "so each source's share is as close to its weight as whole rows allow")
     for p in plan:
         use = (f"{p.rows_needed:,} of its {p.train_rows:,} training rows: {p.repetitions:.2f} passes "
                f"(max_repetitions {p.max_repetitions:g})" if p.rows_per_block else "evaluation only")
-        lines.append(f"mixture: {p.name:<12} weight {p.weight:6.1%}, {p.rows_per_block:,} of every {block_rows:,} "
-                     f"rows; {use}")
+        lines.append(f"mixture: {p.name:<12} weight {p.weight:6.1%} (trains on {p.share:6.1%}), {p.rows_per_block:,} "
+                     f"of every {block_rows:,} rows; {use}")
     return lines
 
 
-def run_manifest(mix: Mixture, plan: list[SourcePlan], *, phase: int, steps: int, rows_per_step: int) -> dict:
+def run_manifest(mix: Mixture, plan: list[SourcePlan], *, phase: int, steps: int, rows_per_step: int,
+                 asked_block_rows: int | None = None) -> dict:
     """The record of one phase's mixture a run keeps beside it (mixture.json): sources, weights, repetitions,
-    tokenizer."""
+    tokenizer; `block_rows` is the block the phase trains with, `block_rows_asked` data.mixture_block_rows."""
     return {"phase": phase, "steps": steps, "rows_per_step": rows_per_step, "block_rows": mix.block_rows,
+            "block_rows_asked": mix.block_rows if asked_block_rows is None else int(asked_block_rows),
             "seed": mix.seed, "dataset_dir": mix.dataset_dir, "seq_len": mix.seq_len,
             "tokenizer": join(mix.dataset_dir, mix.manifest.tokenizer_file),
             "tokenizer_sha256": mix.manifest.tokenizer_sha256,

@@ -23,8 +23,10 @@ Sources of different tokenizers or row lengths (prepared datasets given by datas
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from pipeline.data.mixture import MIXTURE_KIND, MixtureError, is_mixture
-from pipeline.data.mixture_spec import SourceSpec, normalized, parse_mixture
+from pipeline.data.mixture_spec import SOURCE_FIELDS, SourceSpec, normalized, parse_mixture
 from pipeline.data.shards import SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, load_manifest, write_manifest
 from pipeline.storage import absolute, dataset_store, exists, join, read_bytes, write_bytes
 
@@ -51,6 +53,27 @@ def source_config(cfg: "Config", spec: SourceSpec, tokenizer: str = "", actors: 
     return cfg.replace(over)
 
 
+@contextlib.contextmanager
+def about(spec: SourceSpec) -> Iterator[None]:
+    """A corpus or storage error raised while reading one source names that source, and the source's own fields by
+    the names the user wrote them with (`path=...`, not `data.path=...`, which the user did not set). A field the
+    source leaves to data.* keeps its data.* name: that is where its value came from."""
+    from pipeline.data.corpus import DataSourceError
+    from pipeline.storage import StorageError
+
+    try:
+        yield
+    except (DataSourceError, StorageError) as exc:
+        label = f"data.mixture source {spec.name!r}"
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if text.startswith(label):
+            raise
+        own = "|".join(re.escape(k) for k, _ in spec.fields if k in SOURCE_FIELDS)
+        if own:
+            text = re.sub(rf"\bdata\.({own})\b", r"\1", text)
+        raise type(exc)(f"{label}: {text}") from None
+
+
 def shared_tokenizer(cfg: "Config", specs: list[SourceSpec]) -> str:
     """The tokenizer every source is tokenized with (module docstring, 1.): a path or a URI."""
     import sentencepiece
@@ -67,7 +90,11 @@ def shared_tokenizer(cfg: "Config", specs: list[SourceSpec]) -> str:
         m = load_manifest(where)
         return join(where, m.tokenizer_file) if m.tokenizer_file else ""
     weighted = [(s, w) for s, w in zip(specs, normalized(specs)) if w > 0]
-    settings = {"sources": [describe_source(source_config(cfg, s).data) for s, _ in weighted],
+    described = []
+    for s, _ in weighted:
+        with about(s):
+            described.append(describe_source(source_config(cfg, s).data))
+    settings = {"sources": described,
                 "weights": [round(w, 12) for _, w in weighted], "vocab_size": d.vocab_size,
                 "sample_bytes": d.tokenizer_sample_bytes, "recipe": "bpe+byte_fallback+identity",
                 "sentencepiece": sentencepiece.__version__}
@@ -86,8 +113,9 @@ def shared_tokenizer(cfg: "Config", specs: list[SourceSpec]) -> str:
     def sample() -> Iterator[str]:
         for spec, w in weighted:
             scfg = source_config(cfg, spec).data
-            yield from sample_texts(read_documents(scfg), max(1, int(d.tokenizer_sample_bytes * w)),
-                                    scfg.on_bad_record)
+            with about(spec):
+                yield from sample_texts(read_documents(scfg), max(1, int(d.tokenizer_sample_bytes * w)),
+                                        scfg.on_bad_record)
 
     write_bytes(join(location + ".json"), json.dumps(settings, indent=2).encode())  # what it was trained on
     train_tokenizer(sample(), d.vocab_size, location)
@@ -105,7 +133,8 @@ def _prepare_sources(cfg: "Config", specs: list[SourceSpec], tokenizer: str) -> 
             out[spec.name] = absolute(spec.dataset_dir)
             continue
         scfg = source_config(cfg, spec, tokenizer)
-        key = settings_hash(dataset_settings(scfg))
+        with about(spec):
+            key = settings_hash(dataset_settings(scfg))
         where = dataset_location(scfg, key)
         if reusable(where, key) is not None:
             out[spec.name] = where
@@ -122,9 +151,10 @@ def _prepare_sources(cfg: "Config", specs: list[SourceSpec], tokenizer: str) -> 
         log.info("preparing %d source(s) (%s), %d at a time with %d tokenizer actor(s) each", len(todo),
                  ", ".join(s.name for s in todo), side_by_side, each)
         with ThreadPoolExecutor(max_workers=side_by_side, thread_name_prefix="prepare-source") as pool:
-            futures = {s.name: pool.submit(prepare, source_config(cfg, s, tokenizer, each)) for s in todo}
-            for name, fut in futures.items():
-                out[name] = absolute(fut.result())
+            futures = {s.name: (s, pool.submit(prepare, source_config(cfg, s, tokenizer, each))) for s in todo}
+            for name, (spec, fut) in futures.items():
+                with about(spec):
+                    out[name] = absolute(fut.result())
     return out
 
 
@@ -136,7 +166,8 @@ def prepare_mixture(cfg: "Config") -> Path | str:
 
     specs = parse_mixture(cfg.data.mixture)
     if len(specs) == 1 and not specs[0].dataset_dir:  # a mixture of one: the flat config's own dataset
-        datasets = {specs[0].name: absolute(prepare(source_config(cfg, specs[0], cfg.data.tokenizer)))}
+        with about(specs[0]):
+            datasets = {specs[0].name: absolute(prepare(source_config(cfg, specs[0], cfg.data.tokenizer)))}
     else:
         datasets = _prepare_sources(cfg, specs, shared_tokenizer(cfg, specs))
     manifests = {name: load_manifest(where) for name, where in datasets.items()}

@@ -72,13 +72,14 @@ def prepare_main(cfg) -> Path:
           f"{m.packing_efficiency:.4%}; dropped {c['dropped_empty']:,} empty, replaced "
           f"{c['replaced_invalid_utf8']:,} invalid UTF-8; skipped {c.get('bad_records', 0):,} unreadable records"
           f"{_bad_files_line(m)}\n"
-          f"  tokenizer {m.tokenizer_file} vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}")
+          f"  tokenizer {m.tokenizer_file} vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}"
+          f"{_skipped_line(d)}")
     return out
 
 
 def _prepare_mixture_main(cfg) -> Path | str:
     """prepare_main for data.mixture: every source (cached each by its own hash), a summary line per source."""
-    from pipeline.data.mixture_prepare import prepare_mixture
+    from pipeline.data.mixture_prepare import prepare_mixture, source_config
     from pipeline.data.mixture_spec import normalized, parse_mixture
 
     d = cfg.data
@@ -95,11 +96,33 @@ def _prepare_mixture_main(cfg) -> Path | str:
         sm = load_manifest(where[spec.name])
         print(f"  {spec.name:<12} weight {w:6.1%}  {sm.rows('train'):,} train + "
               f"{sm.rows('val'):,} val rows of {sm.seq_len}+1 ({sm.counts.get('tokens_kept', 0):,} tokens, "
-              f"{sm.counts.get('documents', 0):,} documents)  {where[spec.name]}")
+              f"{sm.counts.get('documents', 0):,} documents)  {where[spec.name]}"
+              f"{_skipped_line(source_config(cfg, spec).data, '    ', _field(spec)) if not spec.dataset_dir else ''}")
     tokenizer = f"{out}/{m.tokenizer_file}"
     print(f"  tokenizer vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}; to keep it (and every prepared "
           f"source) when the weights change: --data.tokenizer={tokenizer}")
     return out
+
+
+def _field(spec) -> str:
+    """How a mixture source's path is named: by the field it set (`path`), or data.path when it took that one."""
+    return "path" if "path" in dict(spec.fields) else "data.path"
+
+
+def _skipped_line(d, indent: str = "  ", field: str = "data.path") -> str:
+    """`\n  skipped 2 file(s) of data.path='corpus/' of a type it does not read: notes.md, old.jsonl.xz (...)` when
+    the corpus directory holds files of a type not read (compressed .txt/.jsonl/.json are read): none left out unsaid."""
+    from pipeline.data.corpus import READS, skipped_files
+
+    if d.source not in ("files", "hf") or not d.path:
+        return ""
+    skipped = skipped_files(d.path)
+    if not skipped:
+        return ""
+    base = d.path.rstrip("/") + "/"
+    names = ", ".join(f[len(base):] if f.startswith(base) else f for f in skipped)  # every one, by its name inside
+    return (f"\n{indent}skipped {len(skipped)} file(s) of {field}={d.path!r} of a type it does not read: {names} "
+            f"(it reads {READS})")
 
 
 def _bad_files_line(m) -> str:

@@ -4,10 +4,12 @@
     evaluate = SourceValidation(mixture, batch_size=8, rank=rank, world_size=world)
     metrics = evaluate(engine, max_batches=8)     # val/<source>/{loss,ppl,bpb,accuracy} + val/{loss,ppl,accuracy}
 
-Each source's validation split is read with pipeline/data/shards.py's eval_reader (every rank the same number of
-forwards of the same shape: a short last batch is padded), its first `max_batches` batches evaluated by the
-engine (collective under DDP/FSDP, the same calls in the same order on every rank), sources in the mixture's
-order, evaluation-only sources (weight 0) too.
+Each source's validation split is read with pipeline/data/shards.py's EvalSplit, one per source kept for the whole
+run as a single dataset's is (every rank the same number of forwards of the same shape: a short last batch is
+padded; the manifest, each shard's footer and each row group read once per run, not once per evaluation, within
+EVAL_CACHE_BYTES shared by the sources), its first `max_batches` batches evaluated by the engine (collective under
+DDP/FSDP, the same calls in the same order on every rank), sources in the mixture's order, evaluation-only sources
+(weight 0) too.
 
 - val/<source>/loss: mean cross-entropy per predicted token (nats); ppl = exp(loss); accuracy as val/accuracy.
 - val/<source>/bpb: bits per UTF-8 byte of the predicted text, loss x tokens / ln 2 / bytes, where bytes are what
@@ -27,7 +29,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from pipeline.data.mixture import Mixture
-from pipeline.data.shards import eval_reader
+from pipeline.data.shards import EVAL_CACHE_BYTES, EvalSplit
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.storage import join
 
@@ -61,6 +63,11 @@ class SourceValidation:
                                                                                   world_size, prefix)
         self.size = self.lead = None  # a mixture of synthetic datasets has no tokenizer: no bytes, no bpb
         self.eos_id = mixture.manifest.eos_id
+        # One reader per source for the object's lifetime (a run: pipeline/train/local.py, ray_train.py), rewound at
+        # each evaluation; the single dataset's bound on decoded rows kept, shared by the sources.
+        cache = max(16 << 20, EVAL_CACHE_BYTES // max(1, len(mixture.sources)))
+        self.splits = [EvalSplit(s.dataset_dir, batch_size, rank, world_size, cache_bytes=cache)
+                       for s in mixture.sources]
         if mixture.manifest.tokenizer_file:
             self.size, self.lead = Tokenizer(join(mixture.dataset_dir, mixture.manifest.tokenizer_file)).utf8_bytes()
 
@@ -70,8 +77,8 @@ class SourceValidation:
         p = self.prefix
         out: dict[str, float] = {}
         counted = []
-        for src in self.mixture.sources:
-            reader = eval_reader(src.dataset_dir, self.batch_size, self.rank, self.world_size)
+        for src, split in zip(self.mixture.sources, self.splits):
+            reader = split()
             batches = itertools.islice(reader, max_batches) if max_batches is not None else reader
             c = _Counted(batches, self.size, self.lead, self.eos_id) if self.size is not None else None
             m = engine.evaluate(c if c is not None else batches, max_batches=max_batches)

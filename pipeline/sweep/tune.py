@@ -209,8 +209,8 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
         from pipeline.train.mixture_run import record_data
 
         try:
-            record_data(cfg, ctx.dataset_dir, load_manifest(ctx.dataset_dir), tracker, steps=cfg.train.max_steps,
-                        run_dir=run_dir)
+            cfg = record_data(cfg, ctx.dataset_dir, load_manifest(ctx.dataset_dir), tracker,
+                              steps=cfg.train.max_steps, run_dir=run_dir)  # a trial shorter than a block: its own
         except MixtureError as exc:
             fail(FAILED, _reason(exc), exc)
     try:
@@ -462,13 +462,16 @@ def is_source_loss(key: str) -> bool:
 
 def _check_named_mixtures(cfg: Config, space: Space, dataset: str) -> None:
     """MixtureError (one line) when a named mixture of the space would need more of a source than it may repeat."""
-    from pipeline.data.mixture import check_plan, mixture_of
+    from pipeline.data.mixture import check_plan, fitted_block_rows, mixture_of
     from pipeline.train.mixture_run import rows_per_step
 
     for name, mixture in space.mixtures().items():
         trial = with_token_budget(cfg.replace({"data.mixture": mixture}), space.token_budget)
-        mix = mixture_of(dataset, trial)
         steps, per_step = trial.train.max_steps, rows_per_step(trial)
+        # the block the trial will train with (pipeline/train/mixture_run.py record_data)
+        trial = trial.replace({"data.mixture_block_rows": fitted_block_rows(trial.data.mixture_block_rows,
+                                                                             steps * per_step)})
+        mix = mixture_of(dataset, trial)
         try:
             check_plan(mix.plan(steps * per_step), steps, per_step, mix.seq_len)
         except ValueError as exc:

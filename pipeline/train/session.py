@@ -319,7 +319,8 @@ class TrainSession:
                 datasets = (datasets + [str(dataset)])[: i + 1]
                 record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
                 # a mixture: each source's rows and passes for this phase (refused when one would run out), logged
-                record_data(pcfg, dataset, manifest, tracker, steps=phase.steps, phase=i, run_dir=self.run_dir)
+                # (and a phase shorter than one block trains with blocks of its own length: pcfg carries it)
+                pcfg = record_data(pcfg, dataset, manifest, tracker, steps=phase.steps, phase=i, run_dir=self.run_dir)
                 if i == 0:  # a resume that extended the run says its new train.max_steps in MAX_STEPS_TAG
                     tracker.log_config(run_params(pcfg, manifest), keep_logged=("train.max_steps",))
                     tracker.log_dict(manifest.to_dict(), "manifest.json")

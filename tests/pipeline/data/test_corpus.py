@@ -220,3 +220,95 @@ def test_blocks_at_least_bounds_what_the_readers_yield(tmp_path):
     assert blocks_at_least(cfg_for(source="builtin")) == 32
     per_block = -(-items // 32)
     assert blocks_at_least(cfg_for(source="builtin", max_documents=100)) == -(-100 // per_block)
+
+
+# ------------------------------------------------------------------ compressed files
+
+def _compressed_corpus(root: Path, docs: list[str]) -> Path:
+    """corpus/: part-0.jsonl (30 documents), part-1.jsonl.gz (40), part-2.txt.zst, part-3.json.bz2, part-4.jsonl.zstd
+    (one each), and two files not read (notes.md, old.jsonl.xz)."""
+    import bz2
+    import gzip
+
+    corpus = root / "corpus"
+    corpus.mkdir()
+    write_jsonl(corpus / "part-0.jsonl", docs[:30])
+    (corpus / "part-1.jsonl.gz").write_bytes(gzip.compress(write_jsonl(root / "tmp.jsonl", docs[30:70]).read_bytes()))
+    zstd = pa.Codec("zstd")
+    (corpus / "part-2.txt.zst").write_bytes(zstd.compress(docs[70].encode(), asbytes=True))
+    (corpus / "part-3.json.bz2").write_bytes(bz2.compress(json.dumps([{"text": docs[71]}]).encode()))
+    (corpus / "part-4.jsonl.zstd").write_bytes(zstd.compress(json.dumps({"text": docs[72]}).encode(), asbytes=True))
+    (corpus / "notes.md").write_text("not a corpus file")
+    (corpus / "old.jsonl.xz").write_bytes(b"\xfd7zXZ")
+    return corpus
+
+
+def test_compressed_files_are_listed_checked_and_in_the_cache_key(tmp_path):
+    """Ray-free: the listing reads them (and names the files it does not read), the cache key changes when one
+    changes, and the check before any Ray work reads through the compression."""
+    import gzip
+
+    from pipeline.data.corpus import check_first_records, file_kind, skipped_files
+
+    corpus = _compressed_corpus(tmp_path, sample_docs(73, 300))
+    assert [Path(p).name for p in resolve_files(str(corpus))] == [
+        "part-0.jsonl", "part-1.jsonl.gz", "part-2.txt.zst", "part-3.json.bz2", "part-4.jsonl.zstd"]
+    assert [Path(p).name for p in skipped_files(str(corpus))] == ["notes.md", "old.jsonl.xz"]
+    assert file_kind("a.parquet.gz") is None and file_kind("a.gz") is None and file_kind("A.JSONL.GZ") == "jsonl"
+    before = describe_source(cfg_for(source="files", path=str(corpus)))
+    (corpus / "part-1.jsonl.gz").write_bytes(gzip.compress(b'{"text": "another document"}\n'))
+    assert describe_source(cfg_for(source="files", path=str(corpus)))["listing_sha256"] != before["listing_sha256"]
+    with pytest.raises(DataSourceError, match=r"unsupported type; data.source=files reads .txt, .jsonl, .json and "
+                                              r".parquet; .txt, .jsonl and .json also compressed as .gz, .bz2 or .zst"):
+        resolve_files(str(corpus / "old.jsonl.xz"))
+    gz_only = tmp_path / "gz"
+    gz_only.mkdir()
+    (gz_only / "a.jsonl.gz").write_bytes(gzip.compress(b'{"body": "x"}\n{"body": "y"}\n'))
+    with pytest.raises(DataSourceError, match=r"none of the first 2 records of .*a.jsonl.gz is usable .*no 'text' "
+                                              r"field \(fields: body\)"):
+        check_first_records(cfg_for(source="files", path=str(gz_only)))
+
+
+def test_prepare_reads_compressed_files_and_names_those_it_skips(ray_session, tmp_path, capsys):
+    """`prepare` of a folder of part-0.jsonl (30 documents) and part-1.jsonl.gz (40), with .zst, .bz2 and .zstd
+    files beside them: every document of every file, in path order, and the summary names the two files not read."""
+    from pipeline.data.shards import load_manifest
+    from pipeline.run import main
+
+    docs = sample_docs(73, 300)
+    corpus = _compressed_corpus(tmp_path, docs)
+    assert texts_of(read_documents(cfg_for(source="files", path=str(corpus)))) == docs
+    rc = main(["prepare", "--preset", "test", f"--run.root={tmp_path / 'runs'}", "--data.source=files",
+               f"--data.path={corpus}", "--data.max_documents=0", "--data.tokenize_actors=2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    dataset = next(line.split()[1] for line in out.splitlines() if line.startswith("dataset "))
+    assert load_manifest(dataset).counts["documents"] == 73
+    assert (f"  skipped 2 file(s) of data.path={str(corpus)!r} of a type it does not read: notes.md, old.jsonl.xz "
+            "(it reads .txt, .jsonl, .json and .parquet; .txt, .jsonl and .json also compressed as .gz, .bz2 or "
+            ".zst)") in out
+
+
+def test_compressed_objects_in_a_bucket_are_listed_read_and_checked(s3_bucket, tmp_path):
+    """The same in object storage (Ray-free): a prefix's .jsonl.gz is read through its compression, its other files
+    are named."""
+    import gzip
+
+    from pipeline import storage
+    from pipeline.data.corpus import check_first_records, open_stream, skipped_files
+
+    prefix = f"{s3_bucket}/gzcorpus"
+    packed = gzip.compress(b'{"body": "x"}\n{"body": "y"}\n')
+    storage.write_bytes(f"{prefix}/a.jsonl.gz", packed)
+    assert storage.read_bytes(f"{prefix}/a.jsonl.gz") == packed  # bytes stored and read as given, not (un)gzipped
+    storage.write_bytes(tmp_path / "a.jsonl.gz", packed)
+    assert (tmp_path / "a.jsonl.gz").read_bytes() == storage.read_bytes(tmp_path / "a.jsonl.gz") == packed
+    storage.write_bytes(f"{prefix}/b.txt", b"plain")
+    storage.write_bytes(f"{prefix}/README", b"not read")
+    assert resolve_files(prefix) == [f"{prefix}/a.jsonl.gz", f"{prefix}/b.txt"]
+    assert skipped_files(prefix) == [f"{prefix}/README"]
+    with open_stream(f"{prefix}/a.jsonl.gz") as f:
+        assert f.read() == b'{"body": "x"}\n{"body": "y"}\n'
+    check_first_records(cfg_for(source="files", path=prefix, text_column="body"))
+    with pytest.raises(DataSourceError, match=r"none of the first 2 records of .*a.jsonl.gz is usable"):
+        check_first_records(cfg_for(source="files", path=prefix))

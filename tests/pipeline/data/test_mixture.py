@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.config import ConfigError, load_config
 from pipeline.data.mixture import (MixtureError, MixtureReader, block_counts, check_plan, describe_plan,
-                                   mixture_of)
+                                   fitted_block_rows, mixture_of)
 from pipeline.data.mixture_spec import parse_mixture
 
 FILES = {"name": "web", "weight": 0.7, "source": "files", "path": "corpus/*.jsonl"}
@@ -91,6 +91,14 @@ def test_block_counts_sum_to_the_block_and_round_each_weight_to_one_row(seed):
 
 
 # ------------------------------------------------------------------------------------------ the real mixture
+def test_a_run_shorter_than_a_block_gets_a_block_of_its_own_length():
+    """0.2 / 0.2 / 0.6 over 32 rows: the first 32 rows of a 1,024-row block may hold 4 / 9 / 19 of them; a 32-row
+    block holds round(w x 32) of each, by largest remainder: 7 / 6 / 19."""
+    assert fitted_block_rows(1024, 32) == 32 and fitted_block_rows(1024, 5000) == 1024
+    assert fitted_block_rows(1024, 0) == 1024  # no run length known: the configured block
+    assert block_counts([0.2, 0.2, 0.6], fitted_block_rows(1024, 32)).tolist() == [7, 6, 19]
+
+
 def test_three_sources_keep_their_token_share_in_every_block(mixture_setup):
     """builtin / local JSONL / JSONL in S3 at 0.5 / 0.3 / 0.2: every block of 1,024 rows of the stream the training
     workers read holds 512 / 307 / 205 rows of them (exact to one row of w x 1,024), and ten blocks and a part
@@ -142,7 +150,8 @@ def test_an_over_demanded_source_is_refused_in_one_line_with_the_fix(mixture_set
                         f"{np.ceil(plan[1].repetitions * 100) / 100:g} or more), or add data") and "\n" not in msg
     check_plan(mix.plan(100 * 8), 100, 8, mix.seq_len)  # a short run passes
     lines = describe_plan(mix.plan(100 * 8), mix.block_rows)
-    assert lines[0].startswith("mixture: std          weight  50.0%, 512 of every 1,024 rows; ")
+    assert lines[0].startswith("mixture: std          weight  50.0% (trains on  ") and \
+        "%), 512 of every 1,024 rows; " in lines[0]
     assert "passes (max_repetitions 4)" in lines[0]
 
 
@@ -199,3 +208,23 @@ def test_new_weights_or_a_new_source_tokenize_nothing_already_prepared(mixture_s
                before[n]["settings_hash"] for n in before)
     builds = {n: [p.name for p in Path(before[n]["dataset_dir"]).glob("build-*") if p.is_dir()] for n in before}
     assert all(len(b) == 1 for b in builds.values()), builds  # each source was built once, by the session's prepare
+
+
+def test_a_source_whose_path_does_not_exist_is_named_with_its_own_field(tmp_path):
+    """`prepare` as a user types it: the line names the source and the field it set (`path`), not data.path, which
+    the user did not set; nothing is written to the dataset store."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    nope = tmp_path / "nope.jsonl"
+    mixture = [{"name": "std", "weight": 0.5, "source": "builtin"},
+               {"name": "web", "weight": 0.5, "source": "files", "path": str(nope)}]
+    res = subprocess.run([sys.executable, str(root / "pipeline" / "run.py"), "prepare", "--preset", "test",
+                          f"--run.root={tmp_path / 'runs'}", f"--data.mixture={json.dumps(mixture)}"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (f"error: data.mixture source 'web': path={str(nope)!r} does not "
+                                                   "exist; give a file, a directory or a glob")
+    assert "Traceback" not in res.stdout + res.stderr
+    assert not (tmp_path / "runs" / "datasets").exists() or not any((tmp_path / "runs" / "datasets").rglob("*"))

@@ -121,8 +121,9 @@ def test_two_phases_with_two_mixtures_log_each_source_and_refuse_an_over_demande
 
     assert main(["train", *base, "--phases", str(phases), "--audit-data", "--run.name=two-phase"]) == 0
     out = capsys.readouterr().out
-    assert "mixture: topics       weight   0.0%, 0 of every 1,024 rows; evaluation only" in out
-    assert "mixture: notes        weight  20.0%, 205 of every 1,024 rows; " in out
+    # each phase is 4 steps of 4 rows, shorter than a block of 1,024: blocks of its own 16 rows (8 / 5 / 3)
+    assert "mixture: topics       weight   0.0% (trains on   0.0%), 0 of every 16 rows; evaluation only" in out
+    assert "mixture: notes        weight  20.0% (trains on  18.8%), 3 of every 16 rows; " in out
     run_dir = mixture_setup.run_root / "two-phase"
     record = json.loads((run_dir / "mixture.json").read_text())
     assert [p["phase"] for p in record["phases"]] == [0, 1]
@@ -135,7 +136,8 @@ def test_two_phases_with_two_mixtures_log_each_source_and_refuse_an_over_demande
     # the cursor is per phase: phase 1's first step reads the start of its own stream
     lines = audit(run_dir)
     first_of_phase1 = next(x for x in lines if x["phase"] == 1)
-    cfg1 = mixture_setup.config(**{"data.mixture": json.dumps(mixture_setup.mixture)})
+    assert (record["phases"][1]["block_rows"], record["phases"][1]["block_rows_asked"]) == (16, 1024)
+    cfg1 = mixture_setup.config(**{"data.mixture": json.dumps(mixture_setup.mixture), "data.mixture_block_rows": 16})
     start = next(iter(MixtureReader(mixture_of(mixture_setup.dataset, cfg1), cfg1.train.batch_size)))
     assert first_of_phase1["seq_ids"] == start["seq_id"].tolist()
     assert first_of_phase1["sources"] == start["source"].tolist()
@@ -171,3 +173,45 @@ def test_two_phases_with_two_mixtures_log_each_source_and_refuse_an_over_demande
     assert [line.split()[0] for line in table[1:5]] == ["std", "topics", "notes", "mixture"]
     assert table[3].split()[1] == "20.0%" and "eval: eval/loss=" in out
     assert "eval/notes/bpb" in client.get_run(run.info.run_id).data.metrics
+
+
+def test_a_run_shorter_than_a_block_trains_on_its_weights_and_keeps_its_block_when_extended(mixture_setup, tmp_path,
+                                                                                            capsys):
+    """0.2 / 0.2 / 0.6 for 8 steps of 4 rows (32 rows, less than a block of 1,024): the run says so, trains on
+    7 / 6 / 19 rows (round(w x 32)), not the 4 / 9 / 19 of the first 32 rows of a 1,024-row block, and prints the
+    shares asked and trained on. Extended to 12 steps with --resume, it keeps its recorded 32-row block: the steps
+    after the resume read the stream the run started."""
+    from pipeline.data.mixture import Mixture, MixtureReader, mixture_of
+    from pipeline.run import main
+
+    mixture = [{**s, "weight": w} for s, w in zip(mixture_setup.mixture, (0.2, 0.2, 0.6))]
+    overrides = [o for o in mixture_setup.overrides if not o.startswith("--data.mixture=")]
+    args = ["train", "--no-ray", "--preset", "test", *overrides, f"--data.mixture={json.dumps(mixture)}",
+            f"--data.tokenizer={mixture_setup.tokenizer}", "--train.max_steps=8", "--train.sample_tokens=0",
+            "--tracking.enabled=false", "--run.name=short-mixture", "--audit-data"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert ("mixture: the run's 32 rows are fewer than data.mixture_block_rows=1,024, over which the weights are "
+            "exact: it uses blocks of 32 rows, so each source's share is as close to its weight as whole rows "
+            "allow") in out
+    assert "mixture: std          weight  20.0% (trains on  21.9%), 7 of every 32 rows; " in out
+    assert "mixture: topics       weight  20.0% (trains on  18.8%), 6 of every 32 rows; " in out
+    assert "mixture: notes        weight  60.0% (trains on  59.4%), 19 of every 32 rows; " in out
+    run_dir = mixture_setup.run_root / "short-mixture"
+    sources = [s for x in audit(run_dir) for s in x["sources"]]
+    assert np.bincount(sources, minlength=3).tolist() == [7, 6, 19]
+    cfg = mixture_setup.config(**{"data.mixture": json.dumps(mixture)})
+    asked = mixture_of(mixture_setup.dataset, cfg)  # the 1,024-row block's first 32 rows: far from 0.2 / 0.2 / 0.6
+    assert asked.rows_needed(32).tolist() != [7, 6, 19]
+
+    assert main(["train", "--no-ray", "--resume", str(run_dir), "--train.max_steps=12"]) == 0
+    capsys.readouterr()
+    record = json.loads((run_dir / "mixture.json").read_text())["phases"][0]
+    assert (record["block_rows"], record["block_rows_asked"]) == (32, 1024)
+    later = [x for x in audit(run_dir) if x["step"] > 8]
+    assert sorted(x["step"] for x in later) == [9, 10, 11, 12]
+    mix = Mixture(asked.dataset_dir, asked.manifest, asked.sources, 32, asked.seed)
+    reader = iter(MixtureReader(mix, cfg.train.batch_size, start=32))
+    for x in sorted(later, key=lambda x: x["step"]):
+        batch = next(reader)
+        assert (x["sources"], x["seq_ids"]) == (batch["source"].tolist(), batch["seq_id"].tolist())
