@@ -1,16 +1,17 @@
 """What does storage latency cost training? The same Ray Train run (`python pipeline/run.py train`, the test preset,
-N steps, a log step every 2 steps, run.storage in S3) with nothing added to each S3 request and with +L ms added by a
+N steps, a log step every 2 steps, a checkpoint every C steps, run.storage in S3) with nothing added to each S3 request and with +L ms added by a
 proxy in front of the server (bench/fault_proxy.py), side by side in one run. Goal: training time with latency /
 without <= 1.2.
 
     python bench/storage_latency.py                     # 150 steps, +50 ms per request, each side once
+    python bench/storage_latency.py --checkpoint-every 50   # checkpoints (synchronous uploads) apart
     python bench/storage_latency.py --repeat 2 --latency-ms 100
     python bench/storage_latency.py --smoke
 
 Training time: from the first to the last train/loss the run logged (MLflow's timestamps, local store), so Ray's
 start and the dataset's preparation are left out. The dataset is the built-in corpus prepared into the bucket once
 (through the proxy, no latency). Requests to <run>/progress.json are counted too (rank 0's progress record). Writes
-bench/results/storage_latency_s<steps>_l<ms>-<device>-<date>.json.
+bench/results/storage_latency_s<steps>_l<ms>_c<checkpoint_every>-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def one_run(args: list[str], env: dict, proxy: FaultProxy, run_root: Path, name:
     return {"latency_ms": latency_s * 1000, "training_seconds": seconds, "steps_timed": steps,
             "command_seconds": wall, "requests_total": proxy.count(),
             "progress_requests": proxy.count(r" \S*/progress\.json"),
-            "checkpoint_requests": proxy.count(r" \S*/checkpoint_")}
+            "checkpoint_requests": proxy.count(r" \S*/checkpoint_"),
+            "shard_requests": proxy.count(r" \S*/(train|val)-\d+\.parquet"),
+            "stop_requests": proxy.count(r" \S*/STOP[ ?]")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--latency-ms", type=float, default=50.0, help="added to every S3 request by the proxy")
     p.add_argument("--log-every", type=int, default=2, help="train.log_every (the test preset's)")
+    p.add_argument("--checkpoint-every", type=int, default=4, help="train.checkpoint_every (the test preset's: 4)")
     p.add_argument("--repeat", type=int, default=1, help="alternate the two sides this many times each")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=None)
@@ -91,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
             if prep.returncode != 0:
                 raise RuntimeError(f"prepare exited {prep.returncode}:\n{prep.stdout[-3000:]}\n{prep.stderr[-3000:]}")
             args = [*common, f"--train.max_steps={a.steps}", f"--train.log_every={a.log_every}",
-                    "--train.sample_tokens=0"]
+                    f"--train.checkpoint_every={a.checkpoint_every}", "--train.sample_tokens=0"]
             for i in range(a.repeat):
                 for side, latency in (("none", 0.0), ("latency", a.latency_ms / 1000)):
                     r = one_run(args, env, proxy, run_root, f"{side}-{i}", latency)
                     runs[side].append(r)
                     print(f"+{r['latency_ms']:g} ms: training {r['training_seconds']:.1f} s ({r['steps_timed']} "
                           f"steps), command {r['command_seconds']:.1f} s; {r['requests_total']} requests, "
-                          f"{r['progress_requests']} to progress.json", flush=True)
+                          f"{r['progress_requests']} to progress.json, {r['checkpoint_requests']} to checkpoints, "
+                          f"{r['shard_requests']} to shards", flush=True)
         finally:
             proxy.stop()
             server.stop()
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                "goal_ratio": 1.2, "load_average": list(os.getloadavg()),
                "s3": "local SeaweedFS behind bench/fault_proxy.py (same machine)",
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}}
-    path = write_result(f"storage_latency_s{a.steps}_l{a.latency_ms:g}", payload, a.out)
+    path = write_result(f"storage_latency_s{a.steps}_l{a.latency_ms:g}_c{a.checkpoint_every}", payload, a.out)
     print(f"wrote {path}")
     return 0
 
