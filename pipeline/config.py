@@ -152,7 +152,7 @@ class RunConfig:
     # (data.dataset_store, ray.storage_path, tracking.artifact_location).
     storage: str = ""  # one root for datasets, checkpoints and artifacts, a path or a bucket URI
     name: str = ""  # empty = generated from tier and time
-    storage_retry_s: float = 300.0  # seconds training rides out an object-store outage, stall or 5xx before failing
+    storage_retry_s: float = 300.0  # seconds training rides out an object-store outage, stall, 5xx or 403 before failing
 
 
 @dataclass

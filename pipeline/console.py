@@ -105,6 +105,22 @@ class _DropPlannedStopTraceback(logging.Filter):
         return not (record.levelno >= logging.ERROR and "PreemptionStop:" in record.getMessage())
 
 
+class _StorageErrorInOneLine(logging.Filter):
+    """Ray Train logs the traceback of any error that ends a training function; for a storage error (pipeline/
+    storage.py StorageError, whose message names the object, what happened and the fix) the frames add nothing:
+    the record becomes its one line."""
+
+    PREFIX = "pipeline.storage.StorageError: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and str(record.msg).startswith("Error in training function:"):
+            last = record.getMessage().strip().splitlines()[-1]
+            if last.startswith(self.PREFIX):
+                record.msg, record.args = f"storage: {last[len(self.PREFIX):]} (this attempt ends)", ()
+                record.exc_info = record.exc_text = None
+        return True
+
+
 def quiet_ray_train_worker() -> None:
     """In a Ray Train worker: Ray Train's own INFO lines stay in its log files, off the console."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -115,6 +131,8 @@ def quiet_ray_train_worker() -> None:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _DropPlannedStopTraceback) for f in handler.filters):
                 handler.addFilter(_DropPlannedStopTraceback())
+            if not any(isinstance(f, _StorageErrorInOneLine) for f in handler.filters):
+                handler.addFilter(_StorageErrorInOneLine())
 
 
 def quiet_mlflow() -> None:

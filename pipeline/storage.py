@@ -21,8 +21,8 @@ handed a bare path (pipeline/ray_runtime.py `require_shared` refuses that before
 module needs only pyarrow (fsspec for other protocols): the Ray-free engine reads URIs too.
 
 Every storage failure becomes a StorageError, one line naming the endpoint, the object and the fix (endpoint
-unreachable, stalled, bucket missing, access denied, ...). A transient one (the endpoint refuses connections, stalls,
-or answers 5xx) is first retried with capped exponential backoff for the process's retry window
+unreachable, stalled, bucket missing, access denied, ...). One that may pass (the endpoint refuses connections, stalls,
+answers 5xx or 403) is first retried with capped exponential backoff for the process's retry window
 (pipeline/storage_faults.py: 0 unless set; `train` sets run.storage_retry_s after its up-front checks, which always
 fail at once). Deleting what is already gone is not an error.
 """
@@ -254,9 +254,35 @@ def explain(exc: BaseException, location: str, what: str = "") -> StorageError:
         creds = ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the node's instance role" if sch == "s3"
                  else "GOOGLE_APPLICATION_CREDENTIALS or the node's service account" if sch in ("gs", "gcs")
                  else "the permissions of the path")
+        if retried:  # waited out as a possible outage (pipeline/storage_faults.py may_pass), and it persisted
+            return StorageError(f"access to {named} was denied ({detail}): {where} answered 403 for "
+                                f"{retried[1]:.0f} s (run.storage_retry_s), waited out in case the store was away; "
+                                f"it may be the credentials: give credentials that may read and write it: {creds}")
         return StorageError(f"access to {named} was denied ({detail}); give credentials that may read and write it: "
                             f"{creds}")
     return StorageError(f"cannot use {named}: {first_line(exc)}")
+
+
+def storage_error_in(exc: BaseException | None) -> StorageError | None:
+    """The StorageError that `exc` is or carries (its __cause__ / __context__ chain, Ray's `cause`), else None. One
+    raised in another process reaches here without its chain (an exception is pickled without __cause__): a Ray
+    Data read task's arrives as RayTaskError(UserCodeException) whose text holds the task's traceback, so the last
+    "StorageError: ..." line of the text is taken then."""
+    stack, seen, texts = [exc], set(), []
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, StorageError):
+            return e
+        texts.append(str(e))
+        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    for text in texts:
+        lines = re.findall(r"\bStorageError: ([^\n]+)", text)
+        if lines:
+            return StorageError(lines[-1].strip())
+    return None
 
 
 def bucket_of(location: str) -> str:

@@ -1,6 +1,8 @@
 """What a failed object-storage call was, and riding out the passing ones: an outage, a stalled connection, a 5xx
-answer are retried with capped exponential backoff for a window of time (`run.storage_retry_s`, 300 s by default on
-the training path); a missing bucket, refused credentials or a missing object are not (waiting changes nothing).
+answer, and a 403 (a store's auth service away answers that to good credentials), are retried with capped exponential
+backoff for a window of time (`run.storage_retry_s`, 300 s by default on the training path); a missing bucket or a
+missing object are not (waiting changes nothing). A 403 that outlasts the window ends in one line that says it was
+waited out and may be the credentials.
 
     from pipeline import storage_faults as faults
     faults.set_retry_window(300)                     # this process, from now on (a training driver or worker)
@@ -68,10 +70,20 @@ def kind(exc: BaseException | str) -> str:
     return ""
 
 
+def may_pass(exc: BaseException) -> bool:
+    """Worth waiting for, by kind: the endpoint did not answer, stalled, or answered with a server error, or the
+    store denied access. A 403 is waited out too: a store whose auth service (or the node's credential source) is
+    away answers 403 to good credentials for a while, and a run that gives up at once spends its restarts inside
+    that while; one that persists past the window still ends in one line that says it may be the credentials. A
+    local PermissionError (a file's own permissions) does not pass by waiting."""
+    found = kind(exc)
+    return found in TRANSIENT or (found == "denied" and not isinstance(exc, PermissionError))
+
+
 def transient(exc: BaseException) -> bool:
-    """Worth waiting for: the endpoint did not answer, stalled, or answered with a server error (and no retry
-    window was spent on it already: pipeline/storage.py's StorageError says it was)."""
-    return not getattr(exc, "no_retry", False) and kind(exc) in TRANSIENT
+    """Worth waiting for (may_pass), and no retry window was spent on it already (pipeline/storage.py's
+    StorageError says it was)."""
+    return not getattr(exc, "no_retry", False) and may_pass(exc)
 
 
 def stall_seconds(exc: BaseException | str) -> float | None:
@@ -128,12 +140,16 @@ def call(fn: Callable[[], T], *, window_s: float | None = None, retry_if: Callab
             now = time.monotonic()
             started = now if started is None else started
             attempt += 1
-            delay = backoff(attempt)
-            if now - started + delay > window:
+            # The last wait is cut to what is left of the window, so the last try comes at its end: the store is
+            # given the whole window, and "retried for N s" names it (with whole backoff steps a 15 s window gave
+            # up after 7.5 s or 10 s).
+            left = window - (now - started)
+            if left <= 0 or window <= 0:
                 if attempt > 1:
                     with contextlib.suppress(AttributeError, TypeError):
                         exc.retried = (attempt, now - started)
                 raise
+            delay = min(backoff(attempt), left)
             if on_retry is not None:
                 on_retry(exc, attempt, delay)
             time.sleep(delay)
@@ -151,7 +167,7 @@ def wait_until(probe: Callable[[], object], window_s: float, *,
             on_wait(exc, 0.0)
             told.append(True)
 
-    call(probe, window_s=window_s, on_retry=note, retry_if=lambda exc: kind(exc) in TRANSIENT)
+    call(probe, window_s=window_s, on_retry=note, retry_if=may_pass)
 
 
 # ------------------------------------------------------------------------------------------ a filesystem for Ray

@@ -4,6 +4,7 @@ pass (outage, stall, 5xx), for run.storage_retry_s; `flush` at the end of the ru
 
     queue = DeferredArtifacts(window_s=300)
     queue.submit("samples/step_000040.txt", lambda: client.log_text(run_id, body, "samples/step_000040.txt"))
+    queue.submit("progress.json", write_latest, latest=True)   # only the newest of these is written
     left = queue.flush(timeout_s=300)    # [] when everything was logged, else one line per artifact not logged
 
 An upload whose failure does not pass (refused credentials, a bad request) is not retried: flush reports it.
@@ -51,17 +52,30 @@ class DeferredArtifacts:
         self._failed: list[str] = []
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._latest: dict[str, Callable[[], object]] = {}  # what -> the newest fn of a `latest` submission waiting
 
-    def submit(self, what: str, fn: Callable[[], object]) -> None:
+    def submit(self, what: str, fn: Callable[[], object], *, latest: bool = False) -> None:
+        """Queue fn (the upload of `what`). latest=True: a record rewritten in place (a progress file): a submission
+        of the same `what` still waiting is replaced by this one, so a slow store delays the record but never lets
+        a backlog of stale copies build up."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mlflow-deferred-artifacts", daemon=True)
                 self._thread.start()
+            if latest:
+                waiting = what in self._latest
+                self._latest[what] = fn
+                if waiting:  # its queue entry, not yet taken, will run this fn
+                    return
+                fn = None
         self._queue.put((what, fn))
 
     def _run(self) -> None:
         while True:
             what, fn = self._queue.get()
+            if fn is None:  # a `latest` entry: the newest fn submitted for it
+                with self._lock:
+                    fn = self._latest.pop(what)
             try:
                 upload_retrying(what, fn, self.window_s)
             except ArtifactError as exc:

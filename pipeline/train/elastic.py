@@ -289,6 +289,9 @@ class ResumeReport:
         self.last: dict[str, Any] | None = None  # the record the previous attempt left
         self.redone: int | None = None
         self._pending_resume = False
+        from pipeline.tracking.deferred import DeferredArtifacts
+
+        self._writer = DeferredArtifacts(0.0)  # _write_json rides out storage failures itself, and swallows them
 
     def start(self, engine, meta: dict[str, Any] | None) -> list[str]:
         """At the attempt's start, after the checkpoint (if any) was loaded: the lines to print."""
@@ -326,9 +329,18 @@ class ResumeReport:
             say(f"resume: step {engine.step} done {seconds:.1f} s after step {self.last['step']} was logged before "
                 f"the restart; {self.redone} step(s) redone")
             self._pending_resume = False
-        _write_json(self.path, {"step": engine.step, "time": now, "world_size": engine.world_size,
-                                "phase": self.phase})
+        # Written from a background thread, the newest record only: at every log step a synchronous upload (a
+        # multipart PUT of 3 requests on S3) held up training by each request's latency, 2.6x the training time
+        # with 50 ms per request (bench/storage_latency.py). A resume that finds the record one write behind reports
+        # the lost work from that step instead: nothing else reads it.
+        record = {"step": engine.step, "time": now, "world_size": engine.world_size, "phase": self.phase}
+        self._writer.submit(PROGRESS_FILE, lambda: _write_json(self.path, record), latest=True)
         return {**metrics, **extra}
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait up to timeout_s for the last progress record to be written (at the end of an attempt that finished
+        its steps); best effort, as every write of it."""
+        self._writer.flush(timeout_s)
 
 
 def say(line: str) -> None:

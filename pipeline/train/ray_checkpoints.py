@@ -84,16 +84,25 @@ def written_by(restored, lc: dict[str, Any]) -> bool:
 
 def wait_for_storage(run_store: str, window_s: float, rank: int) -> None:
     """Return once the run's storage answers (a listing of it), waiting up to `window_s` with backoff; rank 0 says
-    once that it waits. StorageError when it does not answer in time."""
-    from pipeline.storage import listdir
+    once that it waits. A 403 is waited for as an outage is (pipeline/storage_faults.py may_pass). StorageError when
+    it does not answer in time, saying how long it was waited for."""
+    import pyarrow.fs as pafs
+
+    from pipeline.storage import explained, resolve
 
     def note(exc: BaseException, waited: float) -> None:
         if rank == 0:
-            worker_print(f"storage: {run_store} does not answer ({faults.kind(exc) or 'error'}); waiting up to "
-                         f"{window_s:.0f} s (run.storage_retry_s) before resuming")
+            found = faults.kind(exc) or "error"
+            what = ("answers 403 access denied (a store's auth away, or the credentials)" if found == "denied"
+                    else f"does not answer ({found})")
+            worker_print(f"storage: {run_store} {what}; waiting up to {window_s:.0f} s (run.storage_retry_s) "
+                         f"before resuming")
 
-    with faults.retry_window_of(0):
-        faults.wait_until(lambda: listdir(run_store), window_s, on_wait=note)
+    fs, path = resolve(run_store)
+    # The raw call is retried and explained once, so the line names the time waited (listdir explains each try).
+    with explained(run_store, "run.storage"):
+        faults.wait_until(lambda: fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)), window_s,
+                          on_wait=note)
 
 
 def publish_for_ray(ray_storage: str, published: dict[str, str]):

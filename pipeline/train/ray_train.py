@@ -45,7 +45,7 @@ from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet
 from pipeline.ray_runtime import ensure_ray, require_shared, use_gpu, worker_cpus, workers_may_be_elsewhere
 from pipeline import storage_faults as faults
 from pipeline.storage import (StorageError, absolute, check, delete, exists, explain, join, local_copy, location_of,
-                              native, ray_storage, ray_storage_args, run_storage, write_bytes)
+                              native, ray_storage, ray_storage_args, run_storage, storage_error_in, write_bytes)
 
 # Light on purpose: Ray Train's controller and Tune's trial processes import this module (to unpickle
 # train_loop_per_worker). The engine, the model and numba load only in the training workers, inside
@@ -113,7 +113,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     engine = Engine(cfg, lc["vocab_size"], device, rank=rank, world_size=world)
     # A restart after a storage failure waits here for the store to answer (up to run.storage_retry_s) instead of
     # failing at its first read and spending another attempt (Ray Train restarts at once, without backoff).
-    wait_for_storage(lc["run_storage"], cfg.run.storage_retry_s, rank)
+    try:
+        wait_for_storage(lc["run_storage"], cfg.run.storage_retry_s, rank)
+    except StorageError as exc:  # one line, without the frames of the wait
+        raise StorageError(str(exc)) from None
     restored = ray.train.get_checkpoint()
     meta, resumed = None, True  # resumed: inside the phase (its optimizer state is the checkpoint's)
     chosen = lc.get("resume_from")  # `train --resume RUN --checkpoint PATH`: until this fit reports its own
@@ -206,8 +209,9 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         if audit is not None:  # one try, no waiting, and never in place of the error that ends the attempt
             with faults.retry_window_of(0), contextlib.suppress(Exception):
                 audit.close()
-        if isinstance(exc, StorageError):  # its line says it all: Ray logs it without 30 lines of frames
-            raise StorageError(str(exc)) from None
+        found = storage_error_in(exc)  # bare, or inside Ray Data's RayTaskError(UserCodeException) from a read task
+        if found is not None:  # its line says it all (pipeline/console.py logs it as one line, no frames)
+            raise StorageError(str(found)) from None
         raise
     finally:
         elastic.NOTICE.training = False
@@ -219,6 +223,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
             elastic.say(f"preemption: {stop.preempted}; checkpointed step {engine.step}, this attempt stops and the "
                         f"next starts on the nodes that remain")
         raise elastic.PreemptionStop(f"{stop.preempted}; checkpointed step {engine.step}, stopping this attempt")
+    if resumes is not None:  # the last progress record, written in the background
+        resumes.flush()
     if tracker is not None:  # samples that waited for storage: logged now, within run.storage_retry_s
         tracker.flush_deferred()
 

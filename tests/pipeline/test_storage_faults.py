@@ -1,7 +1,8 @@
 """Object storage that misbehaves, at the storage layer: the session's SeaweedFS behind the fault proxy
 (tests/conftest.py `through_proxy`, bench/fault_proxy.py), in this process. An outage and 5xx answers are ridden out
-within the retry window and end in one line naming the endpoint and the object after it; a stall is named as a stall
-with its timeout; refused credentials are not retried; deleting what is gone is no error; Ray's own storage calls
+within the retry window and end in one line naming the endpoint and the object after it; so is a 403 (one past the
+window says it may be the credentials; without a window it is refused at once); a stall is named as a stall with its
+timeout; rank 0's progress record is written in the background; deleting what is gone is no error; Ray's own storage calls
 ride out an outage through the retrying filesystem. (Training and prepare under faults: test_storage_faults_train.py.)
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ def test_an_outage_past_the_window_is_one_line_naming_endpoint_and_object(obj, t
     assert re.search(r"; retried for \d+ s \(run.storage_retry_s\); is it running", msg) and "\n" not in msg, msg
 
 
-def test_server_errors_are_retried_and_denied_access_is_not(obj, through_proxy):
+def test_server_errors_are_retried_and_denied_access_without_a_window_is_not(obj, through_proxy):
     through_proxy.refuse(status=503, count=5)  # more than the S3 client's own three tries
     with faults.retry_window_of(60):
         assert storage.read_bytes(obj) == b"payload"
@@ -50,10 +51,38 @@ def test_server_errors_are_retried_and_denied_access_is_not(obj, through_proxy):
     through_proxy.clear()
     through_proxy.reset_log()
     through_proxy.deny()
-    with faults.retry_window_of(60), pytest.raises(StorageError) as err:
-        storage.exists(obj)  # waiting would not help: at once, one request
-    assert str(err.value).startswith(f"access to {obj} was denied (ACCESS_DENIED)"), err.value
+    with faults.retry_window_of(0), pytest.raises(StorageError) as err:
+        storage.exists(obj)  # a command's up-front checks: at once, one request, the fix named
+    assert str(err.value).startswith(f"access to {obj} was denied (ACCESS_DENIED); give credentials"), err.value
     assert through_proxy.count() == 1
+
+
+def test_a_403_is_waited_out_within_the_window_and_past_it_says_so(obj, through_proxy):
+    """A store whose auth is away answers 403 to good credentials for a while: within run.storage_retry_s that is
+    ridden out as an outage is; a 403 that outlasts it ends in one line saying it was waited out and may be the
+    credentials."""
+    through_proxy.deny(seconds=2)
+    with faults.retry_window_of(60):
+        assert storage.read_bytes(obj) == b"payload"
+    through_proxy.clear()
+    through_proxy.deny()
+    with faults.retry_window_of(2), pytest.raises(StorageError) as err:
+        storage.exists(obj)
+    msg = str(err.value)
+    assert re.match(rf"access to {re.escape(obj)} was denied \(ACCESS_DENIED\): endpoint "
+                    rf"{re.escape(through_proxy.endpoint)} answered 403 for [2-9] s \(run.storage_retry_s\), waited "
+                    rf"out in case the store was away; it may be the credentials: give credentials", msg), msg
+    assert "\n" not in msg
+
+
+def test_the_retry_line_names_the_whole_window(obj, through_proxy):
+    """With whole backoff steps (0.5, 1, 2 s ...) a 3 s window gave up after 1.5 s and said "retried for 2 s" (a
+    15 s window: 7.5 s or 10 s); the last wait is cut to the window's end, so the store gets all of it."""
+    through_proxy.down()
+    with faults.retry_window_of(3), pytest.raises(StorageError) as err:
+        storage.read_bytes(obj)
+    waited = re.search(r"; retried for (\d+) s \(run.storage_retry_s\)", str(err.value))
+    assert waited and int(waited.group(1)) >= 3, err.value  # from the first failure to the last try's end
 
 
 def test_a_stall_is_named_as_a_stall_with_its_timeout(obj, through_proxy):
@@ -121,9 +150,10 @@ def test_rays_storage_calls_ride_out_an_outage_through_the_retrying_filesystem(s
         fast.get_file_info(path)
 
 
-def test_a_restarted_worker_waits_for_the_store_and_not_for_refused_credentials(obj, through_proxy, capfd):
+def test_a_restarted_worker_waits_for_the_store_and_for_a_403(obj, through_proxy, capfd):
     """pipeline/train/ray_checkpoints.py wait_for_storage, what a Ray Train worker does first: it returns once the
-    store answers again, saying once that it waits; denied access ends it at once."""
+    store answers again, saying once that it waits, for an outage and for a 403 alike (a restart inside a 403 window
+    waits instead of spending the next attempt); a 403 past the window is one line that says it was waited out."""
     from pipeline.train.ray_checkpoints import wait_for_storage
 
     run_store = obj.rsplit("/", 1)[0]
@@ -131,8 +161,39 @@ def test_a_restarted_worker_waits_for_the_store_and_not_for_refused_credentials(
     wait_for_storage(run_store, 60, rank=0)
     assert capfd.readouterr().out.startswith(f"storage: {run_store} does not answer (unreachable); waiting up to "
                                              f"60 s (run.storage_retry_s) before resuming")
-    through_proxy.reset_log()
+    through_proxy.deny(seconds=3)
+    wait_for_storage(run_store, 60, rank=0)
+    assert capfd.readouterr().out.startswith(f"storage: {run_store} answers 403 access denied (a store's auth away, "
+                                             f"or the credentials); waiting up to 60 s (run.storage_retry_s)")
+    through_proxy.clear()
     through_proxy.deny()
-    with pytest.raises(StorageError, match="was denied"):
-        wait_for_storage(run_store, 60, rank=0)
-    assert through_proxy.count() == 1  # one listing, not retried
+    with pytest.raises(StorageError) as err:
+        wait_for_storage(run_store, 2, rank=0)
+    assert re.match(rf"access to run.storage {re.escape(run_store)} was denied \(ACCESS_DENIED\): .* answered 403 "
+                    rf"for [2-9] s \(run.storage_retry_s\).* it may be the credentials", str(err.value)), err.value
+
+
+def test_the_progress_record_is_written_in_the_background_newest_only(s3_bucket, through_proxy):
+    """Rank 0's <run>/progress.json at every log step (pipeline/train/elastic.py ResumeReport): a log step does not
+    wait for the store (with +50 ms per request the synchronous 3-request upload cost 2.6x the training time), and a
+    slow store gets the newest record, not a backlog of stale ones."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from pipeline.train.elastic import ResumeReport
+
+    run_store = f"{s3_bucket}/faults/progress"
+    through_proxy.latency(2.0, r" \S*/progress\.json")  # one upload: >= 6 s (3 requests)
+    report = ResumeReport(run_store, phase=0)
+    t0 = time.monotonic()
+    for step in range(2, 22, 2):
+        out = report.logged(SimpleNamespace(step=step, world_size=1), {"train/loss": 1.0})
+        assert out["train/loss"] == 1.0 and out["train/world_size"] == 1.0
+    assert time.monotonic() - t0 < 3.0, "a log step waited for the store"  # 10 synchronous uploads: >= 60 s
+    report.flush(60)
+    record = json.loads(storage.read_text(f"{run_store}/progress.json"))
+    assert record["step"] == 20 and record["world_size"] == 1 and record["phase"] == 0
+    uploads = through_proxy.count(r"^POST \S*/progress\.json\?uploads") + through_proxy.count(
+        r"^PUT \S*/progress\.json ")
+    assert 1 <= uploads <= 2, through_proxy.requests("progress")  # the first, then the newest when it was done

@@ -7,7 +7,8 @@ of SeaweedFS (tests/conftest.py `fault_proxy`, `proxy_env`).
   it out as far as run.storage_retry_s goes, restarts wait for the store); the run finishes with the losses of a
   clean run, and the bucket holds only complete checkpoints.
 - Ray Train, `--resume RUN --checkpoint PATH` from an earlier checkpoint of that run, then 403 AccessDenied mid-run:
-  the resumed steps have the clean run's losses, and the driver ends with one line, no boto3 or Ray traceback.
+  the resumed steps have the clean run's losses, and the driver ends with one line (the 403 waited out for
+  run.storage_retry_s, then the credentials named), no boto3 or Ray traceback.
 - Ray-free, 20 ms of latency on every request and an evaluation every 2 steps: the validation split is read once,
   not once per evaluation, and eval/data_wait is logged; then `--resume RUN --checkpoint PATH` back to step 20.
 - prepare, its shard writes refused (connections reset): one line; the rerun exits 0 and the dataset validates.
@@ -198,7 +199,8 @@ def test_resume_from_a_chosen_checkpoint_then_403_mid_run_ends_in_one_line(fault
     assert f"resume: from {chosen.location} (step {start}), as --checkpoint asks" in out, out[-5000:]
     assert code == 2, out[-5000:]
     last = out.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "was denied (ACCESS_DENIED); give credentials" in last, out[-5000:]
+    assert last.startswith("error: ") and "was denied (ACCESS_DENIED)" in last, out[-5000:]
+    assert re.search(r"answered 403 for \d+ s \(run.storage_retry_s\), waited out .* give credentials", last), last
     assert "/STOP" not in last and "training_curves" not in last  # the first cause, not the cleanup's
     # the driver's own lines (Ray prefixes its workers' with "(RayTrainWorker pid=...)", "(pid=...)")
     driver = [ln for ln in out.splitlines() if not ln.startswith("(")]
