@@ -64,6 +64,9 @@ FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "pa
 # Data's readers do). A compressed Parquet file is not read: Parquet compresses inside and needs random access.
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
 READS = ".txt, .jsonl, .json and .parquet; .txt, .jsonl and .json also compressed as .gz, .bz2 or .zst"
+# What a data.path that names no corpus file is told (local or object storage).
+MATCHES_NONE = ("matches no .txt, .jsonl, .json or .parquet files, nor .txt, .jsonl or .json files compressed as "
+                ".gz, .bz2, .zst or .zstd")
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
 _PARQUET_BATCH_ROWS = 1024  # rows per block the Parquet reader yields
@@ -281,7 +284,7 @@ def _resolve_local(path: str) -> list[Path]:
     else:
         raise DataSourceError(f"data.path={path!r} does not exist; give a file, a directory or a glob")
     if not files:
-        raise DataSourceError(f"data.path={path!r} matches no .txt, .jsonl, .json or .parquet files")
+        raise DataSourceError(f"data.path={path!r} {MATCHES_NONE}")
     for f in files:
         try:
             with open(f, "rb") as fh:
@@ -311,7 +314,7 @@ def _resolve_uri(path: str) -> list[str]:
             raise DataSourceError(f"data.path={path!r} does not exist: no object and no prefix of that name; check "
                                   "the URI (a file, a prefix or a glob such as s3://bucket/corpus/*.jsonl)")
     if not files:
-        raise DataSourceError(f"data.path={path!r} matches no .txt, .jsonl, .json or .parquet files; check the URI "
+        raise DataSourceError(f"data.path={path!r} {MATCHES_NONE}; check the URI "
                               "and the pattern (e.g. s3://bucket/corpus/*.jsonl)")
     with explained(files[0], "data.path"):  # listing is allowed; is reading? (a policy may grant one alone)
         with open_input(files[0]) as f:

@@ -160,16 +160,25 @@ class _TokenizeBatch:
     def __init__(self, tokenizer_path: str, dtype: str, source: str, parts_dir: str):
         import uuid
 
-        self.tok = Tokenizer(tokenizer_path)  # once per actor
+        # Nothing of the build is touched here, only at the first batch: Ray Data may construct an actor of the
+        # pool after the build has ended (its stream is over, the parts directory removed, or the build abandoned;
+        # a pool's pending actor is released, not killed, and still runs its constructor when its CPU frees up,
+        # e.g. while another source is prepared side by side). Such an actor gets no batch and must not fail.
+        self.tokenizer_path = tokenizer_path
+        self.tok: Tokenizer | None = None  # loaded once per actor, at its first batch
         self.dtype = np.dtype(dtype)
         self.source = source  # what non-text values are counted against (files carry their own path)
         self.parts_dir = parts_dir
         self.name = f"part-{uuid.uuid4().hex}"  # a restarted actor starts new files: offsets stay valid
-        self.out = open(join(parts_dir, self.name + ".bin"), "wb") if is_local(parts_dir) else None
+        self.out = None  # this actor's part file on a local disk, opened at its first batch
         self.offset = 0  # in tokens, in this actor's local file
         self.batches = 0
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.tok is None:  # a batch means the build is running: its tokenizer and parts directory exist
+            self.tok = Tokenizer(self.tokenizer_path)
+            if is_local(self.parts_dir):
+                self.out = open(join(self.parts_dir, self.name + ".bin"), "wb")
         texts, clean = clean_batch(batch, self.source)
         stream, lengths = encode_stream(self.tok, texts, self.dtype)
         if self.out is not None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline.console import quiet_ray_data, stage
-from pipeline.data.shards import load_manifest
+from pipeline.data.shards import load_manifest, tokenizer_location
 from pipeline.data.validate import validate_dataset
 
 log = logging.getLogger("longtrain.data")
@@ -98,9 +98,11 @@ def _prepare_mixture_main(cfg) -> Path | str:
               f"{sm.rows('val'):,} val rows of {sm.seq_len}+1 ({sm.counts.get('tokens_kept', 0):,} tokens, "
               f"{sm.counts.get('documents', 0):,} documents)  {where[spec.name]}"
               f"{_skipped_line(source_config(cfg, spec).data, '    ', _field(spec)) if not spec.dataset_dir else ''}")
-    tokenizer = f"{out}/{m.tokenizer_file}"
-    print(f"  tokenizer vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}; to keep it (and every prepared "
-          f"source) when the weights change: --data.tokenizer={tokenizer}")
+    if m.tokenizer_file:
+        print(f"  tokenizer vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}; to keep it (and every prepared "
+              f"source) when the weights change: --data.tokenizer={tokenizer_location(out)}")
+    else:  # synthetic sources are token ids without a tokenizer file: there is none to keep
+        print(f"  no tokenizer file (synthetic sources, vocab {m.vocab_size})")
     return out
 
 

@@ -225,7 +225,8 @@ BAD_LOCATIONS = [
     ("unknown access key", ["--data.path=s3://longtrain-test/corpus/*.jsonl"], {"AWS_ACCESS_KEY_ID": "nobody"},
      "access to data.path s3://longtrain-test/corpus/*.jsonl was denied"),
     ("no matching file", ["--data.path=s3://longtrain-test/corpus/*.parquet"], {},
-     "data.path='s3://longtrain-test/corpus/*.parquet' matches no .txt, .jsonl, .json or .parquet files"),
+     "data.path='s3://longtrain-test/corpus/*.parquet' matches no .txt, .jsonl, .json or .parquet files, nor .txt, "
+     ".jsonl or .json files compressed as .gz, .bz2, .zst or .zstd; check the URI and the pattern"),
     ("no such prefix", ["--data.path=s3://longtrain-test/nothing-here"], {},
      "data.path='s3://longtrain-test/nothing-here' does not exist"),
     ("store in a missing bucket", ["--data.path=s3://longtrain-test/corpus/*.jsonl",

@@ -98,7 +98,9 @@ def test_resolve_files_dir_glob_file_and_errors(tmp_path):
     assert [Path(p).name for p in resolve_files(str(tmp_path / "*.txt"))] == ["b.txt"]  # glob skips dot files too
     with pytest.raises(DataSourceError, match="does not exist"):
         resolve_files(str(tmp_path / "nope"))
-    with pytest.raises(DataSourceError, match="matches no"):
+    with pytest.raises(DataSourceError, match=re.escape(f"data.path={str(tmp_path / '*.md')!r} matches no .txt, "
+                                                        ".jsonl, .json or .parquet files, nor .txt, .jsonl or .json "
+                                                        "files compressed as .gz, .bz2, .zst or .zstd")):
         resolve_files(str(tmp_path / "*.md"))
     with pytest.raises(DataSourceError, match="unsupported type"):
         resolve_files(str(tmp_path / "skip.csv"))

@@ -228,3 +228,71 @@ def test_a_source_whose_path_does_not_exist_is_named_with_its_own_field(tmp_path
                                                    "exist; give a file, a directory or a glob")
     assert "Traceback" not in res.stdout + res.stderr
     assert not (tmp_path / "runs" / "datasets").exists() or not any((tmp_path / "runs" / "datasets").rglob("*"))
+
+
+# ------------------------------------------------------------------------------------------ racing prepares
+def _prepare_cli(*args: str) -> "subprocess.Popen":
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    return subprocess.Popen([sys.executable, str(root / "pipeline" / "run.py"), "prepare", *args], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_two_mixture_prepares_racing_on_one_store_both_succeed_without_a_worker_traceback(ray_address, tmp_path):
+    """Two `python pipeline/run.py prepare` of mixtures at once on one store, each preparing its sources side by side
+    (2 tokenizer actors: 1 per source): one source is the same dataset in both (the same content raced), the others
+    differ. Ray Data may construct a tokenize actor of a source after that source's build has ended and removed its
+    parts (a pool's pending actor is released, not killed): that actor must not touch the build (it printed a
+    FileNotFoundError traceback of `_parts/part-*.bin` while the prepare succeeded). Both succeed, neither console
+    shows a traceback or an error, and the tokenizer each summary hints at is a file."""
+    import re
+
+    from tests.pipeline.data.helpers import make_tokenizer, sample_docs, write_jsonl
+
+    docs = sample_docs(80, 3000)
+    (tmp_path / "own").mkdir()
+    shared = write_jsonl(tmp_path / "shared.jsonl", docs[:30])
+    own = [write_jsonl(tmp_path / "own" / f"{name}.jsonl", part)
+           for name, part in (("a", docs[30:55]), ("b", docs[55:80]))]
+    tokenizer = make_tokenizer(tmp_path)
+    procs = []
+    for path in own:
+        mixture = [{"name": "std", "weight": 0.4, "source": "builtin", "max_documents": 60},
+                   {"name": "shared", "weight": 0.3, "source": "files", "path": str(shared)},
+                   {"name": "own", "weight": 0.3, "source": "files", "path": str(path)}]
+        procs.append(_prepare_cli("--preset", "test", f"--run.root={tmp_path / 'runs'}", "--address", ray_address,
+                                  f"--data.mixture={json.dumps(mixture)}", f"--data.tokenizer={tokenizer}",
+                                  "--data.max_documents=0", "--data.rows_per_shard=128", "--data.tokenize_actors=2"))
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=600)
+            outputs.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rc, out, err in outputs:
+        assert rc == 0, out + err
+        assert not re.search(r"Traceback|\w+Error\b", out + err), out + err
+        (hint,) = re.findall(r"--data\.tokenizer=(\S+)", out)
+        assert Path(hint).is_file(), out
+    assert not list((tmp_path / "runs").glob("datasets/*/build-*/_parts"))  # every build's parts removed
+
+
+def test_a_mixture_of_synthetic_datasets_hints_at_no_tokenizer_file(tmp_path):
+    """Synthetic datasets are token ids without a tokenizer file: the summary says so instead of hinting at a
+    --data.tokenizer that is a directory."""
+    from pipeline.data.synthetic import write_synthetic_dataset
+
+    for name in ("one", "two"):
+        write_synthetic_dataset(tmp_path / name, n_train=64, n_val=8, seq_len=64, vocab_size=512)
+    mixture = [{"name": n, "weight": 0.5, "dataset_dir": str(tmp_path / n)} for n in ("one", "two")]
+    proc = _prepare_cli("--preset", "test", f"--run.root={tmp_path / 'runs'}", f"--data.mixture={json.dumps(mixture)}")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert "  no tokenizer file (synthetic sources, vocab 512)\n" in out and "--data.tokenizer=" not in out, out + err

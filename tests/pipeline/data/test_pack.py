@@ -336,3 +336,27 @@ def test_a_small_corpus_starts_no_idle_tokenizer_actors(ray_session, tok_path, t
                            data__tokenize_actors=0))
     assert load_manifest(out).extra["tokenize_actors"] == 1
     assert not [w for w in recwarn if "minimum number of concurrent actors" in str(w.message)]
+
+
+def test_a_tokenize_actor_constructed_after_its_build_ended_touches_nothing(tok_path, tmp_path):
+    """Ray Data may construct an actor of a build's tokenize pool after that build has removed its parts, or its
+    whole directory (a pool's pending actor is released, not killed): the constructor must not open the build's
+    files (it raised FileNotFoundError on `_parts/part-*.bin`, a worker traceback under a prepare that worked). An
+    actor that gets a batch, which only a running build gives, loads the tokenizer and writes its part file then."""
+    import pyarrow as pa
+
+    from pipeline.data.pack import _TokenizeBatch
+
+    gone = tmp_path / "build-gone"
+    _TokenizeBatch(str(gone / "tokenizer.model"), "uint16", "the corpus", str(gone / PARTS_DIR))
+    assert not gone.exists()
+
+    parts = tmp_path / "build-live" / PARTS_DIR
+    parts.mkdir(parents=True)
+    actor = _TokenizeBatch(str(tok_path), "uint16", "the corpus", str(parts))
+    assert not list(parts.iterdir())
+    docs = ["one short document", "and another one"]
+    row = actor(pa.table({"text": docs})).to_pylist()[0]
+    stream = expected_stream(Tokenizer(tok_path), docs)
+    assert row["offset"] == 0 and row["tokens"] == len(stream)
+    assert np.array_equal(np.fromfile(parts / row["file"], np.uint16), stream)
