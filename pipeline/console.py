@@ -105,6 +105,25 @@ class _DropPlannedStopTraceback(logging.Filter):
         return not (record.levelno >= logging.ERROR and "PreemptionStop:" in record.getMessage())
 
 
+class _DropSafeToIgnore(logging.Filter):
+    """A warning Ray itself calls safe to ignore ("Failed to send resource request ... If this only happens
+    transiently during network partition or CPU being overloaded, it's safe to ignore this error"), logged with its
+    traceback by Ray Train's controller on a busy machine. Ray's log files keep it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno < logging.ERROR and "safe to ignore" in record.getMessage())
+
+
+def quiet_safe_to_ignore() -> None:
+    """In this process (a Ray Train controller or worker): the console drops Ray's warnings that say they are safe
+    to ignore; its log files keep them."""
+    for name in ("ray.train", "ray", ""):
+        for handler in logging.getLogger(name).handlers:
+            if "File" not in type(handler).__name__ and not any(isinstance(f, _DropSafeToIgnore)
+                                                                for f in handler.filters):
+                handler.addFilter(_DropSafeToIgnore())
+
+
 def quiet_ray_train_worker() -> None:
     """In a Ray Train worker: Ray Train's own INFO lines stay in its log files, off the console."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -115,6 +134,7 @@ def quiet_ray_train_worker() -> None:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _DropPlannedStopTraceback) for f in handler.filters):
                 handler.addFilter(_DropPlannedStopTraceback())
+    quiet_safe_to_ignore()
 
 
 def quiet_mlflow() -> None:
