@@ -96,7 +96,17 @@ class QuietController(ControllerCallback):
     """In Ray Train's controller: its console drops the warnings Ray says are safe to ignore (a resource request
     to the autoscaling coordinator that timed out on a busy machine, with its traceback): pipeline/console.py."""
 
-    def after_controller_start(self, train_run_context) -> None:
+    def __init__(self) -> None:
+        # Also when the controller unpickles it: before Ray Train's scaling policy sends its first resource
+        # request, in an after_controller_start hook that runs ahead of ours.
         from pipeline.console import quiet_safe_to_ignore
 
         quiet_safe_to_ignore()
+
+    def __reduce__(self):
+        return QuietController, ()
+
+    def after_controller_start(self, train_run_context) -> None:
+        from pipeline.console import quiet_safe_to_ignore
+
+        quiet_safe_to_ignore()  # Ray Train's handlers, configured since
