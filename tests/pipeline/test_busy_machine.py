@@ -35,11 +35,17 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return res
 
 
-def test_prepare_train_and_extend_on_a_busy_machine_print_no_traceback(cpu_hog, ray_address, tmp_path):
+@pytest.mark.timeout(900)
+def test_prepare_with_its_own_ray_on_a_busy_machine_prints_no_traceback(cpu_hog, tmp_path):
     res = _run("prepare", "--preset", "test", f"--run.root={tmp_path}")  # its own local Ray, started and ended
     assert res.stdout.strip().splitlines()[-1].startswith("dataset: ")
-    common = ["--preset", "test", f"--run.root={tmp_path}", "--address", ray_address, "--tracking.enabled=false",
-              "--train.sample_tokens=0", "--train.checkpoint_every=2", "--train.eval_every=2"]
+
+
+@pytest.mark.timeout(900)
+def test_train_and_extend_on_a_busy_machine_print_no_traceback(cpu_hog, ray_address, test_runs_root):
+    common = ["--preset", "test", f"--run.root={test_runs_root}", "--address", ray_address,
+              "--tracking.enabled=false", "--train.sample_tokens=0", "--train.checkpoint_every=2",
+              "--train.eval_every=2"]
     _run("train", *common, "--run.name=busy", "--train.max_steps=4")
-    res = _run("train", "--resume", str(tmp_path / "busy"), *common, "--train.max_steps=6")
+    res = _run("train", "--resume", str(test_runs_root / "busy"), *common, "--train.max_steps=6")
     assert "checkpoint:" in res.stdout
