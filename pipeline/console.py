@@ -121,6 +121,64 @@ class _StorageErrorInOneLine(logging.Filter):
         return True
 
 
+class _DropSafeToIgnore(logging.Filter):
+    """A warning Ray itself calls safe to ignore ("Failed to send resource request ... If this only happens
+    transiently during network partition or CPU being overloaded, it's safe to ignore this error"), logged with its
+    traceback by Ray Train's controller on a busy machine. Ray's log files keep it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno < logging.ERROR and "safe to ignore" in record.getMessage())
+
+
+# The Ray Train loggers that log such warnings: filtered at the logger itself, so that the filter is in place before
+# Ray Train's controller configures its handlers and sends its first resource request (both before any callback of
+# ours runs there). Their records then reach no handler, Ray's log files included.
+_SAFE_TO_IGNORE_LOGGERS = ("ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client",
+                           "ray.train.v2._internal.execution.scaling_policy.elastic")
+
+
+def quiet_safe_to_ignore() -> None:
+    """In this process (a Ray Train controller or worker): the console drops Ray's warnings that say they are safe
+    to ignore; its log files keep them (those of the Ray Train loggers above aside)."""
+    for name in _SAFE_TO_IGNORE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropSafeToIgnore) for f in logger.filters):
+            logger.addFilter(_DropSafeToIgnore())
+    for name in ("ray.train", "ray", ""):
+        for handler in logging.getLogger(name).handlers:
+            if "File" not in type(handler).__name__ and not any(isinstance(f, _DropSafeToIgnore)
+                                                                for f in handler.filters):
+                handler.addFilter(_DropSafeToIgnore())
+
+
+# Lines Ray's GCS forwards to the driver's console that tell of nothing gone wrong: at a job's end (a successful
+# prepare), the GCS kills the job's actors and reports those whose worker had already exited ("Failed to kill actor
+# ..., KillActor RPC failed ... Socket closed") as errors, after the command's last line.
+_HARMLESS_GCS_LINES = ("Failed to kill actor",)
+
+
+def quiet_forwarded_ray_lines() -> None:
+    """In the driver, once Ray is connected: the harmless GCS lines above stay in Ray's log files (gcs_server.err),
+    off the console. Ray prints every forwarded batch through ray._private.worker.print_worker_logs, which it looks
+    up at each call; the wrapper drops those lines and passes everything else on unchanged."""
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_worker_logs
+    if getattr(original, "longtrain_quiet", False):
+        return
+
+    def print_worker_logs(data, print_file, *args, **kwargs):
+        if data.get("pid") == "gcs_server":
+            lines = [ln for ln in data.get("lines", []) if not any(h in ln for h in _HARMLESS_GCS_LINES)]
+            if not lines:
+                return None
+            data = {**data, "lines": lines}
+        return original(data, print_file, *args, **kwargs)
+
+    print_worker_logs.longtrain_quiet = True
+    ray_worker.print_worker_logs = print_worker_logs
+
+
 def quiet_ray_train_worker() -> None:
     """In a Ray Train worker: Ray Train's own INFO lines stay in its log files, off the console."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -133,6 +191,7 @@ def quiet_ray_train_worker() -> None:
                 handler.addFilter(_DropPlannedStopTraceback())
             if not any(isinstance(f, _StorageErrorInOneLine) for f in handler.filters):
                 handler.addFilter(_StorageErrorInOneLine())
+    quiet_safe_to_ignore()
 
 
 def quiet_mlflow() -> None:

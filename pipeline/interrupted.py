@@ -49,8 +49,11 @@ def what_was_kept(stage: str, args: argparse.Namespace) -> str:
         said = "during generate: nothing was written"
     elif stage == "export":
         said = "during export: nothing was written (the export goes to a temporary directory first)"
-    elif stage == "tune":
-        said = "during the sweep: finished trials keep their MLflow runs; the sweep's table was not written"
+    elif stage == "tune":  # a sweep is not resumed: the same command starts it over, under a new name
+        space = getattr(args, "space", None)
+        said = ("during the sweep: its MLflow run and those of its unfinished trials are marked KILLED, finished "
+                "trials keep theirs; the sweep's table was not written; run it again with: python pipeline/run.py "
+                f"tune --space {space or 'FILE'} (a new sweep)")
     else:
         said = "before any stage started"
     if run_dir is None:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
@@ -26,6 +27,17 @@ LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 # Ray Train's preemption watcher (an actor per Train run, ~2.5 CPU-s to start on 2 cores, and a Ray C++ log line on
 # the console) watches for nodes being drained, which a local single-node Ray never is. Off there unless set.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+# Seconds a local Ray may take to start (its node registering with its GCS). Ray's own wait is a fixed 30 s
+# (ray/_private/node.py raylet_start_wait_time_s, not a setting), which a busy machine overruns.
+START_WAIT_ENV = "LONGTRAIN_RAY_START_WAIT_S"
+DEFAULT_START_WAIT_S = 120.0
+# Seconds ensure_ray waits for a named cluster's address to accept a connection (a head that is just starting)
+# before it says that nothing is there; Ray itself would retry for minutes.
+CONNECT_WAIT_S = 10.0
+
+
+class RayStartError(RuntimeError):
+    """Ray could not be joined or started: one line naming the address or the machine's state, and the fix."""
 
 
 def ensure_ray(address: str | None = None, cfg: "Config | None" = None) -> None:
@@ -36,15 +48,93 @@ def ensure_ray(address: str | None = None, cfg: "Config | None" = None) -> None:
     workers would hang)."""
     import ray
 
+    from pipeline.console import quiet_forwarded_ray_lines
+
     if ray.is_initialized():
         return
+    quiet_forwarded_ray_lines()  # Ray's harmless GCS lines off the console (pipeline/console.py)
     if joins_cluster(address):
         address = address or os.environ["RAY_ADDRESS"]
-        ray.init(address=address, logging_level=logging.WARNING)
+        check_reachable(address)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except ConnectionError as exc:  # "auto" with no Ray running on this machine, among others
+            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RayStartError(f"could not join the Ray cluster at {address} (ray.address / --address / "
+                                f"RAY_ADDRESS): {said}; start one with `ray start --head`, or leave ray.address "
+                                f"empty for a local Ray") from None
         return
     train_cpus = cfg.ray.num_workers * worker_cpus(cfg) if cfg is not None else 1
     cpus = max((os.cpu_count() or 1) + 2, train_cpus + 4)
     start_local_ray(cpus, cfg.ray.dashboard_host if cfg is not None else "127.0.0.1")
+
+
+def check_reachable(address: str, wait_s: float = CONNECT_WAIT_S) -> None:
+    """RayStartError when nothing at `address` (host:port, or ray://host:port) accepts a TCP connection within
+    `wait_s` seconds: Ray's own connect retries for minutes, printing the node's rewritten address, and does not
+    end on SIGTERM. "auto" and other forms are left to Ray."""
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or "/" in target:
+        return
+    host = host.strip("[]") or "127.0.0.1"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.5, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                said = exc.strerror or type(exc).__name__
+                raise RayStartError(f"no Ray cluster answers at {address} (ray.address / --address / RAY_ADDRESS): "
+                                    f"nothing accepted a connection there within {wait_s:g} s ({said}); start one "
+                                    f"there (`ray start --head --port={port}` on {host}), give the address that "
+                                    f"`ray start` printed, or leave ray.address empty for a local Ray") from None
+        time.sleep(0.5)
+
+
+def start_wait_s() -> float:
+    """Seconds a local Ray may take to start: $LONGTRAIN_RAY_START_WAIT_S, else 120 (Ray's own 30 s at least)."""
+    raw = os.environ.get(START_WAIT_ENV, "")
+    try:
+        return float(raw) if raw else DEFAULT_START_WAIT_S
+    except ValueError:
+        raise RayStartError(f"{START_WAIT_ENV}={raw!r} is not a number of seconds; set it to e.g. 300") from None
+
+
+@contextlib.contextmanager
+def _node_start_wait(seconds: float) -> Iterator[None]:
+    """While Ray starts: Ray polls its GCS for the new node for a fixed 30 s (ray/_private/node.py); each poll
+    that finds no node yet is retried here until `seconds` have passed since the start, so the wait is
+    max(30, seconds). Ray looks the function up on its module at every call."""
+    from ray._private import services
+
+    get_node, deadline = services.get_node, time.monotonic() + seconds
+
+    def patient_get_node(*args, **kwargs):
+        while True:
+            try:
+                return get_node(*args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    services.get_node = patient_get_node
+    try:
+        yield
+    finally:
+        services.get_node = get_node
+
+
+def _overloaded(exc: BaseException, waited_s: float) -> RayStartError | None:
+    """The one line for Ray's start-up timeout ("The current node timed out during startup ... GCS has become
+    overloaded"), or None for another error."""
+    if "timed out during startup" not in str(exc):
+        return None
+    return RayStartError(f"the local Ray did not start within {waited_s:g} s: this machine is overloaded (Ray's node "
+                         f"did not register with its GCS in time); give Ray more time with {START_WAIT_ENV}=300 "
+                         f"(seconds, now {waited_s:g}), or run when the machine is less busy")
 
 
 def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
@@ -58,12 +148,21 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
     any job that joins it, is told where its state API is (RAY_API_SERVER_ADDRESS, inherited from the raylet)."""
     import ray
 
+    wait_s = max(30.0, start_wait_s())
     try:
         import ray.dashboard.optional_deps  # noqa: F401  (what ray[default] adds; Ray checks the same import)
     except ImportError as exc:
         # A minimal Ray (no `default` extra) cannot serve the dashboard: start without it rather than fail.
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 _system_config=dict(LOCAL_SYSTEM_CONFIG))
+        try:
+            with _node_start_wait(wait_s):
+                ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                         _system_config=dict(LOCAL_SYSTEM_CONFIG))
+        except Exception as start_exc:  # noqa: BLE001 -- Ray raises a bare Exception for its start-up timeout
+            overloaded = _overloaded(start_exc, wait_s)
+            if overloaded is None:
+                raise
+            ray.shutdown()
+            raise overloaded from None
         print(f"ray: local instance with {num_cpus} logical CPUs; no dashboard ({exc.name or exc} is missing: "
               f"pip install 'ray[default]')", flush=True)
         return ""
@@ -73,11 +172,16 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
         port = _free_port(dashboard_host, preferred=8265 if attempt == 0 else 0)
         api = f"http://{'127.0.0.1' if dashboard_host in ('0.0.0.0', '::') else dashboard_host}:{port}"
         try:
-            with _environ({API_SERVER_ENV: api, PREEMPTION_WATCHER_ENV: os.environ.get(PREEMPTION_WATCHER_ENV, "0")}):
+            with _environ({API_SERVER_ENV: api, PREEMPTION_WATCHER_ENV: os.environ.get(PREEMPTION_WATCHER_ENV, "0")}), \
+                    _node_start_wait(wait_s):
                 ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host=dashboard_host,
                          dashboard_port=port, logging_level=logging.WARNING, _system_config=dict(LOCAL_SYSTEM_CONFIG))
             break
         except Exception as exc:  # Ray raises a bare Exception/ValueError for a taken dashboard port
+            overloaded = _overloaded(exc, wait_s)
+            if overloaded is not None:
+                ray.shutdown()
+                raise overloaded from None
             taken = any(w in str(exc).lower() for w in ("occupied", "address already in use", "dashboard"))
             if not taken or attempt == 2:
                 raise

@@ -41,6 +41,7 @@ the parent run as markdown and PNG, and the best finished trial's config is writ
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -386,6 +387,8 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     from pipeline.data.stages import prepare_main
     from pipeline.data.shards import check_trainable, load_manifest
     from pipeline.tracking.tracker import check_tracking_uri, open_tracker, pin_tracking_uri, resolve_tracking_uri
+    import ray
+
     from pipeline.ray_runtime import ensure_ray
     from pipeline.storage import absolute, join, ray_storage_args, run_storage
     from pipeline.storage import pin as pin_storage
@@ -410,6 +413,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     manifest = load_manifest(dataset)
     check_trainable(manifest, dataset, batch_size=1)  # no validation rows: no trial could be ranked
     _check_named_mixtures(cfg, space, dataset)  # a named mixture that would run out: before any trial starts
+    joined_here = not ray.is_initialized()  # a Ray this sweep joined ends with it on Ctrl+C
     ensure_ray(cfg.ray.address, cfg)
     parent = open_tracker(cfg, run_name=name)
     parent.set_tags({TAG_SWEEP: name})
@@ -446,13 +450,48 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
                                                      StatusLines(space.metric, list(space.params), STATUS_KEY,
                                                                  REASON_KEY)]),
         )
-        rows = _rows(tuner.fit(), space, cfg)
+        stage("tune", f"sweep {name}: trials")  # after prepare's banner: a Ctrl+C from here is the sweep's
+        with _ctrl_c_interrupts():
+            grid = tuner.fit()
+        rows = _rows(grid, space, cfg)
         _close_stopped_children(parent, rows, name)
         result = _report(cfg, space, rows, sweep_dir, name, parent)
         status = "FINISHED"
         return result
+    except KeyboardInterrupt:
+        status = "KILLED"
+        if joined_here:  # the trials (and their Train runs) end first, so none finishes its MLflow run after this
+            ray.shutdown()
+        _kill_running_children(parent, name)
+        raise
     finally:
         parent.finish(status)
+
+
+@contextlib.contextmanager
+def _ctrl_c_interrupts():
+    """Ctrl+C during tuner.fit() raises KeyboardInterrupt here, as it does during `train`: Tune's own handler would
+    end the sweep as if it had finished (its trials labelled stopped, the runs FINISHED, a table) and print a
+    Tuner.restore() hint the CLI cannot follow. TUNE_DISABLE_SIGINT_HANDLER is read when fit() starts."""
+    old = os.environ.get("TUNE_DISABLE_SIGINT_HANDLER")
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
+        else:
+            os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = old
+
+
+def _kill_running_children(parent, sweep_name: str) -> None:
+    """After a Ctrl+C: the sweep's child runs still RUNNING are marked KILLED (finished and failed trials keep
+    theirs)."""
+    if parent.run_id is None:
+        return
+    for run in parent.client.search_runs([parent.experiment_id], f"tags.`{TAG_SWEEP}` = '{sweep_name}'"):
+        if run.info.run_id != parent.run_id and run.info.status == "RUNNING":
+            parent.client.set_terminated(run.info.run_id, "KILLED")
 
 
 def is_source_loss(key: str) -> bool:

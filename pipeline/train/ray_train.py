@@ -87,6 +87,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
     from pipeline.train import elastic
     from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
+    from pipeline.train.failure_policy import quiet_repeating_tracebacks
     from pipeline.train.generate import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, evaluate_timed, fit, standard_hooks
     from pipeline.data.mixture import mixture_of
@@ -102,6 +103,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     faults.set_retry_window(cfg.run.storage_retry_s)  # every storage call here rides out an outage that long
     quiet_ray_data(progress=False)  # the rank-0 progress line is the one to watch
     quiet_ray_train_worker()  # "Reporting training result N: ..." per checkpoint
+    quiet_repeating_tracebacks()  # an error that ends the run without a retry: the driver prints its one line
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     cfg = elastic.at_world_size(cfg, world)  # an elastic attempt's worker count: the same global batch
@@ -286,6 +288,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
 
     from pipeline.train import elastic
     from pipeline.train.engine import check_checkpoint_fits, read_checkpoint_meta
+    from pipeline.train.failure_policy import QuietController, trainer_class
     from pipeline.data.shards import check_compatible, check_trainable, load_manifest
 
     run_dir = Path(run_dir).resolve()
@@ -316,7 +319,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
           "required_metric": required_metric, "interactive": interactive(),
           "schedule": dataclasses.asdict(schedule) if schedule is not None else {},
           "resume_from": resume_from, "fit_id": uuid.uuid4().hex}  # fit_id: in meta.json of what this fit writes
-    trainer = TorchTrainer(
+    # An error that the next attempt would raise again (a broken checkpoint, a refused config) spends no retry
+    trainer = trainer_class(TorchTrainer)(
         train_loop_per_worker,
         train_loop_config=lc,
         # A range MIN-MAX runs elastic (pipeline/train/elastic.py); the backend sets each worker up before its
@@ -336,12 +340,14 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                                                          checkpoint_score_attribute="val/loss",
                                                          checkpoint_score_order="min"),
             # Worker errors and failures to start the workers (their resources never came within the start
-            # timeout) are both retried ray.max_failures times; Ray's default retries the latter forever.
+            # timeout) are both retried ray.max_failures times; Ray's default retries the latter forever. Errors
+            # that would repeat are not retried (pipeline/train/failure_policy.py).
             failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures,
                                                    controller_failure_limit=cfg.ray.max_failures),
             # Ray Train's INFO lines (worker group started, each checkpoint reported) stay in its log files.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            callbacks=[elastic.ElasticEvents(cfg.ray.resize_check_s if cfg.ray.min_workers else None),
+            callbacks=[QuietController(),
+                       elastic.ElasticEvents(cfg.ray.resize_check_s if cfg.ray.min_workers else None),
                        *(callbacks or [])]),
     )
     try:
