@@ -37,6 +37,7 @@ FLAG_STAGES: dict[str, tuple[str, set[str]]] = {
     "temperature": ("--temperature", _GENERATE),
     "top_k": ("--top-k", _GENERATE),
     "top_p": ("--top-p", _GENERATE),
+    "min_p": ("--min-p", _GENERATE),
     "space": ("--space", {"tune"}),
     "audit_data": ("--audit-data", {"all", "train"}),
     "out": ("--out", {"export"}),
