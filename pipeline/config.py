@@ -35,8 +35,8 @@ class ModelConfig:
     activation_checkpointing: str = "none"  # none | all | every_<k> (every k-th block) | mixer (resonance only)
     attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
     mixer: str = "attention"  # attention (Llama-style decoder) | resonance (model/resonance.py); same tier names
-    # RoPE base and scaling (model/rope.py, docs/long-context.md); each may change per phase, the resonance family
-    # has no RoPE and ignores them
+    # RoPE base and scaling (model/rope.py, docs/long-context.md); each may change per phase. The resonance family
+    # has no RoPE: setting them for it is refused (pipeline/unused_settings.py unused_by_mixer)
     rope_theta: float = 0.0  # RoPE base; 0 = the tier's (500,000)
     rope_scaling: str = "none"  # none | linear | yarn | llama3: positions scaled for a longer context than trained
     rope_factor: float = 1.0  # linear, yarn, llama3: how many times the original length the context is scaled to

@@ -128,3 +128,24 @@ def test_a_misspelled_sweep_key_gets_did_you_mean(tmp_path, key, hint):
                                    f"description, metric, mode, num_samples, max_concurrent_trials, token_budget, "
                                    f"skip_unfit_batch, scheduler, resources_per_trial, fixed, params")
     assert not (tmp_path / "tune").exists()
+
+
+def test_rope_settings_for_the_resonance_family_are_refused_not_ignored(tmp_path):
+    """README: a setting the command would not use is refused in one line, never ignored (docs/long-context.md)."""
+    res, _ = run_cli("train", "--model.mixer=resonance", "--model.rope_theta=10000", f"--run.root={tmp_path}")
+    assert one_error_line(res) == ("error: model.rope_theta is set, but model.mixer=resonance has no RoPE (its kernel "
+                                   "is its position code), so no RoPE setting is used; drop model.rope_theta, or "
+                                   "train model.mixer=attention")
+    preset = tmp_path / "res.yaml"
+    preset.write_text("model: {mixer: resonance, rope_scaling: linear, rope_factor: 2}\n")
+    res, _ = run_cli("train", "--preset", str(preset), f"--run.root={tmp_path}")
+    assert "model.rope_scaling is set, but model.mixer=resonance has no RoPE" in one_error_line(res)
+    phases = tmp_path / "phases.yaml"
+    phases.write_text("- steps: 2\n- steps: 2\n  overrides: {data.seq_len: 512, model.rope_scaling: yarn, "
+                      "model.rope_factor: 4, model.rope_original_max_len: 256}\n")
+    res, _ = run_cli("train", "--no-ray", "--preset", "test", "--model.mixer=resonance", "--phases", str(phases),
+                     f"--run.root={tmp_path}")
+    assert one_error_line(res) == (f"error: --phases {phases}: phase 1 overrides: model.rope_scaling is set, but "
+                                   f"model.mixer=resonance has no RoPE (its kernel is its position code), so no RoPE "
+                                   f"setting is used; drop model.rope_scaling, or train model.mixer=attention")
+    assert not list(tmp_path.glob("*/run.json"))  # nothing trained
