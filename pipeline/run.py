@@ -273,8 +273,10 @@ def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Names
             print("eval: long-context results not logged (no tracked run for this checkpoint)")
         else:
             check_tracking_uri(run[0])
-            log_long_context(report, run[0], run[1], title=run_dir.name if run_dir else None)
+            files = log_long_context(report, run[0], run[1], title=run_dir.name if run_dir else None)
             print(f"eval: long-context metrics and pictures logged to MLflow run {run[1]}")
+            for f in files:  # where to open them without the MLflow UI
+                print(f"eval: {f}")
     except TrackingError as exc:  # the numbers are printed above
         print(f"eval: long-context results not logged: {exc}")
     return report
