@@ -149,3 +149,21 @@ def test_rope_settings_for_the_resonance_family_are_refused_not_ignored(tmp_path
                                    f"model.mixer=resonance has no RoPE (its kernel is its position code), so no RoPE "
                                    f"setting is used; drop model.rope_scaling, or train model.mixer=attention")
     assert not list(tmp_path.glob("*/run.json"))  # nothing trained
+
+
+def test_rope_settings_on_resume_of_a_resonance_run_are_refused(tmp_path):
+    import json
+
+    from pipeline.config import load_config
+
+    run = tmp_path / "res-run"
+    run.mkdir()
+    record = {"config": load_config("test", {"model.mixer": "resonance", "run.root": str(tmp_path)}).flat(),
+              "status": "stopped", "phases": [{"steps": 4}], "phases_done": 0}
+    (run / "run.json").write_text(json.dumps(record))
+    before = (run / "run.json").read_text()
+    res, _ = run_cli("train", "--resume", str(run), "--no-ray", "--model.rope_theta=10000")
+    assert one_error_line(res) == (f"error: run {run}: model.rope_theta is set, but model.mixer=resonance has no RoPE "
+                                   f"(its kernel is its position code), so no RoPE setting is used; drop "
+                                   f"model.rope_theta, or train model.mixer=attention")
+    assert (run / "run.json").read_text() == before and sorted(p.name for p in run.iterdir()) == ["run.json"]
