@@ -352,3 +352,17 @@ def test_a_prompts_file_that_is_not_text_is_never_blamed_on_the_whole_checkpoint
     assert res.returncode == 0 and "Traceback" not in res.stdout + res.stderr, res.stderr
     assert "--- 'Once upon a time'" in res.stdout and "--- 'def main'" in res.stdout
     assert "generate: batch 2, " in res.stdout
+
+
+def test_a_text_or_json_error_is_never_blamed_on_a_whole_checkpoint(source):
+    """The diagnosis covers the checkpoint's own files: with every file whole (meta.json parsed, sizes and sha256 as
+    it records), a UnicodeDecodeError or a JSONDecodeError raised by the command came from something else."""
+    from pipeline.train.broken_checkpoint import diagnose
+
+    ckpt = str(source / "checkpoints" / "phase0" / "step_000004")
+    assert diagnose(ckpt, UnicodeDecodeError("utf-8", b"\x1f\x8b", 0, 1, "invalid start byte")) is None
+    assert diagnose(ckpt, json.JSONDecodeError("Expecting value", "\x1f", 0)) is None
+    from safetensors import SafetensorError
+
+    # a format library's error on a whole checkpoint is still the checkpoint's (bytes that lie about themselves)
+    assert diagnose(ckpt, SafetensorError("Error while deserializing header")) is not None
