@@ -35,8 +35,8 @@ class ModelConfig:
     activation_checkpointing: str = "none"  # none | all | every_<k> (every k-th block) | mixer (resonance only)
     attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
     mixer: str = "attention"  # attention (Llama-style decoder) | resonance (model/resonance.py); same tier names
-    # RoPE base and scaling (model/rope.py, docs/long-context.md); each may change per phase, the resonance family
-    # has no RoPE and ignores them
+    # RoPE base and scaling (model/rope.py, docs/long-context.md); each may change per phase. The resonance family
+    # has no RoPE: setting them for it is refused (pipeline/unused_settings.py unused_by_mixer)
     rope_theta: float = 0.0  # RoPE base; 0 = the tier's (500,000)
     rope_scaling: str = "none"  # none | linear | yarn | llama3: positions scaled for a longer context than trained
     rope_factor: float = 1.0  # linear, yarn, llama3: how many times the original length the context is scaled to
@@ -205,11 +205,42 @@ def field_types() -> dict[str, type]:
     return dict(_FIELD_TYPES)
 
 
+# The names Hugging Face's Trainer / model configs, nanoGPT and litgpt give to what is a longtrain field under
+# another name: the first guess of a user coming from them (`--train.learning_rate`), answered by close_fields.
+FIELD_ALIASES = {
+    "learning_rate": "train.lr", "max_lr": "train.lr", "peak_lr": "train.lr", "min_lr": "train.min_lr_ratio",
+    "per_device_train_batch_size": "train.batch_size", "micro_batch_size": "train.batch_size",
+    "train_batch_size": "train.batch_size", "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_accumulation_iters": "train.grad_accum", "accumulate_grad_batches": "train.grad_accum",
+    "max_iters": "train.max_steps", "num_steps": "train.max_steps", "steps": "train.max_steps",
+    "num_train_epochs": "train.max_epochs", "epochs": "train.max_epochs",
+    "warmup_iters": "train.warmup_steps", "lr_warmup_steps": "train.warmup_steps",
+    "num_warmup_steps": "train.warmup_steps", "lr_warmup_iters": "train.warmup_steps",
+    "max_grad_norm": "train.grad_clip", "gradient_clip_val": "train.grad_clip", "clip_grad_norm": "train.grad_clip",
+    "adam_beta1": "train.beta1", "adam_beta2": "train.beta2",
+    "eval_interval": "train.eval_every", "eval_steps": "train.eval_every", "eval_iters": "train.eval_batches",
+    "log_interval": "train.log_every", "logging_steps": "train.log_every",
+    "save_steps": "train.checkpoint_every", "save_interval": "train.checkpoint_every",
+    "save_total_limit": "train.keep_checkpoints", "dtype": "train.precision", "bf16": "train.precision",
+    "block_size": "data.seq_len", "max_seq_length": "data.seq_len", "max_seq_len": "data.seq_len",
+    "seq_length": "data.seq_len", "context_length": "data.seq_len", "n_ctx": "data.seq_len",
+    "max_position_embeddings": "data.seq_len", "dataset_name": "data.hf_name",
+    "dataset_config_name": "data.hf_config", "tokenizer_name": "data.tokenizer",
+    "rope_base": "model.rope_theta", "base": "model.rope_theta", "tie_word_embeddings": "model.tie_embeddings",
+    "gradient_checkpointing": "model.activation_checkpointing", "torch_compile": "model.compile",
+    "model_name": "model.tier", "model_size": "model.tier", "out_dir": "run.root", "output_dir": "run.root",
+    "run_name": "run.name", "experiment_name": "tracking.experiment", "wandb_project": "tracking.experiment",
+}
+
+
 def close_fields(key: str, n: int = 3) -> list[str]:
-    """The field paths a mistyped `key` most likely meant: the same name in another section first
-    (`train.tier` -> model.tier), else the nearest spellings of the whole path or of its last part."""
+    """The field paths a mistyped `key` most likely meant: another project's name for a field (FIELD_ALIASES:
+    `train.learning_rate` -> train.lr), the same name in another section (`train.tier` -> model.tier), else the
+    nearest spellings of the whole path or of its last part."""
     paths = list(_FIELD_TYPES)
     leaf = key.split(".")[-1]
+    if leaf.lower() in FIELD_ALIASES:
+        return [FIELD_ALIASES[leaf.lower()]]
     same = [p for p in paths if p.split(".")[-1] == leaf]
     if same:
         return same[:n]
@@ -233,9 +264,31 @@ def _unknown_key_message(key: str) -> str:
             f"type, default and meaning")
 
 
+# Text fields whose choices hold a yes/no pair (`auto | true | false`, `auto | on | off`): YAML reads an unquoted
+# true/false/on/off/yes/no as a boolean, and a user types True or yes as readily as true, so each of those words,
+# and a YAML boolean, is taken as the field's own spelling of the pair (field -> (its yes, its no)).
+_YES_NO_CHOICES = {"ray.use_gpu": ("true", "false"), "model.compile": ("on", "off")}
+_YES_WORDS, _NO_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _yes_no(key: str, value: Any) -> Any:
+    """`value` in the spelling of a _YES_NO_CHOICES field (True -> "true", "Yes" -> "on", ...); else unchanged."""
+    yes, no = _YES_NO_CHOICES[key]
+    if isinstance(value, bool):
+        return yes if value else no
+    if isinstance(value, int) and value in (0, 1):
+        return yes if value else no
+    if isinstance(value, str):
+        low = value.strip().lower()
+        return yes if low in _YES_WORDS else no if low in _NO_WORDS else value
+    return value
+
+
 def _coerce(key: str, value: Any) -> Any:
     """Turn a CLI string (or a YAML/JSON value) into the field's type, or raise ConfigError."""
     typ = _FIELD_TYPES[key]
+    if key in _YES_NO_CHOICES:
+        value = _yes_no(key, value)
     if key == "data.mixture" and isinstance(value, list):  # a YAML list of sources (a preset, a phase): inline it
         value = json.dumps(value, separators=(",", ":"))
     if isinstance(value, str) and typ is not str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 INTERACTIVE_ENV = "LONGTRAIN_INTERACTIVE"
 
@@ -38,6 +39,52 @@ def plain_worker_prefixes() -> None:
     at a terminal keeps them. An explicit RAY_COLOR_PREFIX wins."""
     if not interactive():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+PLAIN_PROGRESS_EVERY_S = 30.0  # in a log file, a progress line at least this often (besides each tenth of the work)
+
+
+class _ProgressLines:
+    """A progress bar's interface (update, close) printing plain lines: `eval 4x  batch 3/12  elapsed 0m41s  eta
+    2m03s`, at the first unit, at each tenth of the total, at least every PLAIN_PROGRESS_EVERY_S and at the end."""
+
+    def __init__(self, desc: str, total: int, unit: str):
+        self.desc, self.total, self.unit, self.n = desc, max(1, total), unit, 0
+        self.t0 = self.last = time.monotonic()
+        self.next_at = 1
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if self.n < self.next_at and self.n < self.total and now - self.last < PLAIN_PROGRESS_EVERY_S:
+            return
+        self.last = now
+        self.next_at = (self.n * 10 // self.total + 1) * self.total / 10  # the next tenth
+        elapsed = now - self.t0
+        eta = elapsed / self.n * (self.total - self.n)
+        out = sys.__stdout__ or sys.stdout  # as training's lines: the process's own stdout
+        out.write(f"{self.desc}  {self.unit} {self.n}/{self.total}  elapsed {clock(elapsed)}  eta {clock(eta)}\n")
+        out.flush()
+
+    def close(self) -> None:
+        pass
+
+
+def progress(desc: str, total: int, unit: str = "batch"):
+    """Progress of `total` units of work, as training shows its steps (pipeline/train/loop.py): a live tqdm bar (on
+    stderr) in a terminal, plain lines (_ProgressLines) in a log file or a pipe. Call .update(n) and .close()."""
+    if interactive():
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False)
+    return _ProgressLines(desc, total, unit)
+
+
+def clock(seconds: float) -> str:
+    """'1m05s', '2h03m00s'."""
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
 _current_stage = ""  # the last banner's stage: what a Ctrl+C interrupts (pipeline/run.py says what was kept)

@@ -97,6 +97,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--temperature", type=float, default=0.8, help="generate: sampling temperature, 0 = greedy (0.8)")
     p.add_argument("--top-k", type=int, default=0, help="generate: sample from the k likeliest tokens, 0 = all (0)")
     p.add_argument("--top-p", type=float, default=0.95, help="generate: nucleus sampling mass (0.95)")
+    p.add_argument("--min-p", type=float, default=0.0, help="generate: drop tokens below this fraction of the "
+                                                            "likeliest one's probability, 0 = off (0)")
     p.add_argument("--space", help="tune: a search space file from tune_spaces/")
     p.add_argument("--audit-data", action="store_true", help="train: log the seq_ids each step consumed "
                                                                  "(data_audit/)")
@@ -274,8 +276,10 @@ def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Names
             print("eval: long-context results not logged (no tracked run for this checkpoint)")
         else:
             check_tracking_uri(run[0])
-            log_long_context(report, run[0], run[1], title=run_dir.name if run_dir else None)
+            files = log_long_context(report, run[0], run[1], title=run_dir.name if run_dir else None)
             print(f"eval: long-context metrics and pictures logged to MLflow run {run[1]}")
+            for f in files:  # where to open them without the MLflow UI
+                print(f"eval: {f}")
     except TrackingError as exc:  # the numbers are printed above
         print(f"eval: long-context results not logged: {exc}")
     return report
@@ -328,17 +332,16 @@ def stage_export(cfg: Config, args: argparse.Namespace) -> None:
         print(f"registered {args.register} version {version.version} (run {run[1]}) in {run[0]}")
 
 
-def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: list[str] | None = None) -> list[str]:
-    from pipeline.train.generate import generate_from_checkpoint
+def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: list[str]) -> list[str]:
+    """`prompts`: pipeline/train/generate_options.py generate_prompts (the flags checked before anything loads)."""
+    from pipeline.train.broken_checkpoint import diagnosed
+    from pipeline.train.generate import generate_texts, load_for_generation
 
-    prompts = prompts or list(args.prompt or [])
-    if args.prompts_file:
-        prompts += [ln for ln in Path(args.prompts_file).read_text().splitlines() if ln.strip()]
-    if not prompts:
-        prompts = ["The ", "def ", "In this module"]
     stage("generate", f"{len(prompts)} prompt(s), {args.max_new_tokens} new tokens, top-p {args.top_p}")
-    out = generate_from_checkpoint(checkpoint, prompts, max_new_tokens=args.max_new_tokens,
-                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    with diagnosed(checkpoint):  # the checkpoint's own files only: a file that does not load, the previous offered
+        decoder, tokenizer = load_for_generation(checkpoint)
+    out = generate_texts(decoder, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     for p, text in zip(prompts, out.texts):
         print(f"--- {p!r}\n{text}")
     t = out.timings
@@ -364,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     plain_worker_prefixes()
     try:
         long_context = long_context_options(args) is not None  # eval's options: checked before any stage runs
+        if args.stage in ("all", "generate"):  # generate's flags and prompts file too
+            from pipeline.train.generate_options import generate_prompts
+
+            prompts = generate_prompts(args)
         if args.stage == "validate":
             if not args.target:
                 raise UsageError("validate needs a dataset directory, a checkpoint or a run: python pipeline/run.py "
@@ -396,9 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                     stage_long_context(cfg, checkpoint, args, run_dir)
             return 0
         if args.stage == "generate":
-            checkpoint = latest_checkpoint(cfg, args)
-            with diagnosed(checkpoint):
-                stage_generate(checkpoint, args)
+            stage_generate(latest_checkpoint(cfg, args), args, prompts)
             return 0
         if args.stage == "export":
             stage_export(cfg, args)
@@ -414,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.stage == "all" and result.checkpoint is not None:
             stage_eval(result.cfg, result.checkpoint, run_dir=run_dir)
-            stage_generate(result.checkpoint, args)
+            stage_generate(result.checkpoint, args, prompts)
         ui = (f"compare runs in the MLflow UI:\n  {result.ui_command}" if result.ui_command else
               "MLflow: not tracked (tracking.enabled=false)")
         print(f"\noutputs:    {run_dir}\ncheckpoint: {result.checkpoint}\n"

@@ -37,6 +37,7 @@ FLAG_STAGES: dict[str, tuple[str, set[str]]] = {
     "temperature": ("--temperature", _GENERATE),
     "top_k": ("--top-k", _GENERATE),
     "top_p": ("--top-p", _GENERATE),
+    "min_p": ("--min-p", _GENERATE),
     "space": ("--space", {"tune"}),
     "audit_data": ("--audit-data", {"all", "train"}),
     "out": ("--out", {"export"}),
@@ -133,6 +134,18 @@ def unused_by_source(source: str, keys: Any, where: str = "") -> None:
                                       f"data.source={' or '.join(sorted(readers))}); set data.source, or drop {key}")
 
 
+def unused_by_mixer(mixer: str, keys: Any, where: str = "") -> None:
+    """IgnoredSettingError for a RoPE field (model.rope_*) in `keys` when model.mixer=`mixer` has no RoPE (the
+    resonance family: its kernel is its position code). `where`: the phase, run or file that set it."""
+    if mixer == "attention":
+        return
+    for key in keys:
+        if str(key).startswith("model.rope_"):
+            raise IgnoredSettingError(f"{where}{key} is set, but model.mixer={mixer} has no RoPE (its kernel is its "
+                                      f"position code), so no RoPE setting is used; drop {key}, or train "
+                                      f"model.mixer=attention")
+
+
 def settle_fields(stage: str, typed: dict[str, Any], cfg: Config, *, no_ray: bool = False,
                   space: str | None = None) -> tuple[Config, list[str]]:
     """The config with what the user meant made explicit, and the notes to print: data.path given without
@@ -161,6 +174,7 @@ def settle_fields(stage: str, typed: dict[str, Any], cfg: Config, *, no_ray: boo
         notes.append(f"data.source=files: data.path={cfg.data.path} is set and the built-in corpus (the default "
                      f"source) reads no path, so the files there are the corpus")
     unused_by_source(cfg.data.source, typed)
+    unused_by_mixer(cfg.model.mixer, typed)
     if stage == "tune" and space:
         _check_tune(typed, cfg, space)
     if typed.get("train.precision") == "bf16" and stage in ("all", "train") and (no_ray or not cfg.ray.address):

@@ -139,10 +139,11 @@ def _keys(rng: np.random.Generator, n: int) -> list[str]:
 
 @torch.no_grad()
 def passkey_grid(decoder, tokenizer, haystack: np.ndarray, lengths: list[int], depths=DEPTHS, trials: int = 5,
-                 seed: int = 0, batch_tokens: int = BATCH_TOKENS) -> PasskeyGrid:
+                 seed: int = 0, batch_tokens: int = BATCH_TOKENS, progress=None) -> PasskeyGrid:
     """Greedy passkey retrieval by `decoder` (a model with the KV-cache protocol: model/decoder.py or
     model/resonance.py, in eval mode, on its device) for every (length, depth) cell, `trials` random keys each.
-    The keys and offsets are drawn from `seed`, so two models face the same prompts."""
+    The keys and offsets are drawn from `seed`, so two models face the same prompts. `progress`: None, or
+    progress(total) -> a bar (update(n), close()) counting the generation batches (pipeline/console.py progress)."""
     from pipeline.train.generate import generate_ids, generation_autocast
 
     head, question = prompt_parts(tokenizer)
@@ -160,6 +161,8 @@ def passkey_grid(decoder, tokenizer, haystack: np.ndarray, lengths: list[int], d
     examples = []
     was_training = decoder.training
     decoder.eval()
+    n_cells = len(depths) * trials
+    bar = progress(sum(-(-n_cells // max(1, batch_tokens // n)) for n in usable)) if progress else None
     for i, length in enumerate(usable):
         cells = [(j, key, int(rng.integers(0, max(1, len(haystack)))))
                  for j in range(len(depths)) for key in _keys(rng, trials)]
@@ -178,6 +181,10 @@ def passkey_grid(decoder, tokenizer, haystack: np.ndarray, lengths: list[int], d
                 if len(examples) < (i + 1) * len(depths) and all(e["depth"] != depths[j] or e["length"] != length
                                                                   for e in examples):
                     examples.append({"length": length, "depth": depths[j], "key": key, "answer": text})
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
     decoder.train(was_training)
     return PasskeyGrid(usable, depths, trials, acc, digits, skipped, examples)
 

@@ -57,27 +57,43 @@ class LongContextReport:
 
 def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None = None, *, by_position: bool = False,
                           factors: list[int] = (), passkey: bool = False, passkey_lengths: list[int] | None = None,
-                          passkey_trials: int = 5, echo: Callable[[str], None] = print) -> LongContextReport:
+                          passkey_trials: int = 5, echo: Callable[[str], None] = print,
+                          show_progress: bool = True) -> LongContextReport:
     """Run the asked measures on `checkpoint` over its dataset's validation split (or `dataset_dir`), printing each
-    as it finishes through `echo`; see the module docstring for what they log."""
+    as it finishes through `echo`, with progress while each runs (`show_progress`: pipeline/console.py progress, a
+    bar in a terminal, plain lines in a log); see the module docstring for what they log."""
     from pipeline.data.shards import eval_reader
     from pipeline.eval.long_rows import LongRows
     from pipeline.eval.passkey import default_lengths, haystack_tokens, passkey_grid
     from pipeline.eval.positions import evaluate_by_position
+    from pipeline.console import progress
     from pipeline.train.evaluate import load_for_eval
 
     engine, meta, cfg, dataset_dir, manifest = load_for_eval(checkpoint, dataset_dir)
     T, batch = manifest.seq_len, cfg.train.batch_size
     report = LongContextReport(meta.get("counters", {}).get("step", 0), T)
+    def counted(batches, desc: str):
+        """`batches`, with progress per batch: a long row's forward can take minutes."""
+        if not show_progress:
+            yield from batches
+            return
+        bar = progress(desc, len(batches))
+        try:
+            for b in batches:
+                yield b
+                bar.update(1)
+        finally:
+            bar.close()
+
     if by_position:
-        res = evaluate_by_position(engine, eval_reader(dataset_dir, batch), T)
+        res = evaluate_by_position(engine, counted(eval_reader(dataset_dir, batch), "eval by position"), T)
         report.positions["eval"] = res
         report.metrics.update(res.metrics("eval"))
         echo(f"eval by position (rows of {T} tokens; a bucket counts the documents that reach its end):\n"
              f"{res.table()}\n{_cumulative_line(res)}")
     for k in factors:
         rows = LongRows(dataset_dir, k, max(1, batch // k))
-        res = evaluate_by_position(engine, rows, rows.row_len, score_from=rows.score_from)
+        res = evaluate_by_position(engine, counted(rows, f"eval {k}x"), rows.row_len, score_from=rows.score_from)
         prefix = f"eval_{k}x"
         report.positions[prefix] = res
         report.metrics.update({f"{prefix}/loss": res.loss, f"{prefix}/ppl": math.exp(min(res.loss, 700.0)),
@@ -91,7 +107,8 @@ def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None
 
         lengths = passkey_lengths or default_lengths(T)
         grid = passkey_grid(engine.module.decoder, dataset_tokenizer(dataset_dir), haystack_tokens(dataset_dir),
-                            lengths, trials=passkey_trials, seed=cfg.train.seed)
+                            lengths, trials=passkey_trials, seed=cfg.train.seed,
+                            progress=(lambda total: progress("passkey", total)) if show_progress else None)
         report.passkey = grid
         report.metrics.update(grid.metrics())
         skipped = f"; lengths {grid.skipped} too short for the prompt, left out" if grid.skipped else ""
@@ -106,19 +123,35 @@ def _cumulative_line(res: PositionResult) -> str:
     return "cumulative-mean perplexity (context length: ppl)  " + "  ".join(points)
 
 
-def log_long_context(report: LongContextReport, tracking_uri: str, run_id: str, title: str | None = None) -> None:
+def artifact_location(artifact_uri: str, name: str) -> str:
+    """Where artifact `name` of a run whose artifact root is `artifact_uri` is: a local path for a file:// root (the
+    embedded store's runs/mlartifacts/...), else the URI (s3://..., mlflow-artifacts:/... on a tracking server)."""
+    from urllib.parse import unquote, urlparse
+
+    parsed = urlparse(artifact_uri)
+    if parsed.scheme == "file":
+        return str(Path(unquote(parsed.path)) / name)
+    if parsed.scheme == "":
+        return str(Path(artifact_uri) / name)
+    return artifact_uri.rstrip("/") + "/" + name
+
+
+def log_long_context(report: LongContextReport, tracking_uri: str, run_id: str, title: str | None = None) -> list[str]:
     """The report's metrics at its checkpoint's step, position_loss.png redrawn from the run's whole history, and
-    the passkey heatmap and grid, into an existing MLflow run (its status unchanged)."""
+    the passkey heatmap and grid, into an existing MLflow run (its status unchanged). Returns where the pictures
+    and the grid now are (artifact_location: local paths for a local store)."""
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking.lineage import log_metrics_to_run
-    from pipeline.tracking.long_context import PASSKEY_GRID, PASSKEY_HEATMAP, log_position_plot, plot_passkey_heatmap
+    from pipeline.tracking.long_context import (PASSKEY_GRID, PASSKEY_HEATMAP, POSITION_PLOT, log_position_plot,
+                                                plot_passkey_heatmap)
 
     log_metrics_to_run(tracking_uri, run_id, {k: v for k, v in report.metrics.items() if math.isfinite(v)},
                        report.step)
     client = MlflowClient(tracking_uri=tracking_uri)
-    if report.positions:
-        log_position_plot(client, run_id, title=title)
+    logged: list[str] = []
+    if report.positions and log_position_plot(client, run_id, title=title):
+        logged.append(POSITION_PLOT)
     if report.passkey is not None:
         grid = {**report.passkey.to_dict(), "trained_len": report.seq_len, "step": report.step}
         with tempfile.TemporaryDirectory(prefix="longtrain-passkey-") as tmp:
@@ -128,3 +161,6 @@ def log_long_context(report: LongContextReport, tracking_uri: str, run_id: str, 
             (Path(tmp) / PASSKEY_GRID).write_text(json.dumps(grid, indent=1) + "\n")
             client.log_artifact(run_id, str(png))
             client.log_artifact(run_id, str(Path(tmp) / PASSKEY_GRID))
+        logged += [PASSKEY_HEATMAP, PASSKEY_GRID]
+    root = client.get_run(run_id).info.artifact_uri
+    return [artifact_location(root, name) for name in logged]

@@ -128,6 +128,13 @@ def resolve_mixture(value: Any, base_mixture: str, named: dict[str, str]) -> Any
     return value
 
 
+# Ray Tune's and other sweep tools' names for a space's top-level keys (tune.TuneConfig, tune.Tuner, W&B sweeps)
+TOP_LEVEL_ALIASES = {"num_trials": "num_samples", "trials": "num_samples", "samples": "num_samples",
+                     "max_concurrent": "max_concurrent_trials", "concurrency": "max_concurrent_trials",
+                     "resources": "resources_per_trial", "param_space": "params", "config": "params",
+                     "search_space": "params", "parameters": "params", "constants": "fixed",
+                     "search_alg": "scheduler", "goal": "mode"}
+
 _WEIGHTS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*=[0-9.eE+-]+(,[A-Za-z0-9][A-Za-z0-9_.-]*=[0-9.eE+-]+)*")
 
 
@@ -171,6 +178,21 @@ class Space:
 
 def _fail(path: Path, msg: str) -> SpaceError:
     return SpaceError(f"search space {path}: {msg}")
+
+
+def _close_keys(unknown: list[Any]) -> str:
+    """' did you mean 'num_samples'?' for the first unknown top-level key that is another tool's name for one, a
+    near spelling of one, or a config field path (which goes under params or fixed); '' when none is."""
+    import difflib
+
+    for key in map(str, unknown):
+        if key in field_types():
+            return f" {key!r} is a config field: put it under params (searched) or fixed;"
+        close = ([TOP_LEVEL_ALIASES[key.lower()]] if key.lower() in TOP_LEVEL_ALIASES
+                 else difflib.get_close_matches(key, TOP_LEVEL, n=1, cutoff=0.75))
+        if close:
+            return f" did you mean {close[0]!r} (for {key!r})?"
+    return ""
 
 
 def _check_key(path: Path, section: str, key: Any, searchable: bool) -> str:
@@ -312,7 +334,7 @@ def load_space(path: str | Path, base: Config | None = None) -> Space:
         raise _fail(path, "must be a YAML mapping with at least `params`")
     unknown = [k for k in doc if k not in TOP_LEVEL]
     if unknown:
-        raise _fail(path, f"unknown key(s) {unknown}; valid keys: {', '.join(TOP_LEVEL)}")
+        raise _fail(path, f"unknown key(s) {unknown};{_close_keys(unknown)} valid keys: {', '.join(TOP_LEVEL)}")
     space = Space(name=path.stem, path=path.resolve(), description=str(doc.get("description", "")))
 
     space.metric = doc.get("metric", space.metric)

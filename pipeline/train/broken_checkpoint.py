@@ -11,7 +11,7 @@ weights_only=True, json, torch.distributed.checkpoint, or the project's own Chec
 and compared with meta.json's record (size and sha256, pipeline/train/checkpoints_index.py incomplete) to name the
 file, and the run's folder listed for the newest complete checkpoint older than the broken one. A StorageError stays
 a StorageError (an outage is never reported as a corrupt file), and an error that no broken file explains (another
-tier, a bug) goes on as it was.
+tier, a bug, a text or JSON error while every file is whole: another file read by the command) goes on as it was.
 
 No silent fallback past a file that lies about itself: a checkpoint whose listing is whole but whose bytes are
 wrong ends the command with the previous checkpoint offered, `--checkpoint PREV` in the same command line (the CLI,
@@ -109,7 +109,10 @@ def diagnose(location: str, exc: BaseException) -> BrokenCheckpoint | None:
     if problem is not None and problem.endswith("has no meta.json") and not is_checkpoint(location):
         return None  # not a checkpoint at all (a wrong path): the error that says so stands
     if problem is None:
-        if not _library_error(exc):
+        # Whole files (sizes and sha256 as meta.json records, meta.json itself parsed): a text decoding or JSON error
+        # cannot be theirs (meta.json is the checkpoint's only text file), so it came from something else read
+        # during the command (a prompts file, a dataset's file) and must not be blamed on the checkpoint.
+        if not _library_error(exc) or isinstance(exc, (UnicodeDecodeError, json.JSONDecodeError)):
             return None
         problem = f"checkpoint {location} could not be read ({_reason(exc)})"
     elif not isinstance(exc, CheckpointError):

@@ -338,7 +338,7 @@ def prepare_for_generation(decoder, device: torch.device):
 
 
 def generate_texts(decoder, tokenizer, prompts: list[str], *, max_new_tokens: int = 64, temperature: float = 0.8,
-                   top_k: int = 0, top_p: float = 0.95, seed: int = 0,
+                   top_k: int = 0, top_p: float = 0.95, min_p: float = 0.0, seed: int = 0,
                    compile_step: bool | None = None) -> GenerationOutput:
     """Text in, text out, with the tokenizer's BOS before each prompt and generation stopping at EOS."""
     ids = [[tokenizer.bos_id] + row for row in tokenizer.encode_batch(prompts)]
@@ -347,7 +347,8 @@ def generate_texts(decoder, tokenizer, prompts: list[str], *, max_new_tokens: in
     t0 = time.perf_counter()
     with generation_autocast(decoder):
         new, timings = generate_ids_timed(decoder, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                          top_k=top_k, top_p=top_p, seed=seed, eos_id=tokenizer.eos_id,
+                                          top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                          eos_id=tokenizer.eos_id,
                                           pad_id=tokenizer.pad_id, compile_step=compile_step)
     rows = [_trim(r, tokenizer.eos_id) for r in new.tolist()]  # the one host sync, at the end
     seconds = time.perf_counter() - t0

@@ -32,6 +32,11 @@ Where the memory limit comes from: `memory_limit_gib` (or train.memory_limit_gib
 that size (pipeline/train/memory_limit.py; CUDA: a capped allocator, CPU: counted tensor storage); without
 one, a GPU is searched up to its real capacity and a CPU up to the memory the host has available.
 Assumes memory grows with the batch (true for training steps), so the answer is exact to one sequence.
+
+Progress and the time bound: each probe prints a line as it starts and as it ends. On a CPU (where the finder is
+not at home: one step of tier B at 32k takes minutes) the command line stops after --max-seconds (default
+CPU_MAX_SECONDS; none on a GPU): no probe starts past it, and one still running a grace later ends the process
+with what the tries so far say (a lower bound, or one error line when nothing was measured).
 """
 from __future__ import annotations
 
@@ -74,6 +79,7 @@ class MaxBatchResult:
     upper: int  # the search stopped here even if larger batches fit
     tries: list[Try] = field(default_factory=list)
     model_max_batch: int = -1  # what the memory model (pipeline/train/memory_plan.py) predicts for the same limit
+    out_of_time: bool = False  # the search stopped at max_seconds: max_batch is a lower bound
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch
@@ -91,12 +97,16 @@ def _free_memory(device: torch.device) -> None:
 
 def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None = None,
                    vocab_size: int | None = None, memory_limit_gib: float | None = None, upper: int = 1024,
-                   device: torch.device | None = None, verbose: bool = False) -> MaxBatchResult:
+                   device: torch.device | None = None, verbose: bool = False, max_seconds: float = 0.0,
+                   tries: list[Try] | None = None) -> MaxBatchResult:
     """The largest micro-batch in 1..upper whose training step fits (0 if none).
 
     tier / seq_len / vocab_size default to cfg's model.tier, data.seq_len and data.vocab_size;
     memory_limit_gib defaults to cfg.train.memory_limit_gib (0 = the real device, or the host's available
-    memory on a CPU). Raises ConfigError for an impossible tier/seq_len combination.
+    memory on a CPU). verbose: a line as each probe starts and one as it ends. max_seconds > 0: no probe starts
+    after this many seconds from the call (result.out_of_time; max_batch is then the largest size that fit so
+    far). tries: a list the tries are appended to as they end (result.tries is it), for a caller that reports
+    them while the search runs. Raises ConfigError for an impossible tier/seq_len combination.
     """
     from pipeline.train.engine import Engine
     from pipeline.train.hardware import default_device
@@ -114,11 +124,17 @@ def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None 
                        "train.grad_accum": 1, "train.max_bad_steps": 1_000_000,
                        "train.memory_limit_gib": limit if (simulated or device.type != "cuda") else 0.0})
     vocab = vocab_size or cfg.data.vocab_size
+    t_start = time.monotonic()
     result = MaxBatchResult(cfg.model.tier, cfg.data.seq_len, 0, round(limit, 4), simulated, str(device), upper)
+    if tries is not None:
+        result.tries = tries
     from pipeline.train.memory_plan import max_batch_by_model, usable_bytes
 
     result.model_max_batch = max_batch_by_model(cfg, vocab, limit_bytes=usable_bytes(limit, device.type),
                                                 upper=upper, device_type=device.type)[0]
+    if verbose:
+        print(f"  the memory model predicts {result.model_max_batch} (pipeline/train/memory_plan.py); measuring: one "
+              f"training step per probe", flush=True)
     engine = Engine(cfg, vocab, device, parallel="none")
 
     def step(bs: int) -> tuple[bool, float]:
@@ -146,23 +162,32 @@ def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None 
         return True, torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
 
     def fits(bs: int) -> bool:
+        if verbose:
+            print(f"  batch {bs:>5}: training step ...", flush=True)
         t0 = time.perf_counter()
         ok, peak = step(bs)
-        result.tries.append(Try(bs, ok, round(peak, 6), round(time.perf_counter() - t0, 3)))
+        seconds = time.perf_counter() - t0
+        result.tries.append(Try(bs, ok, round(peak, 6), round(seconds, 3)))
         if verbose:
-            print(f"  batch {bs:>5}: {'fits' if ok else 'OOM '}  peak {peak:.3f} GiB", flush=True)
+            print(f"  batch {bs:>5}: {'fits' if ok else 'OOM '}  peak {peak:.3f} GiB  ({seconds:.1f} s)", flush=True)
         return ok
 
+    def out_of_time() -> bool:
+        result.out_of_time = max_seconds > 0 and time.monotonic() - t_start >= max_seconds
+        return result.out_of_time
+
     try:
+        if verbose:
+            print("  batch     1: first step (creates the optimizer state; not measured) ...", flush=True)
         if not step(1)[0]:  # allocates the optimizer state; not a measured try
             return result
-        if not fits(1):
+        if out_of_time() or not fits(1):
             return result
         lo = 1  # fits
-        while lo * 2 <= upper and fits(lo * 2):
+        while lo * 2 <= upper and not out_of_time() and fits(lo * 2):
             lo *= 2
         hi = min(lo * 2, upper + 1)  # does not fit, or is past the bound
-        while hi - lo > 1:
+        while hi - lo > 1 and not out_of_time():
             mid = (lo + hi) // 2
             if fits(mid):
                 lo = mid
@@ -286,6 +311,38 @@ def plan_main(args, rest: list[str]) -> int:
     return 0
 
 
+CPU_MAX_SECONDS = 300.0  # the measured search's default time bound on a CPU (--max-seconds)
+
+
+def _nothing_measured(budget: float, tier: str, seq_len: int) -> str:
+    return (f"the max-batch search measured nothing within --max-seconds {budget:g} (the first training steps of "
+            f"tier {tier} at seq_len {seq_len} did not end in time on this device); run it on a GPU, raise "
+            f"--max-seconds, or ask the memory model: python -m pipeline.train.max_batch --tier {tier} --seq-len "
+            f"{seq_len} --workers 1 --device cuda --memory-limit-gib 80 (an 80 GiB GPU)")
+
+
+def _watchdog(budget: float, tries: list[Try], tier: str, seq_len: int) -> "threading.Timer":
+    """The bound on a probe in flight at the deadline: find_max_batch starts no probe after it, but one training
+    step at batch 1 on a CPU can itself take many minutes, and a step in C++ cannot be interrupted. At the deadline
+    (plus a grace of 10% of it, at least 5 s) this prints what the tries so far say and ends the process."""
+    import os
+    import threading
+
+    def fire() -> None:
+        fit = max((t.batch_size for t in tries if t.fits), default=0)
+        if fit == 0:
+            print(f"error: {_nothing_measured(budget, tier, seq_len)}", file=sys.stderr, flush=True)
+            os._exit(1)
+        print(f"largest micro-batch that fits: at least {fit} (the search stopped at --max-seconds {budget:g} during "
+              f"a probe: a lower bound)", flush=True)
+        os._exit(0)
+
+    timer = threading.Timer(budget + max(5.0, budget / 10), fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.train.max_batch", description=__doc__.split("\n")[0])
     p.add_argument("--tier", nargs="+", help="model tier (default: the preset's model.tier); with --workers, "
@@ -301,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), help="with --workers: the workers' device (default cuda)")
     p.add_argument("--measure", action="store_true", help="with --workers: then train the plan's choice for two "
                                                           "steps on that many local processes and print the peaks")
+    p.add_argument("--max-seconds", type=float, help=f"stop the measured search after this many seconds (default: "
+                                                      f"{CPU_MAX_SECONDS:g} on a CPU, none on a GPU; 0 = none): the "
+                                                      f"largest size that fit by then is a lower bound")
     p.add_argument("--json", help="also write the result here")
     args, rest = p.parse_known_args(argv)
     try:
@@ -310,20 +370,45 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--measure and --device go with --workers N (the plan)")
         if args.tier and len(args.tier) > 1:
             raise ConfigError("several --tier values print the fit table, which needs --workers")
+        if args.max_seconds is not None and args.max_seconds < 0:
+            raise ConfigError(f"--max-seconds {args.max_seconds:g}: give seconds > 0, or 0 for no bound")
         tier = args.tier[0] if args.tier else None
         cfg = load_config(args.preset, rest)
         print(f"max-batch search: {cfg.model.mixer} tier {tier or cfg.model.tier}, "
-              f"seq_len {args.seq_len or cfg.data.seq_len}")
-        found = find_max_batch(cfg, tier=tier, seq_len=args.seq_len, vocab_size=args.vocab_size,
-                               memory_limit_gib=args.memory_limit_gib, upper=args.upper, verbose=True)
+              f"seq_len {args.seq_len or cfg.data.seq_len}", flush=True)
+        from pipeline.train.hardware import default_device
+
+        on_cpu = default_device().type != "cuda"
+        budget = args.max_seconds if args.max_seconds is not None else (CPU_MAX_SECONDS if on_cpu else 0.0)
+        seq = args.seq_len or cfg.data.seq_len
+        if on_cpu:
+            print(f"note: no GPU here: the finder is meant for one; each probe is a real training step on the CPU "
+                  f"(minutes each for a large tier or a long seq_len), and the search stops after "
+                  f"{f'--max-seconds {budget:g}' if budget else 'no time bound (--max-seconds 0)'}. The memory model "
+                  f"answers at once: python -m pipeline.train.max_batch --tier {tier or cfg.model.tier} --seq-len "
+                  f"{seq} --workers 1 --device cuda --memory-limit-gib 80 (an 80 GiB GPU)", flush=True)
+        tries: list[Try] = []
+        watchdog = _watchdog(budget, tries, tier or cfg.model.tier, seq) if budget else None
+        try:
+            found = find_max_batch(cfg, tier=tier, seq_len=args.seq_len, vocab_size=args.vocab_size,
+                                   memory_limit_gib=args.memory_limit_gib, upper=args.upper, verbose=True,
+                                   max_seconds=budget, tries=tries)
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     kind = "simulated" if found.simulated else "available"
-    print(f"largest micro-batch that fits: {found.max_batch} (tier {found.tier}, seq_len {found.seq_len}, "
-          f"{found.limit_gib:.2f} GiB {kind} on {found.device}"
-          f"{', search capped at --max' if found.max_batch == found.upper else ''}); the memory model says "
-          f"{found.model_max_batch}")
+    if found.out_of_time and found.max_batch == 0:
+        print(f"error: {_nothing_measured(budget, tier or cfg.model.tier, found.seq_len)}", file=sys.stderr)
+        return 1
+    capped = ", search capped at --max" if found.max_batch == found.upper else ""
+    if found.out_of_time:
+        capped = f", the search stopped at --max-seconds {budget:g}: a lower bound"
+    print(f"largest micro-batch that fits: {'at least ' if found.out_of_time else ''}{found.max_batch} (tier "
+          f"{found.tier}, seq_len {found.seq_len}, {found.limit_gib:.2f} GiB {kind} on {found.device}{capped}); the "
+          f"memory model says {found.model_max_batch}")
     if args.json:
         Path(args.json).write_text(found.to_json())
     return 0

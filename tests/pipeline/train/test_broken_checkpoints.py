@@ -324,3 +324,45 @@ def test_the_line_survives_a_trip_through_a_worker_process():
     assert str(back) == str(broken) == ("checkpoint s3://b/r/ray/phase0/checkpoint_2 lacks model.safetensors; the "
                                         "previous complete checkpoint is s3://b/r/ray/phase0/checkpoint_1 (step 20): "
                                         "pass --checkpoint s3://b/r/ray/phase0/checkpoint_1")
+
+
+def test_a_prompts_file_that_is_not_text_is_never_blamed_on_the_whole_checkpoint(source, tmp_path):
+    """A gzipped --prompts-file beside a whole checkpoint: its own line, naming the file; no previous checkpoint is
+    offered (following that advice would have thrown away good training). A text file then generates."""
+    import gzip
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    ckpt = source / "checkpoints" / "phase0" / "step_000004"
+    gz = tmp_path / "prompts.txt.gz"
+    gz.write_bytes(gzip.compress(b"Once upon a time\ndef main\n"))
+    cmd = [sys.executable, str(root / "pipeline" / "run.py"), "generate", "--checkpoint", str(ckpt),
+           "--max-new-tokens", "4"]
+    res = subprocess.run([*cmd, "--prompts-file", str(gz)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"error: --prompts-file {gz} is gzip-compressed; it must be a UTF-8 text file with one prompt per line: "
+        f"decompress it first (gunzip -k {gz})"]
+    assert "==> generate" not in res.stdout  # the model never loaded
+    text = tmp_path / "prompts.txt"
+    text.write_text(gzip.decompress(gz.read_bytes()).decode())
+    res = subprocess.run([*cmd, "--prompts-file", str(text), "--min-p", "0.05"], capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    assert res.returncode == 0 and "Traceback" not in res.stdout + res.stderr, res.stderr
+    assert "--- 'Once upon a time'" in res.stdout and "--- 'def main'" in res.stdout
+    assert "generate: batch 2, " in res.stdout
+
+
+def test_a_text_or_json_error_is_never_blamed_on_a_whole_checkpoint(source):
+    """The diagnosis covers the checkpoint's own files: with every file whole (meta.json parsed, sizes and sha256 as
+    it records), a UnicodeDecodeError or a JSONDecodeError raised by the command came from something else."""
+    from pipeline.train.broken_checkpoint import diagnose
+
+    ckpt = str(source / "checkpoints" / "phase0" / "step_000004")
+    assert diagnose(ckpt, UnicodeDecodeError("utf-8", b"\x1f\x8b", 0, 1, "invalid start byte")) is None
+    assert diagnose(ckpt, json.JSONDecodeError("Expecting value", "\x1f", 0)) is None
+    from safetensors import SafetensorError
+
+    # a format library's error on a whole checkpoint is still the checkpoint's (bytes that lie about themselves)
+    assert diagnose(ckpt, SafetensorError("Error while deserializing header")) is not None

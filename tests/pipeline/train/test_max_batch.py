@@ -137,6 +137,48 @@ def test_cli_matches_the_function(tmp_path, found_6mib):
     assert [t["batch_size"] for t in result["tries"]] == [t.batch_size for t in found_6mib.tries]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the note of a search on a CPU")
+def test_cli_shows_each_probe_as_it_starts_and_as_it_ends():
+    """A probe is one training step, minutes long on a CPU for a large tier: each says when it starts."""
+    cmd = [sys.executable, "-m", "pipeline.train.max_batch", "--preset", "test", "--tier", "nano", "--seq-len", str(SEQ),
+           "--memory-limit-gib", str(LIMIT_GIB), "--max", "256", f"--data.vocab_size={VOCAB}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("note: no GPU here: the finder is meant for one; each probe is a real training step "
+                               "on the CPU") and "the search stops after --max-seconds 300" in lines[1]
+    assert lines[3] == "  batch     1: first step (creates the optimizer state; not measured) ..."
+    probes = lines[4:-1]
+    assert len(probes) >= 6 and len(probes) % 2 == 0, proc.stdout
+    for start, end in zip(probes[::2], probes[1::2]):  # each probe: its start line, then its result
+        size = start.split(":")[0]
+        assert start == f"{size}: training step ...", proc.stdout
+        assert end.startswith(f"{size}: fits  peak ") or end.startswith(f"{size}: OOM   peak "), proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the bound and the note of a search on a CPU")
+def test_a_long_cpu_search_is_bounded_by_max_seconds():
+    """As `--tier B --seq-len 32768` on a CPU (one step takes minutes): the search ends at --max-seconds (300 s by
+    default on a CPU) with one line. Here tier A at 16k tokens, which the memory model fits at batch 2 in 6 GiB
+    with activation checkpointing (so no probe ends early by running out of memory) and the counted memory capped
+    at 6 GiB to spare the test machine."""
+    cmd = [sys.executable, "-m", "pipeline.train.max_batch", "--tier", "A", "--seq-len", "16384", "--max-seconds",
+           "15", "--memory-limit-gib", "6", "--model.activation_checkpointing=all"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)  # a bound on a hang
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "  batch     1: first step (creates the optimizer state; not measured) ..." in proc.stdout
+    if proc.returncode == 1:  # the first steps did not end in 15 s (a CPU of a few cores: minutes)
+        assert proc.stderr.strip().splitlines() == [
+            "error: the max-batch search measured nothing within --max-seconds 15 (the first training steps of tier "
+            "A at seq_len 16384 did not end in time on this device); run it on a GPU, raise --max-seconds, or ask "
+            "the memory model: python -m pipeline.train.max_batch --tier A --seq-len 16384 --workers 1 --device cuda "
+            "--memory-limit-gib 80 (an 80 GiB GPU)"], proc.stderr
+    else:  # a fast CPU: some probes ended, and the answer is a lower bound
+        assert proc.returncode == 0, proc.stderr
+        last = proc.stdout.strip().splitlines()[-1]
+        assert last.startswith("largest micro-batch that fits: at least ") and "--max-seconds 15" in last, last
+
+
 def test_cli_bad_tier_is_one_clear_line(capsys):
     assert max_batch_main(["--tier", "Z", "--preset", "test"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
