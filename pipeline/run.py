@@ -185,9 +185,10 @@ def stage_train(cfg: Config, args: argparse.Namespace):
         # a finished phase that grew is open again: the session records it once its up-front checks pass
         reopened = plan.phases_done if plan.phases_done != record.get("phases_done", 0) else None
     else:
+        # the phases are checked before the run's directory is made: a refused file leaves nothing behind
+        phases = load_phases(args.phases, cfg, preset=args.preset)  # a preset may bring its own (long-32k)
         run_dir = new_run_dir(cfg)
         args.run_dir = run_dir
-        phases = load_phases(args.phases, cfg, preset=args.preset)  # a preset may bring its own (long-32k)
     audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))
     session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit, start_step=start_step,
                            extended=extended, resume_from=args.checkpoint, phases_done=reopened)

@@ -166,3 +166,23 @@ def test_resonance_ignores_rope_and_says_so_once(capsys):
     assert capsys.readouterr().out.count("model.mixer=resonance has no RoPE; model.rope_theta and "
                                          "model.rope_scaling are ignored") == 1
     assert engine.model_rope(load_config("test", {"model.rope_theta": 10_000.0})).theta == 10_000.0
+
+
+def test_a_refused_phases_file_leaves_no_run_directory(tmp_path):
+    """`train --phases` with a file it refuses ends in one line before the run's directory is made: a rerun with
+    the file fixed under the same --run.name is not told that the run already exists."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[3]
+    phases = tmp_path / "p.yaml"
+    phases.write_text("- steps: 5\n- steps: 3\n  warmup: 2\n")
+    root = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, str(repo / "pipeline" / "run.py"), "train", "--no-ray", "--preset", "test",
+                           "--phases", str(phases), f"--run.root={root}", "--run.name=ctx",
+                           "--tracking.enabled=false"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1]
+    assert last.startswith("error: ") and "must be a mapping with steps" in last, last
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (root / "ctx").exists()
