@@ -32,6 +32,9 @@ TRAINED_LEN = ROW - 6  # the prompt length trained on (the answer, a space and 5
 STEPS, BATCH, LR = 1500, 8, 2e-3  # the copy is learned around step 1,100 (loss ~0 by 1,200 in a run with this
 HORIZON = 2000  # schedule: warmup 30 steps, cosine towards 0.1 x LR over HORIZON steps, stopped at STEPS)
 WINDOW = 128  # the dataset's seq_len
+# the bound on a hang of a test that reads the trained model: its first one pays the training, ~100 s on 2 idle
+# cores and past 600 s on a loaded machine
+TRAIN_TIMEOUT_S = 1800
 
 
 @dataclass
@@ -163,6 +166,7 @@ def grids(setup):
 
 
 @pytest.mark.system
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_the_grid_tells_a_model_that_retrieves_from_one_that_cannot(grids):
     trained, untrained = grids["trained"], grids["untrained"]
     assert trained.lengths == untrained.lengths == [TRAINED_LEN] and trained.accuracy.shape == (1, 5)
@@ -176,6 +180,7 @@ def test_the_grid_tells_a_model_that_retrieves_from_one_that_cannot(grids):
 
 
 @pytest.mark.system
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_a_sharded_checkpoint_gives_the_same_answers(setup, grids):
     from pipeline.eval.stage import evaluate_long_context
     from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
@@ -211,6 +216,7 @@ def test_the_resonance_family_runs_every_measure(base):
 
 
 @pytest.mark.system
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_eval_cli_logs_every_measure_to_the_run_that_trained_the_checkpoint(setup, capsys):
     from mlflow.tracking import MlflowClient
 
