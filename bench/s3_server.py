@@ -79,7 +79,20 @@ class SeaweedS3:
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION}
 
-    def start(self, timeout_s: float = 60) -> "SeaweedS3":
+    def start(self, timeout_s: float = 60, attempts: int = 3) -> "SeaweedS3":
+        """Start the server and wait until its S3 gateway answers. Its internal ports are free when picked and
+        bound a moment later, so another process may take one in between: a start that says so in its log is
+        tried again on fresh ones, up to `attempts` times (the S3 port, already handed out, stays)."""
+        for attempt in range(attempts):
+            try:
+                return self._start(timeout_s)
+            except RuntimeError:
+                lost = "address already in use" in self.log.read_text(errors="replace").lower()
+                if not lost or attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> "SeaweedS3":
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         identities = self.workdir / "identities.json"

@@ -99,6 +99,7 @@ def test_runs_root(tmp_path_factory, ray_session):
 
 
 SERVER_START_TIMEOUT_S = 90
+SERVER_PORT_ATTEMPTS = 3  # starts of a server whose port another process took between picking and binding
 
 
 def _free_port() -> int:
@@ -137,13 +138,31 @@ def mlflow_server(tmp_path_factory):
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    with open(log_path, "wb") as log_file:
-        # Own session: the server's uvicorn and job-runner children share its process group, killed together.
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=root, env=env,
-                                start_new_session=True)
+
+    def start() -> subprocess.Popen:
+        with open(log_path, "wb") as log_file:
+            # Own session: the server's uvicorn and job-runner children share its process group, killed together.
+            return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=root, env=env,
+                                    start_new_session=True)
+
+    proc, starts = start(), 1
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while True:
+            if "address already in use" in log_path.read_text().lower() and starts < SERVER_PORT_ATTEMPTS:
+                # Free when picked, the port was taken before the server bound it (its uvicorn says so and may
+                # linger): stopped, and started again on a fresh one.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+                port = _free_port()
+                uri = f"http://127.0.0.1:{port}"
+                cmd[cmd.index("--port") + 1] = str(port)
+                proc, starts = start(), starts + 1
+                deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+                continue
             if proc.poll() is not None:
                 pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
             try:

@@ -4,7 +4,7 @@ commented), and a real `ray up` of its
 local-provider variant: a head on 127.0.0.1 reached over SSH, a job submitted to it, then `ray down`.
 
     .venv/bin/python -m pytest tests/test_cluster_yaml.py -q              # ~1-2 min with the e2e test
-    .venv/bin/python -m pytest tests/test_cluster_yaml.py -q -m "not slow"   # validation only, seconds
+    .venv/bin/python -m pytest tests/test_cluster_yaml.py -q -m "not system"   # validation only, seconds
 
 The e2e test needs `sshd` and `rsync` (Debian: apt-get install openssh-server rsync) and root (to run
 sshd and `unshare`); without them it is skipped with the reason. Isolation: sshd runs in its own PID and
@@ -236,7 +236,7 @@ def _ray(*args: str, env: dict, timeout: int = 300, cwd: Path = ROOT) -> subproc
                           timeout=timeout)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_ray_up_local_variant_job_submit_and_down(sshd_namespace, tmp_path):
     key, ssh_port, home = sshd_namespace
     names = ("gcs", "object", "dashboard", "mlflow", "client", "agent")

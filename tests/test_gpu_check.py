@@ -77,6 +77,7 @@ def smoke_run(tmp_path_factory):
     return d / "out", json.loads(checks[0].read_text()), proc, int(pidfile.read_text())
 
 
+@pytest.mark.system
 def test_every_step_is_recorded_and_a_failure_a_timeout_or_a_budget_skip_stops_nothing(smoke_run):
     out, check, proc, grandchild = smoke_run
     assert proc.returncode == 1, proc.stdout + proc.stderr  # a step failed and one timed out
@@ -99,6 +100,7 @@ def test_every_step_is_recorded_and_a_failure_a_timeout_or_a_budget_skip_stops_n
         assert {"status", "reason", "seconds", "cap_s", "command", "files"} <= s.keys()
 
 
+@pytest.mark.system
 def test_bench_files_are_named_after_their_step_and_their_figures_are_read(smoke_run):
     out, check, proc, _ = smoke_run
     steps = {s["name"]: s for s in check["steps"]}
@@ -123,6 +125,7 @@ def test_bench_files_are_named_after_their_step_and_their_figures_are_read(smoke
     assert "not run for want of budget: too_long" in proc.stdout
 
 
+@pytest.mark.system
 def test_folding_and_merging_round_trip(smoke_run, tmp_path):
     out, check, _, _ = smoke_run
     name = next(out.glob("gpu_check-*.json")).name

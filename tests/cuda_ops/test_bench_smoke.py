@@ -33,6 +33,7 @@ def run_bench(script: str, out_dir: Path) -> dict:
     return record
 
 
+@pytest.mark.system
 def test_decoder_memory_smoke(tmp_path):
     rec = run_bench("decoder_memory.py", tmp_path)
     assert rec["shapes"] == {"tokens": 64, "hidden": 32, "vocab": 500, "dtype": rec["shapes"]["dtype"]}
@@ -46,6 +47,7 @@ def test_decoder_memory_smoke(tmp_path):
     assert rec["chunked"][0]["peak_bytes"] < rec["chunked"][1]["peak_bytes"] <= rec["full_logits_peak_bytes"]
 
 
+@pytest.mark.system
 def test_decoder_smoke(tmp_path):
     rec = run_bench("decoder.py", tmp_path.resolve())
     assert rec["settings"]["compile_backend"] == "eager"

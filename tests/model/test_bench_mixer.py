@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.system
 def test_mixer_bench_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "mixer.py"), "--smoke", "--out", str(tmp_path)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -11,6 +11,7 @@ from tests.model.tiny import TINY_GPU, make_model, packed_row
 ATOL = 1e-4
 
 
+@pytest.mark.system
 def test_compiled_blocks_match_eager_forward_and_backward():
     tokens, doc_ids = packed_row([9, 13, 10], batch=2)
     eager = make_model().train()
@@ -37,6 +38,7 @@ def test_compiled_blocks_match_eager_forward_and_backward():
         torch.testing.assert_close(step, eager.eval()(tokens[:, :4]), rtol=0, atol=ATOL)
 
 
+@pytest.mark.system
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_compiled_blocks_with_flex_attention_on_cpu_match_dense():
     """Guards a torch 2.13 inductor bug: CPU flex_attention compiled inside a block (q and k both computed by

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[1].parent
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
 

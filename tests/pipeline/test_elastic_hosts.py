@@ -44,7 +44,7 @@ STORE = f"s3://{BUCKET}/store"
 MAX_STEPS, KILL_AT, CKPT_EVERY, GLOBAL_BATCH = 16, 6, 4, 24  # test preset: batch 4; 3 workers x grad_accum 2
 STAGE_S = 420  # the most a stage of the run may take (a loaded 2-core machine needs ~100 s for the slowest)
 NCPU, CPUS_PER_WORKER = 6, 4  # logical CPUs per host; a worker takes 4, so one worker per host, 2 left for Ray Data
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,8 @@ from pipeline.data.validate import validate_dataset
 from pipeline.run import main
 from tests.pipeline.data.helpers import sample_docs
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -25,7 +25,7 @@ def audit(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(test_runs_root, ray_address):
     # The session's Ray and its prepared `test` dataset: this test is about stopping and resuming.
     run_dir = test_runs_root / "ctrlc"
@@ -80,6 +80,7 @@ def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(test_runs_root, ra
     assert len(ids) == len(set(ids)) == 34 * 4  # the data cursor went on from where the run had finished
 
 
+@pytest.mark.system
 def test_phases_carry_the_model_and_schedule(tmp_path, ray_address, mlflow_server):
     """Two phases on two corpora (Ray-free path): phase 2 starts from phase 1's final state with its own
     data, one LR schedule spans both, and the second dataset reuses the first tokenizer. Training is Ray-free;
@@ -148,7 +149,7 @@ def test_bad_command_lines_get_one_clear_line(args, message, bad_command_line_ru
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_the_main_job_reads_well_in_a_log_file(test_runs_root):
     """`python pipeline/run.py` (every stage) with its output going to a file, as in CI or `ray job logs`:
     its own local Ray (dashboard URL printed), stage banners, plain progress lines without colour codes, and none

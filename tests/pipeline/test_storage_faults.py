@@ -16,6 +16,8 @@ from pipeline import storage
 from pipeline import storage_faults as faults
 from pipeline.storage import StorageError
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture
 def obj(s3_bucket, through_proxy, request) -> str:

@@ -33,6 +33,8 @@ from pipeline.train.engine import Engine
 from pipeline.train.loop import Hooks, fit
 from tests.conftest import proxy_env
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
 STEPS = 40

@@ -13,16 +13,11 @@ from pipeline.data.corpus import DataSourceError
 from pipeline.data.pack import prepare
 from pipeline.data.shards import load_manifest
 from pipeline.data.validate import validate_dataset
-from tests.pipeline.data.helpers import data_cfg, make_tokenizer, sample_docs, write_jsonl
+from tests.pipeline.data.helpers import data_cfg, sample_docs, write_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
 RAY_NOISE = ("Traceback", "Failed to read stream", "Failed to apply UDF", "DataContext", "retried_io_errors",
              "retried_map_errors", "max_errored_blocks", "RayTaskError")
-
-
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def hostile_jsonl(path: Path, good: list[str]) -> Path:

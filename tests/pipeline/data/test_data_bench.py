@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.system
 def test_data_throughput_bench_smoke(ray_session, tmp_path):
     # The Ray children join this session's cluster (RAY_ADDRESS) instead of starting their own.
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}

@@ -19,15 +19,10 @@ from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, Spl
 from pipeline.data.validate import validate_dataset
 from pipeline.data.shards import MANIFEST_FILE, DatasetError, load_manifest
 from pipeline.data.tokenizer import Tokenizer
-from tests.pipeline.data.helpers import (SEQ_LEN, data_cfg, expected_stream, long_doc, make_tokenizer, read_rows,
+from tests.pipeline.data.helpers import (SEQ_LEN, data_cfg, expected_stream, long_doc, read_rows,
                                          sample_docs, write_jsonl)
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

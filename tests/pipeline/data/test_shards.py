@@ -17,15 +17,15 @@ from pipeline.data.validate import validate_dataset
 from pipeline.data.shards import (DatasetError, ShardReader, check_compatible, check_trainable, epoch_order,
                                   eval_reader, load_manifest, ray_batches)
 from pipeline.data.tokenizer import train_tokenizer
-from tests.pipeline.data.helpers import SEQ_LEN, data_cfg, make_tokenizer, read_rows, sample_docs, write_jsonl
+from tests.pipeline.data.helpers import SEQ_LEN, data_cfg, read_rows, sample_docs, write_jsonl
 
 WIDTH = SEQ_LEN + 1
 
 
 @pytest.fixture(scope="module")
-def dataset(ray_session, tmp_path_factory):
+def dataset(ray_session, tok_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shards")
-    tok = make_tokenizer(tmp)
+    tok = tok_path
     write_jsonl(tmp / "corpus.jsonl", sample_docs(60, 2500))
     cfg = data_cfg(tmp, tok, data__source="files", data__path=str(tmp / "corpus.jsonl"), data__rows_per_shard=100,
                    data__val_fraction=0.1)

@@ -8,12 +8,7 @@ import re
 import pytest
 
 from pipeline.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError, train_tokenizer
-from tests.pipeline.data.helpers import make_tokenizer, sample_docs
-
-
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory):
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+from tests.pipeline.data.helpers import sample_docs
 
 
 def test_trained_model_has_fixed_special_ids_and_exact_vocab(tok_path):

@@ -9,7 +9,8 @@ sentences (so that its words are single pieces and a CPU-sized row holds a hayst
 synthetic: documents of random word pieces (no digit among them), so the haystack is noise the key cannot be
 confused with. A nano attention model then trains briefly on passkey rows built by the harness itself (prompts of
 TRAINED_LEN tokens from the training split's text, followed by their key), its loss on the tokens a reader could
-copy: the answer and the key's second mention in the key sentence.
+copy: the answer and the key's second mention in the key sentence. That model is trained once per session (~100 s
+on 2 cores, `setup`); the tests that read it are `system`, the others take `base`, which has no trained model.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ TRAINED_LEN = ROW - 6  # the prompt length trained on (the answer, a space and 5
 STEPS, BATCH, LR = 1500, 8, 2e-3  # the copy is learned around step 1,100 (loss ~0 by 1,200 in a run with this
 HORIZON = 2000  # schedule: warmup 30 steps, cosine towards 0.1 x LR over HORIZON steps, stopped at STEPS)
 WINDOW = 128  # the dataset's seq_len
+# the bound on a hang of a test that reads the trained model: its first one pays the training, ~100 s on 2 idle
+# cores and past 600 s on a loaded machine
+TRAIN_TIMEOUT_S = 1800
 
 
 @dataclass
@@ -38,7 +42,7 @@ class Setup:
     tmp: Path
     dataset: Path
     tokenizer: "pk.Tokenizer"  # noqa: F821  pipeline/data/tokenizer.py's
-    trained: Path  # full checkpoint of the passkey-trained model
+    trained: Path | None  # full checkpoint of the passkey-trained model (None in `base`)
     untrained: Path
 
 
@@ -97,8 +101,10 @@ def save(engine, path: Path, dataset: Path) -> Path:
     return engine.save(path, extra={"dataset_dir": str(dataset)})
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> Setup:
+@pytest.fixture(scope="session")
+def base(tmp_path_factory) -> Setup:
+    """The cheap part of the set-up (tokenizer, dataset, untrained checkpoint), for the tests that need no trained
+    model; `trained` is still None here."""
     import pydoc_data.topics
 
     from pipeline.data.tokenizer import Tokenizer, train_tokenizer
@@ -114,6 +120,16 @@ def setup(tmp_path_factory) -> Setup:
 
     untrained = Engine(config(), tok.vocab_size, torch.device("cpu"))
     save(untrained, tmp / "untrained", dataset)
+    return Setup(tmp, dataset, tok, None, tmp / "untrained")
+
+
+@pytest.fixture(scope="session")
+def setup(base) -> Setup:
+    """`base` with the one passkey-trained model (STEPS steps on CPU, the expensive part) that every test needing a
+    trained model shares."""
+    from pipeline.train.engine import Engine
+
+    tmp, dataset, tok = base.tmp, base.dataset, base.tokenizer
     engine = Engine(config(), tok.vocab_size, torch.device("cpu"))
     decoder = engine.module.decoder.train()
     train_hay = pk.haystack_tokens(dataset, split="train")  # training prompts: the other split's text
@@ -131,14 +147,14 @@ def setup(tmp_path_factory) -> Setup:
         torch.nn.utils.clip_grad_norm_(decoder.parameters(), 1.0)
         opt.step()
         sched.step()
-    return Setup(tmp, dataset, tok, save(engine, tmp / "trained", dataset), tmp / "untrained")
+    return Setup(tmp, dataset, tok, save(engine, tmp / "trained", dataset), base.untrained)
 
 
 def quiet(_: str) -> None:
     pass
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def grids(setup):
     """The passkey grid at the trained length, 8 keys per depth, for the trained and the untrained model, read
     through the eval stage (Engine + checkpoint load; haystacks from the validation split)."""
@@ -149,6 +165,8 @@ def grids(setup):
             for name, ckpt in (("trained", setup.trained), ("untrained", setup.untrained))}
 
 
+@pytest.mark.system
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_the_grid_tells_a_model_that_retrieves_from_one_that_cannot(grids):
     trained, untrained = grids["trained"], grids["untrained"]
     assert trained.lengths == untrained.lengths == [TRAINED_LEN] and trained.accuracy.shape == (1, 5)
@@ -161,6 +179,8 @@ def test_the_grid_tells_a_model_that_retrieves_from_one_that_cannot(grids):
     assert all(len(e["key"]) == 5 and e["length"] == TRAINED_LEN for e in trained.examples)
 
 
+@pytest.mark.system
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_a_sharded_checkpoint_gives_the_same_answers(setup, grids):
     from pipeline.eval.stage import evaluate_long_context
     from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
@@ -179,12 +199,12 @@ def test_a_sharded_checkpoint_gives_the_same_answers(setup, grids):
     assert grid.examples == grids["trained"].examples
 
 
-def test_the_resonance_family_runs_every_measure(setup):
+def test_the_resonance_family_runs_every_measure(base):
     from pipeline.eval.stage import evaluate_long_context
     from pipeline.train.engine import Engine
 
-    engine = Engine(config("resonance"), setup.tokenizer.vocab_size, torch.device("cpu"))
-    ckpt = save(engine, setup.tmp / "resonance", setup.dataset)
+    engine = Engine(config("resonance"), base.tokenizer.vocab_size, torch.device("cpu"))
+    ckpt = save(engine, base.tmp / "resonance", base.dataset)
     lines: list[str] = []
     report = evaluate_long_context(ckpt, by_position=True, factors=[2], passkey=True,
                                    passkey_lengths=[TRAINED_LEN, 2 * WINDOW], passkey_trials=2, echo=lines.append)
@@ -195,6 +215,8 @@ def test_the_resonance_family_runs_every_measure(setup):
     assert lines[0].startswith("eval by position (rows of 128 tokens") and lines[-1].startswith("passkey: accuracy 0.000")
 
 
+@pytest.mark.system
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_eval_cli_logs_every_measure_to_the_run_that_trained_the_checkpoint(setup, capsys):
     from mlflow.tracking import MlflowClient
 
@@ -243,10 +265,10 @@ def test_bad_long_context_options_are_one_line_before_anything_loads(argv, error
     assert len(err) == 1 and err[0].startswith(f"error: {error}"), err
 
 
-def test_a_prompt_too_short_for_its_fixed_text_is_a_clear_error(setup):
+def test_a_prompt_too_short_for_its_fixed_text_is_a_clear_error(base):
     from pipeline.eval.passkey import PasskeyError, passkey_grid
     from pipeline.train.engine import Engine
 
-    decoder = Engine(config(), setup.tokenizer.vocab_size, torch.device("cpu")).module.decoder
+    decoder = Engine(config(), base.tokenizer.vocab_size, torch.device("cpu")).module.decoder
     with pytest.raises(PasskeyError, match=r"every passkey length \(40\) is shorter than the prompt's fixed text"):
-        passkey_grid(decoder, setup.tokenizer, pk.haystack_tokens(setup.dataset), [40])
+        passkey_grid(decoder, base.tokenizer, pk.haystack_tokens(base.dataset), [40])

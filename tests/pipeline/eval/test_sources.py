@@ -1,18 +1,18 @@
 """Bits per byte counts the bytes the predicted text really has: the UTF-8 bytes of the documents, nothing for EOS,
-nothing for SentencePiece's dropped leading space, padded rows not at all (Ray-free, a tokenizer trained here)."""
+nothing for SentencePiece's dropped leading space, padded rows not at all (Ray-free, the session's tokenizer:
+tests/pipeline/conftest.py)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from pipeline.eval.sources import _Counted, source_names, source_table
-from tests.pipeline.data.helpers import make_tokenizer
 
 
-def test_bytes_counted_are_the_utf8_bytes_of_the_predicted_documents(tmp_path):
+def test_bytes_counted_are_the_utf8_bytes_of_the_predicted_documents(tok_path):
     from pipeline.data.tokenizer import Tokenizer
 
-    tok = Tokenizer(make_tokenizer(tmp_path))
+    tok = Tokenizer(tok_path)
     docs = ["def f(x):\n    return x  # ünïcode ✓", "Hello world, thé café.\n\n  indented", "plain text"]
     stream = [tok.eos_id]  # a row starting right after an EOS: its first target begins a document
     for d in docs:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pipeline.config import load_config
 from pipeline.sweep.space import load_space
 from pipeline.sweep.tune import TAG_SWEEP
@@ -32,6 +34,7 @@ def _children(mixer_sweep):
     return client, {c.data.params["model.mixer"]: c for c in children}, len(children)
 
 
+@pytest.mark.system
 def test_mixer_sweep_gives_one_parent_with_a_child_per_family(mixer_sweep):
     _, by_mixer, n_children = _children(mixer_sweep)
     assert sorted(by_mixer) == ["attention", "resonance"] and n_children == 2
@@ -50,6 +53,7 @@ def test_mixer_sweep_gives_one_parent_with_a_child_per_family(mixer_sweep):
     assert "| nano | 2 | resonance | " in mixer_sweep.out
 
 
+@pytest.mark.system
 def test_each_family_logs_loss_by_position_at_every_evaluation_and_the_long_context_eval(mixer_sweep, tmp_path):
     client, by_mixer, _ = _children(mixer_sweep)
     for mixer, child in by_mixer.items():

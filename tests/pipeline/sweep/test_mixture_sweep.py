@@ -64,6 +64,7 @@ def test_weights_drawn_on_the_simplex_and_the_space_errors(tmp_path):
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.system
 def test_a_sweep_over_three_named_mixtures(ray_session, mlflow_server, mixture_setup, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 

@@ -5,8 +5,8 @@ two child runs nested under it, their compare view, and each child's loss-by-pos
     .venv/bin/python -m pytest -q tests/pipeline/sweep/test_mlflow_ui.py
     LONGTRAIN_UI_SCREENSHOTS=/tmp/shots .venv/bin/python -m pytest -q tests/pipeline/sweep/test_mlflow_ui.py
 
-The browser comes from Debian (`apt-get install chromium chromium-driver`, which `.ci/run` does where apt exists);
-without it the test skips and says so. Chromium starts with a fresh profile and every background service off
+The browser comes from Debian (`apt-get install chromium chromium-driver`, which `.ci/browser.sh` does where apt
+exists); without it the test skips and says so. Chromium starts with a fresh profile and every background service off
 (no network but 127.0.0.1 is reachable here). Screenshots go to $LONGTRAIN_UI_SCREENSHOTS when set (the ones in
 docs/images/ came from there), else to the test's temporary directory.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -32,8 +34,8 @@ WAIT_S = 120  # the UI's first load compiles nothing, but a loaded 2-core machin
 def browser(tmp_path_factory):
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
     if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed: `apt-get install chromium chromium-driver` (.ci/run "
-                    "does it where apt-get exists)")
+        pytest.skip(f"{' and '.join(missing)} not installed: `apt-get install chromium chromium-driver` "
+                    "(.ci/browser.sh does it where apt-get exists)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -28,6 +28,8 @@ from pipeline.sweep.tune import TAG_REASON, TAG_STATUS, TAG_SWEEP, ReleaseTrialR
 from pipeline.train.ray_train import PLACEMENT_GROUP_KEY, START_TIMEOUT_ENV
 from tests.conftest import _free_ports
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

@@ -158,6 +158,7 @@ def test_best_preset_round_trips_through_the_config_loader(tmp_path):
 
 
 # ------------------------------------------------------------- skip path and finder, without Tune
+@pytest.mark.system
 @pytest.mark.parametrize("params, status, reason", [
     ({"train.batch_size": 8}, OOM, "skipped: largest batch that fits is 6"),
     # values each valid alone, invalid together: the trial fails before anything trains, with a child run
@@ -201,6 +202,7 @@ def test_trial_that_ends_before_training_is_recorded_without_training(mlflow_ser
     assert all(child.data.params[k] == str(v) for k, v in params.items())
 
 
+@pytest.mark.system
 def test_finder_runs_as_a_ray_task_per_tier(ray_session, tmp_path):
     from pipeline.train.max_batch import find_max_batch
     from pipeline.sweep.tune import _max_fit_per_tier
@@ -228,6 +230,7 @@ SWEEP_SPACE = {
 }
 
 
+@pytest.mark.system
 def test_sweep_end_to_end_with_mlflow_parent_and_children(ray_session, mlflow_server, sweep_files, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 

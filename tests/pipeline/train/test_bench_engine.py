@@ -40,7 +40,7 @@ def test_train_speed_smoke(tmp_path):
     assert list(tmp_path.glob("train_speed-*.md"))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_ray_overhead_smoke(tmp_path, ray_address):
     """Both paths train the same steps; the ratio is theirs (no figure is asserted: timings are not tests).
     The bench joins the session's Ray (RAY_ADDRESS, as inside `ray job submit`) rather than starting one."""

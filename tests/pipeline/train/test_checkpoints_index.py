@@ -43,6 +43,7 @@ def test_meta_json_records_every_file_with_its_size_and_sha256(saved):
     assert meta["files"]["model.safetensors"]["bytes"] == size and len(meta["files"]["train_state.pt"]["sha256"]) == 64
 
 
+@pytest.mark.system
 def test_a_refused_upload_completion_is_retried_and_the_checkpoint_verified(saved, s3_bucket, through_proxy):
     location = f"{s3_bucket}/ckpt-index/refused/checkpoint_2026-01-01_00-00-00.000001"
     through_proxy.refuse(REFUSE_MODEL_COMPLETION, count=4)  # more than the S3 client's own three tries
@@ -52,6 +53,7 @@ def test_a_refused_upload_completion_is_retried_and_the_checkpoint_verified(save
     assert incomplete(location) is None and incomplete(location, content=True) is None
 
 
+@pytest.mark.system
 def test_a_checkpoint_that_cannot_be_completed_names_the_file_and_is_never_whole(saved, s3_bucket, through_proxy):
     location = f"{s3_bucket}/ckpt-index/never/checkpoint_2026-01-01_00-00-00.000001"
     through_proxy.refuse(REFUSE_MODEL_COMPLETION)
@@ -64,6 +66,7 @@ def test_a_checkpoint_that_cannot_be_completed_names_the_file_and_is_never_whole
     assert incomplete(location) == f"checkpoint {location} has no meta.json"
 
 
+@pytest.mark.system
 def test_resume_skips_an_incomplete_checkpoint_and_cleanup_removes_what_nothing_registered(saved, s3_bucket,
                                                                                           through_proxy):
     run = f"{s3_bucket}/ckpt-index/run/phase0"
@@ -90,6 +93,7 @@ def test_resume_skips_an_incomplete_checkpoint_and_cleanup_removes_what_nothing_
     assert [f.name for f in list_checkpoints(run)] == [names[3], names[1]]
 
 
+@pytest.mark.system
 def test_a_storage_failure_reading_a_checkpoint_says_storage_not_checkpoint(saved, s3_bucket, through_proxy,
                                                                              tmp_path):
     location = f"{s3_bucket}/ckpt-index/read/checkpoint_2026-01-01_00-00-00.000001"

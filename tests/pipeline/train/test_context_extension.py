@@ -52,6 +52,7 @@ def two_phase_run(tmp_path_factory, mlflow_server):
     return cfg, result, record, out.getvalue()
 
 
+@pytest.mark.system
 def test_the_long_phase_continues_the_short_one(two_phase_run, mlflow_server):
     cfg, result, record, printed = two_phase_run
     assert record["phases_done"] == 2 and record["status"] == "finished"
@@ -75,6 +76,7 @@ def test_the_long_phase_continues_the_short_one(two_phase_run, mlflow_server):
     assert abs(first_long - last_short) < 0.25 * (fresh - last_short), (fresh, last_short, first_long)
 
 
+@pytest.mark.system
 def test_the_long_phase_rewarms_the_learning_rate_and_resets_adamw(two_phase_run, mlflow_server):
     cfg, result, record, _ = two_phase_run
     t = cfg.train

@@ -16,6 +16,8 @@ import yaml
 from tests.pipeline.train.hf_helpers import assert_same_model, build_dataset
 from tests.pipeline.train.test_fsdp import WEIGHT_TOL
 
+pytestmark = pytest.mark.system
+
 SPACE = {
     "metric": "val/loss", "mode": "min", "num_samples": 1, "max_concurrent_trials": 1, "skip_unfit_batch": True,
     "scheduler": {"type": "fifo"},

@@ -190,6 +190,7 @@ def test_compiled_whole_step_graph_equals_eager_across_span_buckets():
         assert torch.equal(graphed, eager), kw
 
 
+@pytest.mark.system
 def test_a_decode_graph_is_captured_only_for_a_span_that_ran_at_every_prompt_length():
     """The decode plan of a graphed generation (what generate_ids_timed follows), for every prompt length up to
     9,000 and 64 new tokens, from the spans the real KV cache gives: the first WARMUP_STEPS steps run eagerly, a

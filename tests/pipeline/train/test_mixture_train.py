@@ -11,10 +11,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 
 from pipeline.config import load_config
+
+pytestmark = pytest.mark.system
 
 
 def audit(run_dir: Path) -> list[dict]:

@@ -20,6 +20,8 @@ from pipeline.data.shards import DatasetError, ShardReader, load_manifest
 from pipeline.data.synthetic import write_synthetic_dataset
 from pipeline.tracking.tracker import TrackingError
 
+pytestmark = pytest.mark.system
+
 SEQ, VOCAB = 32, 128
 
 

@@ -21,6 +21,8 @@ import torch
 
 from pipeline.train.engine import lr_lambda
 
+pytestmark = pytest.mark.system
+
 GPU_ONLY_METRICS = ("train/mfu", "train/hfu", "train/mfu_causal_equiv", "train/steady_mfu")
 
 

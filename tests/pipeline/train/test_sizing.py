@@ -58,6 +58,7 @@ def test_the_gpu_preset_never_passes_over_its_data_more_than_four_times(tokens):
         assert t.max_steps == 2000 and line == ""
 
 
+@pytest.mark.system
 def test_the_gpu_preset_default_run_at_a_small_scale(ray_session, mlflow_server, tmp_path, capfd):
     """`python pipeline/run.py` as on a GPU, with the gpu preset's rules (at most 4 epochs, 1 x 8 rows per step,
     2,000 steps, warmup 100, eval every 200, checkpoint every 500) and its sizes made small: nano, rows of at most
