@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system  # docs/tests.md: the system tier
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
 NOISE = ("Traceback", "safe to ignore", "Failed to kill actor", "Exception ignored")

@@ -6,12 +6,15 @@ holds the GCS's answer to the new node's registration, which is what an overload
 test's outcome depend on the machine."""
 from __future__ import annotations
 
+import pytest
 import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+pytestmark = pytest.mark.system  # docs/tests.md: the system tier
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]

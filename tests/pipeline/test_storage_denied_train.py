@@ -19,6 +19,8 @@ from pipeline import storage
 from tests.conftest import proxy_env
 from tests.pipeline.test_storage_faults_train import clean_losses, logged_losses, run_watching
 
+pytestmark = pytest.mark.system  # docs/tests.md: the system tier
+
 STEPS = 30
 RETRY_S = 15  # run.storage_retry_s: shorter than the 403 below, so an attempt can give up inside it
 DENIED_S = 25

@@ -242,6 +242,7 @@ def _prepare_cli(*args: str) -> "subprocess.Popen":
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.system
 def test_two_mixture_prepares_racing_on_one_store_both_succeed_without_a_worker_traceback(ray_address, tmp_path):
     """Two `python pipeline/run.py prepare` of mixtures at once on one store, each preparing its sources side by side
     (2 tokenizer actors: 1 per source): one source is the same dataset in both (the same content raced), the others

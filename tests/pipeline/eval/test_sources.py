@@ -4,6 +4,7 @@ tests/pipeline/conftest.py)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from pipeline.eval.sources import _Counted, source_names, source_table
@@ -37,6 +38,7 @@ def test_the_eval_table_has_a_row_per_source_then_the_mixture():
     assert lines[1].split()[1:4] == ["50.0%", "1.5000", "4.48"]
 
 
+@pytest.mark.system
 def test_a_mixture_reads_each_source_validation_split_once_per_run(s3_bucket, fault_proxy, tmp_path):
     """`train --no-ray` on a mixture of two datasets in the bucket, with 4 and then 8 evaluations, every S3 request
     counted by the session's proxy: each source's validation shards get the same GETs in both runs (one reader per

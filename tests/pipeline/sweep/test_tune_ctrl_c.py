@@ -4,6 +4,7 @@ none of Tune's own ending (trials labelled stopped by the scheduler, a table, a 
 cannot follow)."""
 from __future__ import annotations
 
+import pytest
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import yaml
 
 from pipeline.sweep.tune import TAG_SWEEP
+
+pytestmark = pytest.mark.system  # docs/tests.md: the system tier
 
 ROOT = Path(__file__).resolve().parents[3]
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]

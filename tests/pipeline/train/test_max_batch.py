@@ -156,6 +156,7 @@ def test_cli_shows_each_probe_as_it_starts_and_as_it_ends():
         assert end.startswith(f"{size}: fits  peak ") or end.startswith(f"{size}: OOM   peak "), proc.stdout
 
 
+@pytest.mark.system
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the bound and the note of a search on a CPU")
 def test_a_long_cpu_search_is_bounded_by_max_seconds():
     """As `--tier B --seq-len 32768` on a CPU (one step takes minutes): the search ends at --max-seconds (300 s by

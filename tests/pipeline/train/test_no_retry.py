@@ -45,6 +45,7 @@ def _train_workers_started() -> int:
                            raise_on_missing_output=False))
 
 
+@pytest.mark.system
 def test_a_corrupt_train_state_under_ray_train_is_one_attempt_and_one_line(test_runs_root, ray_address):
     from pipeline.train.run_dir import recorded_checkpoint
 

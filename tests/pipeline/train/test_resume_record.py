@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.pipeline.train.test_resume_extend import common, finished_run  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -47,6 +49,7 @@ def what_the_run_is(run_dir: Path, mlflow_uri: str) -> tuple[bytes, str, tuple]:
     return record, row, (run.info.status, run.info.end_time, run.data.params, run.data.tags)
 
 
+@pytest.mark.system
 def test_a_refused_resume_leaves_the_run_its_record_and_its_mlflow_run_as_they_were(finished_run,  # noqa: F811
                                                                                       mlflow_server):
     """`train --resume RUN --no-ray --model.tier=A --train.max_steps=...` was refused only once training loaded the
@@ -74,6 +77,7 @@ def test_a_refused_resume_leaves_the_run_its_record_and_its_mlflow_run_as_they_w
     assert res.stdout.startswith(f"run {finished_run} is finished (step 4 of 4); nothing to continue.")
 
 
+@pytest.mark.system
 def test_an_extended_run_records_its_new_max_steps_in_mlflow(finished_run, mlflow_server):  # noqa: F811
     """`--resume RUN --train.max_steps=N` on a finished run: MLflow's param train.max_steps is write-once (it keeps
     the value the run started with, and a warning said the new value was not recorded); the tag longtrain.max_steps
@@ -108,6 +112,7 @@ def test_a_run_root_that_is_a_file_gets_one_line(tmp_path):
     assert root.read_text() == "not a directory\n"
 
 
+@pytest.mark.system
 def test_validate_finds_a_run_by_its_name_under_run_root_and_names_a_missing_path(finished_run, tmp_path):  # noqa: F811
     """`validate <name> --run.root=DIR` was refused (validate took no field); `validate base` for a path that is not
     there said it was not a prepared dataset and to run prepare."""
@@ -131,6 +136,7 @@ def _seconds(clock: str) -> int:
     return int(m) * 60 + int(s)
 
 
+@pytest.mark.system
 def test_the_eta_leaves_out_the_first_step(common, tmp_path):  # noqa: F811
     """The first eta was 3-4x too long: it divided the elapsed time, the first step's compile and warm-up included,
     by the steps done. Here the first step is held (LONGTRAIN_TRAIN_HOLD, the loop's test hook, waits before it
