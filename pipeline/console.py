@@ -204,9 +204,31 @@ def quiet_safe_to_ignore() -> None:
 _HARMLESS_GCS_LINES = ("Failed to kill actor",)
 
 
+def _drop_sigterm_exit_blocks(lines: list[str]) -> list[str]:
+    """`lines` less each block "Exception ignored in: ..." through "SystemExit: 1" raised by Ray's own SIGTERM handler
+    (a frame `in sigterm_handler` of ray/_private/worker.py). As a worker ends (a Tune trial's actor once the trial
+    has reported), the raylet sends its process group SIGTERM, and then SIGKILL; Ray's handler raises SystemExit(1)
+    wherever the main thread is, and where that is a finalizer (`__del__`, a weakref callback) Python can only print
+    the exception as ignored. The trial's results are in by then and the process is ending anyway. Any other
+    "Exception ignored" block, and every other traceback, is kept."""
+    kept: list[str] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("Exception ignored in"):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("SystemExit")), None)
+            if end is not None and lines[end].strip() == "SystemExit: 1" and lines[i + 1].startswith("Traceback") \
+                    and any(ln.rstrip().endswith(" in sigterm_handler") and "ray" in ln for ln in lines[i + 2:end]):
+                i = end + 1
+                continue
+        kept.append(lines[i])
+        i += 1
+    return kept
+
+
 def quiet_forwarded_ray_lines() -> None:
-    """In the driver, once Ray is connected: the harmless GCS lines above stay in Ray's log files (gcs_server.err),
-    off the console. Ray prints every forwarded batch through ray._private.worker.print_worker_logs, which it looks
+    """In the driver, once Ray is connected: the harmless GCS lines above, and a worker's SystemExit from Ray's SIGTERM
+    handler as it ends (_drop_sigterm_exit_blocks), stay in Ray's log files (gcs_server.err, worker-*.err), off
+    the console. Ray prints every forwarded batch through ray._private.worker.print_worker_logs, which it looks
     up at each call; the wrapper drops those lines and passes everything else on unchanged."""
     import ray._private.worker as ray_worker
 
@@ -217,6 +239,11 @@ def quiet_forwarded_ray_lines() -> None:
     def print_worker_logs(data, print_file, *args, **kwargs):
         if data.get("pid") == "gcs_server":
             lines = [ln for ln in data.get("lines", []) if not any(h in ln for h in _HARMLESS_GCS_LINES)]
+            if not lines:
+                return None
+            data = {**data, "lines": lines}
+        elif any(ln.startswith("Exception ignored in") for ln in data.get("lines", [])):
+            lines = _drop_sigterm_exit_blocks(data["lines"])
             if not lines:
                 return None
             data = {**data, "lines": lines}

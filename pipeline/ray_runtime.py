@@ -50,9 +50,10 @@ def ensure_ray(address: str | None = None, cfg: "Config | None" = None) -> None:
 
     from pipeline.console import quiet_forwarded_ray_lines
 
+    # Ray's harmless lines off the console (pipeline/console.py), also where this process started Ray before
+    quiet_forwarded_ray_lines()
     if ray.is_initialized():
         return
-    quiet_forwarded_ray_lines()  # Ray's harmless GCS lines off the console (pipeline/console.py)
     if joins_cluster(address):
         address = address or os.environ["RAY_ADDRESS"]
         check_reachable(address)

@@ -103,3 +103,64 @@ def test_workers_of_every_job_find_the_local_rays_state_api(ray_session, ray_add
         env={**os.environ, "ADDR": ray_address}, capture_output=True, text=True, timeout=120)
     assert joined.returncode == 0, joined.stderr[-2000:]
     assert joined.stdout.strip().splitlines()[-1] == api
+
+
+class _SlowFinalizer:
+    def __init__(self, entered: str):
+        self.entered = entered  # a file written once the finalizer runs
+
+    def __del__(self):
+        import time
+
+        open(self.entered, "w").close()
+        time.sleep(5)
+
+
+def test_a_worker_ending_by_sigterm_in_a_finalizer_prints_no_traceback(ray_session, capsys, tmp_path):
+    """The raylet ends a worker (a Tune trial's actor as its trial ends) with SIGTERM to its process group; Ray's handler
+    raises SystemExit(1) in the main thread, and where that thread is in a finalizer Python prints "Exception ignored
+    in: ... SystemExit: 1". The driver's console drops that block (pipeline/console.py) and keeps a worker's other
+    "Exception ignored" blocks."""
+    import signal
+    import time
+
+    from pipeline.ray_runtime import ensure_ray
+
+    ensure_ray()  # the driver's console filters, on the session's Ray
+
+    @ray_session.remote(num_cpus=0)
+    class Ending:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def real_unraisable(self) -> None:
+            import sys
+
+            # what Python prints for any other exception in a finalizer: kept
+            print("Exception ignored in: <function Cache.__del__>\nTraceback (most recent call last):\n"
+                  '  File "cache.py", line 9, in __del__\nValueError: closed twice', file=sys.stderr, flush=True)
+
+        def finalize(self, entered: str) -> None:
+            x = _SlowFinalizer(entered)
+            del x  # the main thread sits in __del__ for 5 s
+
+    actor = Ending.remote()
+    pid = ray_session.get(actor.pid.remote())
+    ray_session.get(actor.real_unraisable.remote())
+    entered = tmp_path / "in_finalizer"
+    actor.finalize.remote(str(entered))
+    deadline = time.monotonic() + 60
+    while not entered.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert entered.exists()
+    os.kill(pid, signal.SIGTERM)  # as the raylet ends a worker: SystemExit(1) raised inside __del__
+    console = ""
+    while time.monotonic() < deadline and "ValueError: closed twice" not in console:
+        time.sleep(1)
+        captured = capsys.readouterr()
+        console += captured.out + captured.err
+    time.sleep(3)  # the ended worker's last lines reach the driver within Ray's log-forwarding period
+    captured = capsys.readouterr()
+    console += captured.out + captured.err
+    assert "ValueError: closed twice" in console and "Exception ignored in: <function Cache.__del__>" in console
+    assert "SystemExit" not in console and "sigterm_handler" not in console, console

@@ -245,7 +245,12 @@ def test_sweep_end_to_end_with_mlflow_parent_and_children(ray_session, mlflow_se
             "--data.tokenize_actors=1", f"--tracking.tracking_uri={uri}", "--tracking.experiment=sweep-e2e",
             "--run.name=bs-sweep"]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    # No "Exception ignored ... SystemExit: 1" forwarded from a trial's actor as the raylet ends it (the traceback of
+    # the trial that runs out of memory on purpose is still printed, by its Ray Train worker and by Tune)
+    console = captured.out + captured.err
+    assert "Exception ignored" not in console and "SystemExit" not in console, console
     assert ("| tier | batch size | tokens/s | MFU | timed steps | peak memory (GiB) | val/loss | status | trial |"
             in out)
     # The console: one line per trial status change, no Tune status tables (they were ~130 lines for 2 trials)
