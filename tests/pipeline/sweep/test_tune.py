@@ -74,7 +74,7 @@ def _space(tmp_path: Path, doc: dict) -> Path:
     ({"params": {"train.batch_size": {"grid": [2, 0]}}}, ["train.batch_size=0 is invalid; it must be > 0"]),
     ({"params": {"model.tier": {"choice": ["nano", "Z"]}}}, ["model.tier='Z' is not allowed; choose one of: nano, A"]),
     ({"params": {"data.seq_len": {"grid": [64, 128]}}}, ["cannot be searched", "data.* fields go under `fixed`"]),
-    ({"params": {"train.lr": 1e-3}, "metrics": "val/loss"}, ["unknown key(s) ['metrics']; valid keys: description,"]),
+    ({"params": {"train.lr": 1e-3}, "metrics": "val/loss"}, ["unknown key(s) ['metrics']; did you mean 'metric' (for 'metrics')?", "valid keys: description,"]),
     ({"params": {"train.lr": 1e-3}, "metric": "val/los"}, ["metric='val/los' is not a tracked metric"]),
     ({"params": {"train.lr": 1e-3}, "scheduler": {"type": "pbt"}}, ["scheduler.type='pbt' is not allowed"]),
     ({"params": {"train.lr": 1e-3}, "fixed": {"ray.num_worker": 2}}, ["fixed key 'ray.num_worker' is not a config"]),
