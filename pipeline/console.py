@@ -204,53 +204,89 @@ def quiet_safe_to_ignore() -> None:
 _HARMLESS_GCS_LINES = ("Failed to kill actor",)
 
 
-def _drop_sigterm_exit_blocks(lines: list[str]) -> list[str]:
+def _drop_sigterm_exit_blocks(lines: list[str]) -> tuple[list[str], list[str]]:
     """`lines` less each block "Exception ignored in: ..." through "SystemExit: 1" raised by Ray's own SIGTERM handler
-    (a frame `in sigterm_handler` of ray/_private/worker.py). As a worker ends (a Tune trial's actor once the trial
-    has reported), the raylet sends its process group SIGTERM, and then SIGKILL; Ray's handler raises SystemExit(1)
-    wherever the main thread is, and where that is a finalizer (`__del__`, a weakref callback) Python can only print
-    the exception as ignored. The trial's results are in by then and the process is ending anyway. Any other
-    "Exception ignored" block, and every other traceback, is kept."""
+    (a frame `in sigterm_handler` of ray/_private/worker.py), and apart from them the block still open at the end of
+    `lines` (its exception line not come yet: Python writes a block line by line, and Ray's log monitor may send it
+    in two batches). As a worker ends (a Tune trial's actor once the trial has reported), the raylet sends its process
+    group SIGTERM, and then SIGKILL; Ray's handler raises SystemExit(1) wherever the main thread is, and where that is
+    a finalizer (`__del__`, a weakref callback) Python can only print the exception as ignored. The trial's results
+    are in by then and the process is ending anyway. Any other "Exception ignored" block, and every other traceback,
+    is kept. Returns (kept lines, open block)."""
     kept: list[str] = []
     i = 0
     while i < len(lines):
         if lines[i].startswith("Exception ignored in"):
-            end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("SystemExit")), None)
-            if end is not None and lines[end].strip() == "SystemExit: 1" and lines[i + 1].startswith("Traceback") \
-                    and any(ln.rstrip().endswith(" in sigterm_handler") and "ray" in ln for ln in lines[i + 2:end]):
+            # the block's exception line: the first unindented line past its "Traceback (most recent call last):"
+            end = next((j for j in range(i + 1, len(lines))
+                        if lines[j][:1] not in (" ", "\t") and not lines[j].startswith("Traceback")), None)
+            if end is None:
+                return kept, lines[i:]
+            if lines[end].strip() == "SystemExit: 1" \
+                    and any(ln.rstrip().endswith(" in sigterm_handler") and "ray" in ln for ln in lines[i + 1:end]):
                 i = end + 1
                 continue
         kept.append(lines[i])
         i += 1
-    return kept
+    return kept, []
+
+
+class _ForwardedLineFilter:
+    """Wraps the emit of Ray's dispatcher of forwarded worker lines, ahead of its deduplicator (which, with several
+    workers printing the same block, would otherwise cut blocks apart and print their lines later as "[repeated Nx
+    across cluster]"). A block still open at the end of a batch waits for the rest of it from the same process, for
+    `hold_s` at most, and is then printed as it came."""
+
+    def __init__(self, emit, hold_s: float = 3.0):
+        import threading
+
+        self._emit = emit
+        self._hold_s = hold_s
+        self._held: dict[tuple, tuple[dict, list[str], object]] = {}
+        self._lock = threading.Lock()
+        self.longtrain_quiet = True
+
+    def _release(self, source: tuple) -> None:
+        with self._lock:
+            held = self._held.pop(source, None)
+        if held is not None:
+            self._emit({**held[0], "lines": held[1]})
+
+    def __call__(self, data: dict) -> None:
+        import threading
+
+        source = (data.get("ip"), data.get("pid"), data.get("is_err"))
+        lines = list(data.get("lines") or [])
+        with self._lock:
+            held = self._held.pop(source, None)
+        if held is not None:
+            held[2].cancel()
+            lines = held[1] + lines
+        if data.get("pid") == "gcs_server":
+            lines = [ln for ln in lines if not any(h in ln for h in _HARMLESS_GCS_LINES)]
+        if any(ln.startswith("Exception ignored in") for ln in lines):
+            lines, still_open = _drop_sigterm_exit_blocks(lines)
+            if still_open:
+                timer = threading.Timer(self._hold_s, self._release, args=(source,))
+                timer.daemon = True
+                with self._lock:
+                    self._held[source] = (data, still_open, timer)
+                timer.start()
+        if lines or not data.get("lines"):
+            self._emit({**data, "lines": lines})
 
 
 def quiet_forwarded_ray_lines() -> None:
-    """In the driver, once Ray is connected: the harmless GCS lines above, and a worker's SystemExit from Ray's SIGTERM
-    handler as it ends (_drop_sigterm_exit_blocks), stay in Ray's log files (gcs_server.err, worker-*.err), off
-    the console. Ray prints every forwarded batch through ray._private.worker.print_worker_logs, which it looks
-    up at each call; the wrapper drops those lines and passes everything else on unchanged."""
-    import ray._private.worker as ray_worker
+    """In the driver, before or once Ray is connected: the harmless GCS lines above, and a worker's SystemExit from
+    Ray's SIGTERM handler as it ends (_drop_sigterm_exit_blocks), stay in Ray's log files (gcs_server.err,
+    worker-*.err), off the console. Every batch of lines Ray forwards to the driver passes through its one
+    dispatcher (ray._private.ray_logging.global_worker_stdstream_dispatcher) before its deduplicator and printer;
+    the wrapper there drops those lines and passes everything else on unchanged."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-    original = ray_worker.print_worker_logs
-    if getattr(original, "longtrain_quiet", False):
+    if getattr(dispatcher.emit, "longtrain_quiet", False):
         return
-
-    def print_worker_logs(data, print_file, *args, **kwargs):
-        if data.get("pid") == "gcs_server":
-            lines = [ln for ln in data.get("lines", []) if not any(h in ln for h in _HARMLESS_GCS_LINES)]
-            if not lines:
-                return None
-            data = {**data, "lines": lines}
-        elif any(ln.startswith("Exception ignored in") for ln in data.get("lines", [])):
-            lines = _drop_sigterm_exit_blocks(data["lines"])
-            if not lines:
-                return None
-            data = {**data, "lines": lines}
-        return original(data, print_file, *args, **kwargs)
-
-    print_worker_logs.longtrain_quiet = True
-    ray_worker.print_worker_logs = print_worker_logs
+    dispatcher.emit = _ForwardedLineFilter(dispatcher.emit)
 
 
 def quiet_ray_train_worker() -> None:
