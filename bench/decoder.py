@@ -16,7 +16,7 @@ and the sampler's kernels alone on logits already in its buffer (what generation
 
 Bytes moved (the traffic model; `kernels` in the JSON, one table on stdout): for every kernel the bytes it must
 read and write by construction (what a perfect cache would still move), the achieved GB/s and share of the
-device's peak bandwidth (pipeline/train/hardware.py's table) next to its measured time, and the time that traffic
+device's peak bandwidth (pipeline/train/memory/hardware.py's table) next to its measured time, and the time that traffic
 would take at 3 TB/s. For the fused cross-entropy: the logits chunk written by cuBLAS and read twice and written
 once by the row kernel in the input dtype, the gradient read by two matmuls, the weight read by every chunk's
 matmuls and the fp32 grad_weight accumulator read and written by each chunk after the first. For the sampler:
@@ -45,7 +45,7 @@ from bench.common import write_result  # noqa: E402
 from bench.decoder_memory import MiB, full_logits_loss, fwd_bwd, make_inputs, peak_extra_bytes  # noqa: E402
 from cuda_ops import cross_entropy, sampling  # noqa: E402
 from cuda_ops.dispatch import resolve_backend  # noqa: E402
-from pipeline.train.hardware import peak_memory_bandwidth  # noqa: E402
+from pipeline.train.memory.hardware import peak_memory_bandwidth  # noqa: E402
 
 REFERENCE_BANDWIDTH = 3e12  # bytes/s: "the time its traffic would take at 3 TB/s"
 SAMPLING_SHAPES = [(1, 32000), (64, 32000), (256, 128256)]

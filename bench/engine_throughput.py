@@ -46,12 +46,12 @@ def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int
     """Train `warmup` + `steps` optimizer steps and time the last `steps`. Returns one result row.
 
     doc_lengths: the synthetic rows' document-length spec (ignored when data_dir already holds a dataset).
-    parallel: none (the one-process engine), ddp or fsdp (pipeline/train/parallel.py); under a process group of
+    parallel: none (the one-process engine), ddp or fsdp (pipeline/train/distributed/parallel.py); under a process group of
     world_size workers each reads its rank's rows (bench/fsdp.py starts them), and fsdp without one runs in a
     one-worker group in this process. Figures: tokens/s of all workers, MFU per GPU, peak memory of this worker."""
     import torch.distributed as dist
 
-    from pipeline.train.process_group import process_group
+    from pipeline.train.distributed.process_group import process_group
 
     if parallel == "fsdp" and not dist.is_initialized():
         with process_group(0, 1):

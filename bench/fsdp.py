@@ -10,7 +10,7 @@ Unsharded means the one-process engine on one GPU and DDP over --workers GPUs; a
 memory is recorded as `oom` (a full copy of tier E or F usually is) and the others go on. On one GPU FSDP shards
 over one worker: nothing is divided, but the blocks compute from bf16 copies gathered per block instead of
 autocast's copies kept for the whole step, and its hooks, copies and checkpoint layout are what a cluster runs.
-Ray-free: the workers are local processes under torch.distributed (pipeline/train/process_group.py). Writes
+Ray-free: the workers are local processes under torch.distributed (pipeline/train/distributed/process_group.py). Writes
 bench/results/fsdp-<device>-<date>.json.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, kw: dict) -> dict:
 def run_case(tier: str, batch: int, parallel: str, workers: int, kw: dict, data_dir: Path) -> dict:
     """One measured row; `oom` when any worker runs out of memory."""
     from pipeline.config import load_config
-    from pipeline.train.memory_plan import GIB, estimate
+    from pipeline.train.memory.plan import GIB, estimate
 
     args = dict(kw, tier=tier, seq_len=kw["seq_len"], batch_size=batch, parallel=parallel, data_dir=str(data_dir))
     row = {"tier": tier, "batch_size": batch, "activation_checkpointing": kw["activation_checkpointing"],
@@ -61,7 +61,7 @@ def run_case(tier: str, batch: int, parallel: str, workers: int, kw: dict, data_
             row.update(measure(**{k: v for k, v in args.items() if k not in ("tier", "batch_size", "seq_len")},
                                tier=tier, seq_len=kw["seq_len"], batch_size=batch), status="ok")
         else:
-            from pipeline.train.process_group import run_workers
+            from pipeline.train.distributed.process_group import run_workers
 
             row.update(run_workers(_worker, workers, args)[0], status="ok")
     except Exception as exc:  # noqa: BLE001 -- an OOM (in this process or a worker's) is a result, not a failure

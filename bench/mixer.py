@@ -19,7 +19,7 @@ engine's model picks: on CUDA the Numba scan kernel (cuda_ops/resonance_scan.py)
 then gen_tokens greedy decode steps, each the family's static decode step (KV cache / recurrent state), eager; again
 at each of --gen-batch-sizes (1 and 64) after the same prompt length.
 Peak memory: torch.cuda.max_memory_allocated on CUDA; on a CPU every live tensor is counted by
-pipeline/train/memory_limit.py in a separate, untimed pass. A length that runs out of memory is recorded as
+pipeline/train/memory/limit.py in a separate, untimed pass. A length that runs out of memory is recorded as
 "oom". Ratios printed: resonance / attention (tokens/s; memory).
 
 Also printed (and in the JSON): the scan kernel's bytes-moved model for the tier (cuda_ops.resonance_scan.traffic:
@@ -52,7 +52,7 @@ from cuda_ops import resonance_scan
 from cuda_ops.cross_entropy import linear_cross_entropy
 from model.decoder import Decoder, build_model
 from model.tiers import get_mixer_tier
-from pipeline.train.memory_limit import MemoryLimit
+from pipeline.train.memory.limit import MemoryLimit
 
 MIXERS = ("attention", "resonance")
 GIB = 2**30

@@ -36,7 +36,7 @@ class ModelConfig:
     attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
     mixer: str = "attention"  # attention (Llama-style decoder) | resonance (model/resonance.py); same tier names
     # RoPE base and scaling (model/rope.py, docs/long-context.md); each may change per phase. The resonance family
-    # has no RoPE: setting them for it is refused (pipeline/unused_settings.py unused_by_mixer)
+    # has no RoPE: setting them for it is refused (pipeline/cli/unused_settings.py unused_by_mixer)
     rope_theta: float = 0.0  # RoPE base; 0 = the tier's (500,000)
     rope_scaling: str = "none"  # none | linear | yarn | llama3: positions scaled for a longer context than trained
     rope_factor: float = 1.0  # linear, yarn, llama3: how many times the original length the context is scaled to
@@ -62,7 +62,7 @@ class DataConfig:
     tokenizer_sample_bytes: int = 20_000_000  # text sampled to train the tokenizer
     seq_len: int = 256  # tokens per training row; shards hold seq_len + 1
     # > 0: a corpus that packs into fewer rows than this at seq_len is packed again at the longest power-of-two
-    # seq_len that gives at least this many (pipeline/train/sizing.py); 0: seq_len as set
+    # seq_len that gives at least this many (pipeline/train/session/sizing.py); 0: seq_len as set
     min_rows: int = 0  # > 0: pack again at a shorter seq_len when the corpus fills fewer rows
     val_fraction: float = 0.02  # share of the packed rows held out for validation
     rows_per_shard: int = 2048  # packed rows per Parquet shard file
@@ -109,11 +109,11 @@ class TrainConfig:
     keep_checkpoints: int = 2  # checkpoints kept: the best by val/loss and the latest
     sample_tokens: int = 48  # tokens generated per prompt at evaluation (0 = off)
     memory_limit_gib: float = 0.0  # > 0: train as on a device of this many GiB (OOM above it); 0 = the real device
-    # How Ray Train workers share the model (pipeline/train/parallel.py): ddp = a full copy each, gradients
+    # How Ray Train workers share the model (pipeline/train/distributed/parallel.py): ddp = a full copy each, gradients
     # all-reduced; fsdp = FSDP2, parameters, gradients and AdamW state sharded across the workers; auto = fsdp when
     # a full copy with its gradients, optimizer state and activations would not fit one worker's memory.
     parallel: str = "auto"  # auto | ddp | fsdp: how Ray Train workers share the model
-    # The process group's timeout, gloo and NCCL alike (pipeline/train/collectives.py)
+    # The process group's timeout, gloo and NCCL alike (pipeline/train/distributed/collectives.py)
     collective_timeout_s: float = 600.0  # seconds a collective waits for the other ranks before the attempt ends with one line naming the rank, the step and the collective
 
 
@@ -545,7 +545,7 @@ def _cpu() -> dict[str, Any]:
 
 
 def _gpu() -> dict[str, Any]:
-    """One GPU, the default with CUDA: tier B at up to 32k context, sized to its data (pipeline/train/sizing.py): a
+    """One GPU, the default with CUDA: tier B at up to 32k context, sized to its data (pipeline/train/session/sizing.py): a
     corpus that fills fewer than 256 rows of 32k gets shorter rows, and no run passes over its data more than 4
     times. On the built-in corpus that is a few minutes; on a real one (`fineweb-32k`) 2,000 steps at 32k."""
     return {"model.tier": "B", "data.vocab_size": 32000, "data.seq_len": 32768, "data.min_rows": 256,
@@ -605,7 +605,7 @@ def _long_32k_phases() -> list[dict[str, Any]]:
 
 
 PRESETS = {"cpu": _cpu, "gpu": _gpu, "fineweb-32k": _fineweb_32k, "long-32k": _long_32k, "test": _test}
-PRESET_PHASES = {"long-32k": _long_32k_phases}  # presets that are several phases (pipeline/train/session.py)
+PRESET_PHASES = {"long-32k": _long_32k_phases}  # presets that are several phases (pipeline/train/session/train_session.py)
 
 
 def preset_phases(name: str) -> list[dict[str, Any]] | None:

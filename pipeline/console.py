@@ -146,7 +146,7 @@ class _DropRayTrainInfo(logging.Filter):
 
 class _DropPlannedStopTraceback(logging.Filter):
     """Ray Train logs the traceback of any error that ends a training function; a worker ending its attempt on
-    purpose after a preemption checkpoint (pipeline/train/elastic.py PreemptionStop) says so in one line instead."""
+    purpose after a preemption checkpoint (pipeline/train/distributed/elastic.py PreemptionStop) says so in one line instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno >= logging.ERROR and "PreemptionStop:" in record.getMessage())

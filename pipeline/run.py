@@ -26,7 +26,7 @@ is gpu when CUDA is present, else cpu. A flag or field the stage would not use i
 Every path that names data or results may be a URI (s3://, gs://, ...): data.path, run.storage (one bucket for
 datasets, checkpoints and artifacts), data.dataset_store, ray.storage_path, --checkpoint, validate's target.
 
-Where a run keeps things (pipeline/train/run_dir.py LAYOUT):
+Where a run keeps things (pipeline/train/session/run_dir.py LAYOUT):
 
     runs/<run>/run.json                               the run's record: config, phases, status, latest checkpoint
     runs/<run>/ray/phase<i>/checkpoint_<time>/        a checkpoint of a Ray Train run (phase i; with run.storage a
@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # `python pipeline/run.py`: make the project impo
 
 from pipeline.config import Config, ConfigError, from_flat, load_config, parse_overrides  # noqa: E402
 from pipeline.console import current_stage, plain_worker_prefixes, quiet_mlflow, reset_stage, stage  # noqa: E402
-from pipeline.train.run_dir import (CHECKPOINT_HINT, check_run_root, find_run, new_run_dir,  # noqa: E402
+from pipeline.train.session.run_dir import (CHECKPOINT_HINT, check_run_root, find_run, new_run_dir,  # noqa: E402
                                     read_run_file, recorded_checkpoint, run_dir_of)
 
 STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune", "export", "runs")
@@ -57,9 +57,9 @@ class UsageError(ValueError):
 
 
 def _fields_epilog(argv: list[str]) -> str:
-    """--help's list of config fields (pipeline/config_help.py), with --preset's values as defaults when given."""
+    """--help's list of config fields (pipeline/cli/config_help.py), with --preset's values as defaults when given."""
     from pipeline.config import preset
-    from pipeline.config_help import fields_help
+    from pipeline.cli.config_help import fields_help
 
     name = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--preset"), None)
     name = name or next((a.split("=", 1)[1] for a in argv if a.startswith("--preset=")), None)
@@ -122,10 +122,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
-    """The config the command line asks for. Nothing typed is ignored (pipeline/unused_settings.py): a flag or field
+    """The config the command line asks for. Nothing typed is ignored (pipeline/cli/unused_settings.py): a flag or field
     the stage would not use is refused in one line, and data.path without data.source reads files (said so). The
     fields the user typed are kept in args.typed_fields (--resume applies them to the run's own config)."""
-    from pipeline.unused_settings import IgnoredSettingError, check_flags, settle_fields, typed_fields
+    from pipeline.cli.unused_settings import IgnoredSettingError, check_flags, settle_fields, typed_fields
 
     check_flags(args, parse_args([])[0])
     if args.stage == "validate":  # it reads no config: nothing to load (the default preset would import torch)
@@ -151,7 +151,7 @@ def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
 # ------------------------------------------------------------------------------------------ stages
 def stage_prepare(cfg: Config) -> Path:
     from pipeline.data.stages import prepare_main
-    from pipeline.train.sizing import size_to_data
+    from pipeline.train.session.sizing import size_to_data
 
     if cfg.data.min_rows > 0 and not cfg.data.mixture:  # the rows the train stage would size the data to (sizing.py)
         return size_to_data(cfg, prepare_main, steps=False).dataset
@@ -160,8 +160,8 @@ def stage_prepare(cfg: Config) -> Path:
 
 def stage_train(cfg: Config, args: argparse.Namespace):
     """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
-    from pipeline.train.resume import plan_resume
-    from pipeline.train.session import TrainSession, load_phases
+    from pipeline.train.session.resume import plan_resume
+    from pipeline.train.session.train_session import TrainSession, load_phases
 
     if args.checkpoint and not args.resume:
         raise UsageError("train --checkpoint continues a run from one of its checkpoints: add --resume RUN (a new "
@@ -289,8 +289,8 @@ def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Names
 def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
     """validate TARGET: a dataset (its manifest), a checkpoint (its meta.json: every file against it, and that it
     loads) or a run directory (its latest checkpoint); 0 when whole, 1 with the report's reasons."""
-    from pipeline.train.broken_checkpoint import is_checkpoint, offered_command
-    from pipeline.train.validate_checkpoint import validate_checkpoint
+    from pipeline.train.checkpoints.broken import is_checkpoint, offered_command
+    from pipeline.train.checkpoints.validate import validate_checkpoint
 
     target, run_dir = args.target, run_dir_of(cfg, args.target)
     if run_dir is not None:
@@ -311,8 +311,8 @@ def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> in
 
 def stage_export(cfg: Config, args: argparse.Namespace) -> None:
     from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
-    from pipeline.train.broken_checkpoint import diagnosed
-    from pipeline.train.export import export_checkpoint, register_export
+    from pipeline.train.checkpoints.broken import diagnosed
+    from pipeline.train.serve.export import export_checkpoint, register_export
 
     if not args.out:
         raise UsageError("export needs --out DIR: python pipeline/run.py export --resume RUN --out DIR")
@@ -334,9 +334,9 @@ def stage_export(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: list[str]) -> list[str]:
-    """`prompts`: pipeline/train/generate_options.py generate_prompts (the flags checked before anything loads)."""
-    from pipeline.train.broken_checkpoint import diagnosed
-    from pipeline.train.generate import generate_texts, load_for_generation
+    """`prompts`: pipeline/train/serve/options.py generate_prompts (the flags checked before anything loads)."""
+    from pipeline.train.checkpoints.broken import diagnosed
+    from pipeline.train.serve.generate import generate_texts, load_for_generation
 
     stage("generate", f"{len(prompts)} prompt(s), {args.max_new_tokens} new tokens, top-p {args.top_p}")
     with diagnosed(checkpoint):  # the checkpoint's own files only: a file that does not load, the previous offered
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         long_context = long_context_options(args) is not None  # eval's options: checked before any stage runs
         if args.stage in ("all", "generate"):  # generate's flags and prompts file too
-            from pipeline.train.generate_options import generate_prompts
+            from pipeline.train.serve.options import generate_prompts
 
             prompts = generate_prompts(args)
         if args.stage == "validate":
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args, rest)
         check_run_root(cfg.run.root)  # a file there: one line, before any stage writes under it
         if args.stage == "runs":
-            from pipeline.runs_list import runs_main
+            from pipeline.cli.runs_list import runs_main
 
             return runs_main(cfg.run.root)
         if args.stage == "prepare":
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return tune_main(cfg, args.space)
         if args.stage in ("eval", "generate"):
-            from pipeline.train.broken_checkpoint import diagnosed
+            from pipeline.train.checkpoints.broken import diagnosed
         if args.stage == "eval":
             checkpoint = latest_checkpoint(cfg, args)
             run_dir = (find_run(cfg, args.resume) if args.resume else  # the run to log to, also for a bucket's checkpoint
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         if result is None:  # a finished run with nothing more asked of it: stage_train said so
             return 0
         if result.stopped:
-            from pipeline.train.resume import resume_command
+            from pipeline.train.session.resume import resume_command
 
             print(f"\nstopped after a checkpoint: {result.checkpoint}\n"
                   f"continue with: {resume_command(run_dir, args.no_ray)}")
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"  {REAL_CORPUS_COMMAND}")
         return 0
     except KeyboardInterrupt:
-        from pipeline.interrupted import what_was_kept
+        from pipeline.cli.interrupted import what_was_kept
 
         _flush_worker_lines(ray_before)
         print(f"\ninterrupted: {what_was_kept(current_stage(), args)}", file=sys.stderr, flush=True)
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         found = user_error(exc)
         if found is None:
             raise
-        from pipeline.train.broken_checkpoint import BrokenCheckpoint, offered_command
+        from pipeline.train.checkpoints.broken import BrokenCheckpoint, offered_command
 
         if isinstance(found, BrokenCheckpoint) and found.previous is not None:  # the exact command to run instead
             line = found.line(offered_command(argv, found.previous, args.stage, args.target))

@@ -12,7 +12,7 @@ waited out and may be the credentials.
     faults.kind(exc)                                 # "unreachable" | "stalled" | "server" | "denied" | ...
 
 The window is 0 unless a process sets it: a command's up-front checks (pipeline/storage.py `check`) and commands
-such as `validate` fail at once with one line; `train` sets it after those checks (pipeline/train/session.py), and
+such as `validate` fail at once with one line; `train` sets it after those checks (pipeline/train/session/train_session.py), and
 hands it to its Ray Train workers and Ray Data read tasks in their arguments (a window is a setting, so it travels;
 credentials never do). This module imports nothing of the project: pipeline/storage.py uses it to explain and
 retry, and pipeline/train/ray_train.py's storage filesystem for Ray Train (RetryingFileSystem there) too.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import field_types, load_config
-from pipeline.config_help import field_meanings, fields_help, section_help, sections
+from pipeline.cli.config_help import field_meanings, fields_help, section_help, sections
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_help_with_a_preset_shows_its_values(capsys):
 
 def test_the_help_section_in_the_docs_is_the_generated_one():
     """docs/configuration.md shows one section of --help; regenerate it with
-    python -c "from pipeline.config_help import section_help; print(section_help('ray'))"."""
+    python -c "from pipeline.cli.config_help import section_help; print(section_help('ray'))"."""
     doc = (ROOT / "docs" / "configuration.md").read_text()
     block = re.search(r"```text\n(ray:\n.*?)\n```", doc, re.S)
     assert block, "docs/configuration.md has no ```text block of the `ray:` section of --help"

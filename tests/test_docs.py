@@ -181,7 +181,7 @@ def test_python_m_model_runs(capsys):
 
 def test_the_phases_example_loads(tmp_path):
     from pipeline.config import load_config
-    from pipeline.train.session import load_phases
+    from pipeline.train.session.train_session import load_phases
 
     examples = [yaml.safe_load("\n".join(lines)) for doc in DOCS for lang, lines in _blocks(doc.read_text())
                 if lang == "yaml"]
@@ -213,13 +213,13 @@ def test_the_docs_counts_are_true():
 def test_one_checkpoint_layout_is_shared_by_run_py_the_hints_and_the_docs(tmp_path):
     """Checkpoint paths used to appear in three layouts (runs/<run>/checkpoint in run.py's docstring,
     runs/<run>/checkpoints/step_000100 in an error's hint, another in docs/export.md), none of them the Ray
-    layout. Now pipeline/train/run_dir.py's LAYOUT is quoted whole by run.py's docstring and docs/training.md, the
+    layout. Now pipeline/train/session/run_dir.py's LAYOUT is quoted whole by run.py's docstring and docs/training.md, the
     "which checkpoint?" errors end with its CHECKPOINT_HINT, and every runs/<run>/... path anywhere follows it."""
     import textwrap
 
     import pipeline.run
     from pipeline.train.engine import CheckpointError, read_checkpoint_meta
-    from pipeline.train.run_dir import CHECKPOINT_HINT, LAYOUT
+    from pipeline.train.session.run_dir import CHECKPOINT_HINT, LAYOUT
 
     assert textwrap.indent(LAYOUT, "    ") in pipeline.run.__doc__
     assert f"```text\n{LAYOUT}\n```" in (ROOT / "docs" / "training.md").read_text()

@@ -18,7 +18,7 @@ FORBIDDEN = {
     "cuda_ops": ("ray", "mlflow", "model", "pipeline"),
     "pipeline.data": ("pipeline.train", "pipeline.sweep", "pipeline.tracking", "pipeline.run"),
     "pipeline.tracking": ("pipeline.data", "pipeline.train", "pipeline.sweep", "pipeline.run", "ray"),
-    "pipeline.eval": ("pipeline.train.ray_train", "pipeline.train.session", "pipeline.train.local", "pipeline.sweep",
+    "pipeline.eval": ("pipeline.train.ray_train", "pipeline.train.session.train_session", "pipeline.train.local", "pipeline.sweep",
                       "pipeline.run", "ray"),
     "pipeline.train": ("pipeline.sweep", "pipeline.run"),
     "pipeline.sweep": ("pipeline.run",),

@@ -27,7 +27,7 @@ Short runs. The weights are exact over whole blocks only: a run (or a sweep tria
 one block would train on the first rows of one shuffled block, whose shares can be far from the weights (0.2 / 0.2
 / 0.6 over 32 rows of a 1,024-row block: 4 / 9 / 19 rows). Such a run uses blocks of its own length instead
 (`fitted_block_rows`), so it trains on round(w_i x its rows) of each source; the block it used is recorded in the
-run's mixture.json, and a resume of that phase keeps it (pipeline/train/mixture_run.py), so resume stays exact.
+run's mixture.json, and a resume of that phase keeps it (pipeline/train/session/mixture_run.py), so resume stays exact.
 The run prints, per source, the share it asked for and the share it trains on.
 
 Batches carry, beside tokens / doc_ids / seq_id, `source` (the source's index in data.mixture) and `pass` (its

@@ -151,11 +151,11 @@ def with_token_budget(cfg: Config, token_budget: int) -> Config:
 
 
 def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[str, Any], valid: bool = True):
-    """The trial's MLflow child run, with the same params as a single run (pipeline/train/session.py). For a trial
+    """The trial's MLflow child run, with the same params as a single run (pipeline/train/session/train_session.py). For a trial
     whose config is invalid (`valid` False, `cfg` the sweep's base): the base config and the searched values."""
     from pipeline.data.shards import load_manifest
     from pipeline.tracking.tracker import open_tracker
-    from pipeline.train.session import run_params
+    from pipeline.train.session.train_session import run_params
 
     short = " ".join(f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
                      for k, v in sorted(params.items()))
@@ -207,7 +207,7 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
     if cfg.data.mixture:  # each source's rows and passes for this trial's weights (refused when one runs out)
         from pipeline.data.mixture import MixtureError
         from pipeline.data.shards import load_manifest
-        from pipeline.train.mixture_run import record_data
+        from pipeline.train.session.train_session.mixture_run import record_data
 
         try:
             cfg = record_data(cfg, ctx.dataset_dir, load_manifest(ctx.dataset_dir), tracker,
@@ -230,11 +230,11 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- the driver
 def _plan_fit(flat: dict[str, Any], tier: str, vocab_size: int, upper: int) -> tuple[str, int, str]:
     """(tier, largest micro-batch, how) for a trial of ray.num_workers > 1 workers, from the memory model
-    (pipeline/train/memory_plan.py) with this process's device, as the trial's workers will resolve
+    (pipeline/train/memory/plan.py) with this process's device, as the trial's workers will resolve
     train.parallel and use model.activation_checkpointing."""
-    from pipeline.train.hardware import default_device
-    from pipeline.train.memory_plan import choose_parallel, max_batch_by_model, usable_bytes
-    from pipeline.train.parallel import device_memory_gib
+    from pipeline.train.memory.hardware import default_device
+    from pipeline.train.memory.plan import choose_parallel, max_batch_by_model, usable_bytes
+    from pipeline.train.distributed.parallel import device_memory_gib
 
     cfg = from_flat(flat).replace({"model.tier": tier})
     device, workers = default_device(), cfg.ray.num_workers
@@ -502,12 +502,12 @@ def is_source_loss(key: str) -> bool:
 def _check_named_mixtures(cfg: Config, space: Space, dataset: str) -> None:
     """MixtureError (one line) when a named mixture of the space would need more of a source than it may repeat."""
     from pipeline.data.mixture import check_plan, fitted_block_rows, mixture_of
-    from pipeline.train.mixture_run import rows_per_step
+    from pipeline.train.session.train_session.mixture_run import rows_per_step
 
     for name, mixture in space.mixtures().items():
         trial = with_token_budget(cfg.replace({"data.mixture": mixture}), space.token_budget)
         steps, per_step = trial.train.max_steps, rows_per_step(trial)
-        # the block the trial will train with (pipeline/train/mixture_run.py record_data)
+        # the block the trial will train with (pipeline/train/session/mixture_run.py record_data)
         trial = trial.replace({"data.mixture_block_rows": fitted_block_rows(trial.data.mixture_block_rows,
                                                                              steps * per_step)})
         mix = mixture_of(dataset, trial)

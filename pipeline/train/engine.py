@@ -8,8 +8,8 @@ and the benchmarks (bench/engine_throughput.py) both drive this same code.
     engine.save("ckpt/step_00050"); engine.load("ckpt/step_00050")
 
 Under a process group (Ray Train workers, or torch.distributed in tests and benchmarks) the engine shares the
-model across the workers by DDP or FSDP2 (train.parallel; pipeline/train/parallel.py); without one it is the
-plain one-process engine. Checkpoint layouts and loaders: pipeline/train/checkpoint.py. The loop that feeds it
+model across the workers by DDP or FSDP2 (train.parallel; pipeline/train/distributed/parallel.py); without one it is the
+plain one-process engine. Checkpoint layouts and loaders: pipeline/train/checkpoints/state.py. The loop that feeds it
 (epochs, cursor, logging, evaluation, checkpoints) is pipeline/train/loop.py.
 """
 from __future__ import annotations
@@ -36,12 +36,12 @@ from model.rope import RopeConfig
 from model.tiers import get_mixer_tier
 from pipeline.config import Config
 from pipeline.eval.positions import token_losses
-from pipeline.train import checkpoint
-from pipeline.train.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, check_checkpoint_fits,  # noqa: F401
+from pipeline.train.checkpoints import state as checkpoint
+from pipeline.train.checkpoints.state import (CHECKPOINT_FORMAT, CheckpointError, check_checkpoint_fits,  # noqa: F401
                                        read_checkpoint_meta)
-from pipeline.train.hardware import autocast_dtype, configure_cuda_math, default_device, peak_flops, peak_memory_gib
-from pipeline.train.memory_limit import MemoryLimit
-from pipeline.train.parallel import resolve_parallel, shard_model
+from pipeline.train.memory.hardware import autocast_dtype, configure_cuda_math, default_device, peak_flops, peak_memory_gib
+from pipeline.train.memory.limit import MemoryLimit
+from pipeline.train.distributed.parallel import resolve_parallel, shard_model
 
 # Steady state: train/steady_tokens_per_s and train/steady_mfu leave out the first optimizer steps an Engine takes
 # in its process (torch.compile of every block, the allocator's and autotuners' first shapes) and count only the
@@ -107,7 +107,7 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, rewarmup_sta
 
 @dataclass(frozen=True)
 class PhaseSchedule:
-    """Where the running phase starts in the one schedule, and what happens there (pipeline/train/session.py)."""
+    """Where the running phase starts in the one schedule, and what happens there (pipeline/train/session/train_session.py)."""
     start_step: int = 0  # the optimizer step the phase starts at (the steps of the phases before it)
     lr_warmup_steps: int = 0  # > 0: the learning rate ramps up again over this many steps from start_step
     reset_optimizer: bool = False  # AdamW's moments start from zero at start_step (the weights carry over)
@@ -139,7 +139,7 @@ class Engine:
     """Owns one worker's model, optimizer, scheduler and counters.
 
     `parallel` (none | ddp | fsdp) overrides what train.parallel and the process group decide
-    (pipeline/train/parallel.py). `module` is the LossModule itself (sharded in place under FSDP), `model` what
+    (pipeline/train/distributed/parallel.py). `module` is the LossModule itself (sharded in place under FSDP), `model` what
     a training forward calls (the DDP wrapper under DDP); saving and evaluation use `module`.
     """
 
@@ -430,7 +430,7 @@ class Engine:
     def save(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
         """Write the full training state to `directory` atomically: the full layout (model.safetensors,
         train_state.pt, meta.json; rank 0 writes it) or, under FSDP, the sharded layout (every worker writes its
-        shards; all must call). pipeline/train/checkpoint.py describes both."""
+        shards; all must call). pipeline/train/checkpoints/state.py describes both."""
         return checkpoint.save(self, directory, extra)
 
     def load(self, directory: str | os.PathLike, weights_only_model: bool = False,

@@ -70,7 +70,7 @@ def eval_report(checkpoint: str | Path, metrics: dict[str, float]) -> str:
 def run_dir_of_checkpoint(checkpoint: str | Path) -> Path | None:
     """The run directory (the nearest parent holding run.json) of a local checkpoint under it, else None (a
     checkpoint on object storage: pass the run with --resume)."""
-    from pipeline.train.run_dir import RUN_FILE
+    from pipeline.train.session.run_dir import RUN_FILE
 
     if is_uri(checkpoint):
         return None
@@ -85,7 +85,7 @@ def tracked_run(run_dir: Path | None, tracking_uri: str = "") -> tuple[str, str]
     A non-empty `tracking_uri` (from the command line) replaces the one the run recorded."""
     from pipeline.config import from_flat
     from pipeline.tracking.tracker import resolve_tracking_uri
-    from pipeline.train.run_dir import read_run_file
+    from pipeline.train.session.run_dir import read_run_file
 
     if run_dir is None:
         return None

@@ -9,17 +9,17 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
-from pipeline.train.generate import eval_samples_hook
+from pipeline.train.serve.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.data.mixture import mixture_of
 from pipeline.data.mixture import train_batches as mixed_train_batches
 from pipeline.data.shards import EvalSplit, ShardReader, check_trainable, load_manifest
 from pipeline.eval.sources import SourceValidation
 from pipeline.storage import absolute, local_copy
-from pipeline.train.broken_checkpoint import diagnosed
-from pipeline.train.checkpoint import CheckpointError
-from pipeline.train.checkpoints_index import resume_point
-from pipeline.train.run_dir import AUDIT_DIR
+from pipeline.train.checkpoints.broken import diagnosed
+from pipeline.train.checkpoints.state import CheckpointError
+from pipeline.train.checkpoints.index import resume_point
+from pipeline.train.session.run_dir import AUDIT_DIR
 
 
 def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, tracker=None, *,

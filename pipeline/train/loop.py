@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from pipeline.train.collectives import CollectiveWatch
+from pipeline.train.distributed.collectives import CollectiveWatch
 from pipeline.eval.positions import evaluate_by_position
 from pipeline.train.engine import Engine, StepOutcome
 
@@ -56,7 +56,7 @@ class StopRequest:
     step later). `poll` is collective under DDP (every rank calls it at the same steps and they agree), so all
     workers stop at the same step.
 
-    `notices` are preemption notices a worker may get (pipeline/train/elastic.py: a SIGTERM to a Ray Train worker,
+    `notices` are preemption notices a worker may get (pipeline/train/distributed/elastic.py: a SIGTERM to a Ray Train worker,
     Ray draining its node), each a callable returning a reason or None; with any, the loop asks at every step, so
     the checkpoint lands at the next step boundary. `preempted` is then the reason, the same on every rank ("rank 1:
     SIGTERM to the worker on host-b (pid 7)" under a process group), and the launcher stops that attempt rather

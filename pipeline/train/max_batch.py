@@ -10,7 +10,7 @@ the memory model for any GPU size and worker count.
     python -m pipeline.train.max_batch --tier E --seq-len 32768 --workers 8 --measure    # plan, then run it here
     python -m pipeline.train.max_batch --tier D E F --seq-len 32768 --workers 1 8 64 --memory-limit-gib 80  # table
 
-The plan (--workers N): pipeline/train/memory_plan.py's model of one worker's peak (parameters, gradients and
+The plan (--workers N): pipeline/train/memory/plan.py's model of one worker's peak (parameters, gradients and
 AdamW state divided by N under FSDP, the FSDP working set, activations, the loss head) for DDP and FSDP under
 every activation-checkpointing setting, the largest micro-batch of each, and the choice: the least recompute
 that fits one sequence, DDP before FSDP. It runs nothing, so it answers for 64 GPUs on a laptop; --device
@@ -29,7 +29,7 @@ the first that did not. After every try the gradients are dropped and memory is 
 allocates the optimizer state, so every measured try sees the steady-state memory of training.
 
 Where the memory limit comes from: `memory_limit_gib` (or train.memory_limit_gib) simulates a device of
-that size (pipeline/train/memory_limit.py; CUDA: a capped allocator, CPU: counted tensor storage); without
+that size (pipeline/train/memory/limit.py; CUDA: a capped allocator, CPU: counted tensor storage); without
 one, a GPU is searched up to its real capacity and a CPU up to the memory the host has available.
 Assumes memory grows with the batch (true for training steps), so the answer is exact to one sequence.
 
@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from pipeline.config import Config, ConfigError, load_config  # noqa: E402
 from pipeline.data.synthetic import synthetic_batches  # noqa: E402
-from pipeline.train.hardware import host_available_gib  # noqa: E402
+from pipeline.train.memory.hardware import host_available_gib  # noqa: E402
 
 GIB = 2**30
 
@@ -78,7 +78,7 @@ class MaxBatchResult:
     device: str
     upper: int  # the search stopped here even if larger batches fit
     tries: list[Try] = field(default_factory=list)
-    model_max_batch: int = -1  # what the memory model (pipeline/train/memory_plan.py) predicts for the same limit
+    model_max_batch: int = -1  # what the memory model (pipeline/train/memory/plan.py) predicts for the same limit
     out_of_time: bool = False  # the search stopped at max_seconds: max_batch is a lower bound
 
     def fits(self, batch_size: int) -> bool:
@@ -109,7 +109,7 @@ def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None 
     them while the search runs. Raises ConfigError for an impossible tier/seq_len combination.
     """
     from pipeline.train.engine import Engine
-    from pipeline.train.hardware import default_device
+    from pipeline.train.memory.hardware import default_device
 
     if upper < 1:
         raise ConfigError(f"max-batch upper bound must be >= 1, got {upper}")
@@ -128,12 +128,12 @@ def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None 
     result = MaxBatchResult(cfg.model.tier, cfg.data.seq_len, 0, round(limit, 4), simulated, str(device), upper)
     if tries is not None:
         result.tries = tries
-    from pipeline.train.memory_plan import max_batch_by_model, usable_bytes
+    from pipeline.train.memory.plan import max_batch_by_model, usable_bytes
 
     result.model_max_batch = max_batch_by_model(cfg, vocab, limit_bytes=usable_bytes(limit, device.type),
                                                 upper=upper, device_type=device.type)[0]
     if verbose:
-        print(f"  the memory model predicts {result.model_max_batch} (pipeline/train/memory_plan.py); measuring: one "
+        print(f"  the memory model predicts {result.model_max_batch} (pipeline/train/memory/plan.py); measuring: one "
               f"training step per probe", flush=True)
     engine = Engine(cfg, vocab, device, parallel="none")
 
@@ -205,7 +205,7 @@ def _measure_worker(rank: int, world: int, flat: dict, vocab_size: int, parallel
     """One worker of --measure: `steps` training steps at the configured micro-batch; its peak bytes."""
     from pipeline.config import from_flat
     from pipeline.train.engine import Engine
-    from pipeline.train.hardware import default_device
+    from pipeline.train.memory.hardware import default_device
 
     cfg = from_flat(flat)
     device = default_device()
@@ -229,20 +229,20 @@ def _measure_worker(rank: int, world: int, flat: dict, vocab_size: int, parallel
 
 def measure_peaks(cfg: Config, vocab_size: int, workers: int, parallel: str, steps: int = 2) -> list[int]:
     """Each worker's peak bytes over `steps` steps of cfg (its micro-batch and checkpointing) on `workers` local
-    processes (pipeline/train/process_group.py)."""
-    from pipeline.train.process_group import run_workers
+    processes (pipeline/train/distributed/process_group.py)."""
+    from pipeline.train.distributed.process_group import run_workers
 
     return run_workers(_measure_worker, workers, cfg.flat(), vocab_size, parallel, steps)
 
 
 def print_plan(p, cfg: Config) -> None:
-    from pipeline.train.memory_plan import size_text
+    from pipeline.train.memory.plan import size_text
 
     dev = ("CUDA, " + ("fp32" if cfg.train.precision == "fp32" else "bf16") +
            (", compiled blocks" if cfg.model.compile != "off" else "") if p.device_type == "cuda" else "CPU, fp32")
     room = (f"{p.limit_gib:g} GiB each, {size_text(p.usable_bytes)} usable" if p.device_type == "cuda"
             else f"{p.limit_gib:g} GiB each")
-    print(f"memory plan (the memory model, pipeline/train/memory_plan.py; not a measurement): {p.mixer} tier {p.tier}, "
+    print(f"memory plan (the memory model, pipeline/train/memory/plan.py; not a measurement): {p.mixer} tier {p.tier}, "
           f"seq_len {p.seq_len:,}, vocab {p.vocab_size:,}, {p.workers} worker(s) x {room} ({dev})")
     print(f"  {'parallel':<9}{'checkpointing':<15}{'max micro-batch':>16}  peak per worker")
     for r in p.rows:
@@ -263,7 +263,7 @@ def print_plan(p, cfg: Config) -> None:
 
 def plan_main(args, rest: list[str]) -> int:
     from pipeline.config import default_preset
-    from pipeline.train.memory_plan import plan, size_text
+    from pipeline.train.memory.plan import plan, size_text
 
     device_type = args.device or "cuda"
     cfg = load_config(args.preset or ("gpu" if device_type == "cuda" else default_preset()), rest)
@@ -279,7 +279,7 @@ def plan_main(args, rest: list[str]) -> int:
     if min(args.workers) < 1:
         raise ConfigError(f"--workers {' '.join(map(str, args.workers))}: every count must be at least 1")
     if len(args.workers) > 1 or len(args.tier or []) > 1:  # the fit table
-        from pipeline.train.memory_plan import fit_table
+        from pipeline.train.memory.plan import fit_table
 
         print(f"fit table (the memory model, not a measurement): {cfg.model.mixer}, seq_len {cfg.data.seq_len:,}, "
               f"vocab {vocab:,}, {device_type}; each cell: train.parallel, activation checkpointing, micro-batch "
@@ -291,7 +291,7 @@ def plan_main(args, rest: list[str]) -> int:
     print_plan(p, cfg)
     result = {"plan": p.to_dict()}
     if args.measure and p.choice is not None:
-        from pipeline.train.hardware import default_device
+        from pipeline.train.memory.hardware import default_device
 
         if default_device().type != device_type:
             raise ConfigError(f"--measure runs the plan on this machine, which has no {device_type} device; "
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.preset, rest)
         print(f"max-batch search: {cfg.model.mixer} tier {tier or cfg.model.tier}, "
               f"seq_len {args.seq_len or cfg.data.seq_len}", flush=True)
-        from pipeline.train.hardware import default_device
+        from pipeline.train.memory.hardware import default_device
 
         on_cpu = default_device().type != "cuda"
         budget = args.max_seconds if args.max_seconds is not None else (CPU_MAX_SECONDS if on_cpu else 0.0)

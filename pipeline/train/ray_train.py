@@ -12,10 +12,10 @@ exact next sequence. The checkpoint is the engine's full state (weights, optimiz
 counters) reported through `ray.train.report`; Ray keeps the newest K by validation loss plus the
 latest, and FailureConfig restarts the worker group from the latest after a worker dies.
 
-Parallelism (train.parallel; pipeline/train/parallel.py): the engine shares the model across the workers by DDP or
+Parallelism (train.parallel; pipeline/train/distributed/parallel.py): the engine shares the model across the workers by DDP or
 FSDP2 and rank 0 prints which and why. Under FSDP every worker writes its own shards of the checkpoint into its
 own directory and reports it; Ray Train merges the reported directories into one checkpoint directory in storage
-and registers it only once every worker has reported (pipeline/train/checkpoint.py, sharded layout). A run resumed
+and registers it only once every worker has reported (pipeline/train/checkpoints/state.py, sharded layout). A run resumed
 with another ray.num_workers reads that checkpoint resharded.
 
 Where things are. A worker is handed locations, never a path that exists only on the driver's machine when
@@ -50,7 +50,7 @@ from pipeline.storage import (StorageError, absolute, check, delete, exists, exp
 # Light on purpose: Ray Train's controller and Tune's trial processes import this module (to unpickle
 # train_loop_per_worker). The engine, the model and numba load only in the training workers, inside
 # train_loop_per_worker (torch itself still loads there: Ray's TorchTrainer imports it).
-from pipeline.train.run_dir import AUDIT_DIR
+from pipeline.train.session.run_dir import AUDIT_DIR
 
 STOP_FILE = "STOP"  # <run storage>/STOP: the driver's Ctrl+C, seen by every worker
 # Every report carries the worker group's placement group, so whoever ends the run early (a sweep's scheduler
@@ -85,17 +85,17 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from pipeline.train import elastic
+    from pipeline.train.distributed import elastic
     from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
-    from pipeline.train.failure_policy import quiet_repeating_tracebacks
-    from pipeline.train.generate import eval_samples_hook
+    from pipeline.train.distributed.failure_policy import quiet_repeating_tracebacks
+    from pipeline.train.serve.generate import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, evaluate_timed, fit, standard_hooks
     from pipeline.data.mixture import mixture_of
     from pipeline.data.mixture import train_batches as mixed_train_batches
     from pipeline.data.shards import EvalSplit, ray_batches
     from pipeline.eval.sources import SourceValidation
     from pipeline.tracking.tracker import open_tracker
-    from pipeline.train.ray_checkpoints import (load_chosen, load_restored, prune_unregistered, publish_for_ray,
+    from pipeline.train.checkpoints.ray_upload import (load_chosen, load_restored, prune_unregistered, publish_for_ray,
                                                 wait_for_storage, written_by)
 
     cfg: Config = from_flat(lc["config"])
@@ -286,9 +286,9 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from pipeline.train import elastic
+    from pipeline.train.distributed import elastic
     from pipeline.train.engine import check_checkpoint_fits, read_checkpoint_meta
-    from pipeline.train.failure_policy import QuietController, trainer_class
+    from pipeline.train.distributed.failure_policy import QuietController, trainer_class
     from pipeline.data.shards import check_compatible, check_trainable, load_manifest
 
     run_dir = Path(run_dir).resolve()
@@ -323,14 +323,14 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     trainer = trainer_class(TorchTrainer)(
         train_loop_per_worker,
         train_loop_config=lc,
-        # A range MIN-MAX runs elastic (pipeline/train/elastic.py); the backend sets each worker up before its
+        # A range MIN-MAX runs elastic (pipeline/train/distributed/elastic.py); the backend sets each worker up before its
         # process group starts (its network interface, SIGTERM as a preemption notice).
         scaling_config=ray.train.ScalingConfig(num_workers=elastic.worker_count(cfg), use_gpu=use_gpu(cfg),
                                                resources_per_worker={"CPU": worker_cpus(cfg)},
                                                placement_strategy=cfg.ray.placement_strategy,
                                                elastic_resize_monitor_interval_s=cfg.ray.resize_check_s),
         # The process group's timeout bounds every collective's wait (gloo and NCCL): a rank that does not join one
-        # ends the attempt with one line instead of a silent hang (pipeline/train/collectives.py)
+        # ends the attempt with one line instead of a silent hang (pipeline/train/distributed/collectives.py)
         torch_config=elastic.torch_config(cfg.train.collective_timeout_s),
         run_config=ray.train.RunConfig(
             # Ray's own storage calls (its snapshot of the checkpoints, each worker's storage check at start, restores,
@@ -341,7 +341,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                                                          checkpoint_score_order="min"),
             # Worker errors and failures to start the workers (their resources never came within the start
             # timeout) are both retried ray.max_failures times; Ray's default retries the latter forever. Errors
-            # that would repeat are not retried (pipeline/train/failure_policy.py).
+            # that would repeat are not retried (pipeline/train/distributed/failure_policy.py).
             failure_config=ray.train.FailureConfig(max_failures=cfg.ray.max_failures,
                                                    controller_failure_limit=cfg.ray.max_failures),
             # Ray Train's INFO lines (worker group started, each checkpoint reported) stay in its log files.
@@ -365,7 +365,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         start_error = _start_failure(exc, cfg.ray.max_failures + 1)
         if start_error is None:
             from pipeline.ray_runtime import find_cause
-            from pipeline.train.collectives import CollectiveTimeoutError
+            from pipeline.train.distributed.collectives import CollectiveTimeoutError
 
             # a worker's one-line error, out of Ray's wrappers (TrainingFailedError's worker failures)
             line = find_cause(exc, lambda e: isinstance(e, CollectiveTimeoutError))

@@ -72,11 +72,11 @@ def hosts(tmp_path_factory, test_runs_root):
 
 def test_gloo_across_hosts_with_loopback_hostnames_needs_the_node_interface(hosts):
     """Each hostname resolves to 127.0.0.1: a plain Gloo group across two hosts fails (every rank announces its
-    loopback address); bound by pipeline/train/node_network.py to the interface holding the node's address, the
+    loopback address); bound by pipeline/train/distributed/node_network.py to the interface holding the node's address, the
     same group all-reduces."""
     script = textwrap.dedent("""
         import datetime, sys, torch, torch.distributed as dist
-        from pipeline.train.node_network import bind_process_group
+        from pipeline.train.distributed.node_network import bind_process_group
         rank, bind, port = int(sys.argv[1]), sys.argv[2] == "bind", sys.argv[3]
         if bind:
             print("interface", bind_process_group(f"10.77.0.{rank + 1}"), flush=True)

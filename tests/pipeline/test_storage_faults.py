@@ -153,10 +153,10 @@ def test_rays_storage_calls_ride_out_an_outage_through_the_retrying_filesystem(s
 
 
 def test_a_restarted_worker_waits_for_the_store_and_for_a_403(obj, through_proxy, capfd):
-    """pipeline/train/ray_checkpoints.py wait_for_storage, what a Ray Train worker does first: it returns once the
+    """pipeline/train/checkpoints/ray_upload.py wait_for_storage, what a Ray Train worker does first: it returns once the
     store answers again, saying once that it waits, for an outage and for a 403 alike (a restart inside a 403 window
     waits instead of spending the next attempt); a 403 past the window is one line that says it was waited out."""
-    from pipeline.train.ray_checkpoints import wait_for_storage
+    from pipeline.train.checkpoints.ray_upload import wait_for_storage
 
     run_store = obj.rsplit("/", 1)[0]
     through_proxy.down(5)  # longer than the S3 client's own retries, so the first listing fails
@@ -176,14 +176,14 @@ def test_a_restarted_worker_waits_for_the_store_and_for_a_403(obj, through_proxy
 
 
 def test_the_progress_record_is_written_in_the_background_newest_only(s3_bucket, through_proxy):
-    """Rank 0's <run>/progress.json at every log step (pipeline/train/elastic.py ResumeReport): a log step does not
+    """Rank 0's <run>/progress.json at every log step (pipeline/train/distributed/elastic.py ResumeReport): a log step does not
     wait for the store (with +50 ms per request the synchronous 3-request upload cost 2.6x the training time), and a
     slow store gets the newest record, not a backlog of stale ones."""
     import json
     import time
     from types import SimpleNamespace
 
-    from pipeline.train.elastic import ResumeReport
+    from pipeline.train.distributed.elastic import ResumeReport
 
     run_store = f"{s3_bucket}/faults/progress"
     through_proxy.latency(2.0, r" \S*/progress\.json")  # one upload: >= 6 s (3 requests)

@@ -28,7 +28,7 @@ import torch
 from pipeline import storage
 from pipeline.config import from_flat
 from pipeline.data.shards import ShardReader
-from pipeline.train.checkpoints_index import list_checkpoints
+from pipeline.train.checkpoints.index import list_checkpoints
 from pipeline.train.engine import Engine
 from pipeline.train.loop import Hooks, fit
 from tests.conftest import proxy_env
@@ -178,7 +178,7 @@ def test_resume_from_a_chosen_checkpoint_then_403_mid_run_ends_in_one_line(fault
     published, restarts cannot start, and the driver ends with one line naming the object and the fix."""
     import time
 
-    from pipeline.train.checkpoints_index import step_of
+    from pipeline.train.checkpoints.index import step_of
 
     assert faulty_ray_run["code"] == 0
     chosen = min(list_checkpoints(faulty_ray_run["ckpts"]), key=lambda f: step_of(f.location))

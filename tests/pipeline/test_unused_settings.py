@@ -1,6 +1,6 @@
 """Nothing a user sets is silently ignored: each mistake below is a command line a newcomer types, and the one line
 it now gets (exit 2, no traceback) instead of a run that quietly does something else. All of them are refused while
-the command line is read, before any data, Ray or MLflow work (pipeline/unused_settings.py)."""
+the command line is read, before any data, Ray or MLflow work (pipeline/cli/unused_settings.py)."""
 from __future__ import annotations
 
 from pathlib import Path

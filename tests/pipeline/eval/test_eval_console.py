@@ -27,7 +27,7 @@ def test_long_eval_shows_progress_per_batch_and_prints_where_its_pictures_are(tm
     from pipeline.eval import passkey as pk
     from pipeline.tracking.tracker import open_tracker
     from pipeline.train.engine import Engine
-    from pipeline.train.run_dir import write_run_file
+    from pipeline.train.session.run_dir import write_run_file
 
     texts = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)][:60]
     template = pk.INTRO + pk.NEEDLE.format(key="12345") + pk.QUESTION

@@ -183,9 +183,9 @@ def test_the_grid_tells_a_model_that_retrieves_from_one_that_cannot(grids):
 @pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_a_sharded_checkpoint_gives_the_same_answers(setup, grids):
     from pipeline.eval.stage import evaluate_long_context
-    from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
+    from pipeline.train.checkpoints.state import SHARDED, read_checkpoint_meta
     from pipeline.train.engine import Engine
-    from pipeline.train.process_group import process_group
+    from pipeline.train.distributed.process_group import process_group
 
     with process_group(0, 1):  # FSDP over a one-worker group: the sharded layout, in this process
         engine = Engine(config().replace({"train.parallel": "fsdp"}), setup.tokenizer.vocab_size, torch.device("cpu"))
@@ -222,7 +222,7 @@ def test_eval_cli_logs_every_measure_to_the_run_that_trained_the_checkpoint(setu
 
     from pipeline.run import main
     from pipeline.tracking.tracker import open_tracker
-    from pipeline.train.run_dir import write_run_file
+    from pipeline.train.session.run_dir import write_run_file
 
     uri = f"sqlite:///{setup.tmp / 'mlflow.db'}"
     cfg = config().replace({"tracking.enabled": True, "tracking.tracking_uri": uri, "tracking.system_metrics": False,

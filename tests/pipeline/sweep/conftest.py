@@ -58,7 +58,7 @@ def mixer_sweep(ray_session, mlflow_server, sweep_files, tmp_path_factory) -> Mi
 
     from pipeline.eval.stage import evaluate_long_context, log_long_context
     from pipeline.run import main
-    from pipeline.train.checkpoint import read_checkpoint_meta
+    from pipeline.train.checkpoints.state import read_checkpoint_meta
 
     tmp = tmp_path_factory.mktemp("mixer_sweep")
     doc = yaml.safe_load(MIXER_SPACE.read_text())

@@ -11,7 +11,7 @@ import pytest
 import transformers  # the dev extra installs it (pip install -e '.[dev]')
 
 from pipeline.run import main as cli_main
-from pipeline.train.session import TrainSession, load_phases
+from pipeline.train.session.train_session import TrainSession, load_phases
 from tests.pipeline.train.hf_helpers import build_dataset
 
 

@@ -1,7 +1,7 @@
 """Every broken checkpoint file is one line: a truncated or corrupt model.safetensors, train_state.pt, meta.json, DCP
 shard, `.metadata`, the dataset's tokenizer model, or a checkpoint on S3 with an object missing, under eval,
 generate, export, `train --resume` and `validate`. The line names the file and what is wrong, and offers the
-previous complete checkpoint as the command to run (pipeline/train/broken_checkpoint.py).
+previous complete checkpoint as the command to run (pipeline/train/checkpoints/broken.py).
 
 One --no-ray run is trained once (4 steps, a checkpoint every 2: step_000002 and step_000004, both kept); each case
 copies it and breaks one file of step_000004. A sharded copy has step_000004 written again in the FSDP layout (FSDP
@@ -60,7 +60,7 @@ def sharded(source, tmp_path_factory) -> Path:
 
     from pipeline.config import from_dict
     from pipeline.train.engine import Engine
-    from pipeline.train.process_group import process_group
+    from pipeline.train.distributed.process_group import process_group
 
     run = copy_run(source, tmp_path_factory.mktemp("sharded") / RUN)
     step4 = run / "checkpoints" / "phase0" / "step_000004"
@@ -78,7 +78,7 @@ def sharded(source, tmp_path_factory) -> Path:
 def on_s3(source, s3_bucket) -> str:
     """The run's two checkpoints in the bucket; step_000004 lost its model.safetensors. Returns the folder."""
     from pipeline import storage
-    from pipeline.train.checkpoints_index import publish
+    from pipeline.train.checkpoints.index import publish
 
     folder = f"{s3_bucket}/broken-ckpts/{RUN}/checkpoints/phase0"
     for name in ("step_000002", "step_000004"):
@@ -314,7 +314,7 @@ def test_the_line_survives_a_trip_through_a_worker_process():
     """Ray Train's workers raise it and the CLI prints it from the driver: its fields travel with it (pickled)."""
     import pickle
 
-    from pipeline.train.broken_checkpoint import BrokenCheckpoint
+    from pipeline.train.checkpoints.broken import BrokenCheckpoint
 
     broken = BrokenCheckpoint("s3://b/r/ray/phase0/checkpoint_2", "checkpoint s3://b/r/ray/phase0/checkpoint_2 lacks "
                               "model.safetensors", "s3://b/r/ray/phase0/checkpoint_1", 20)
@@ -357,7 +357,7 @@ def test_a_prompts_file_that_is_not_text_is_never_blamed_on_the_whole_checkpoint
 def test_a_text_or_json_error_is_never_blamed_on_a_whole_checkpoint(source):
     """The diagnosis covers the checkpoint's own files: with every file whole (meta.json parsed, sizes and sha256 as
     it records), a UnicodeDecodeError or a JSONDecodeError raised by the command came from something else."""
-    from pipeline.train.broken_checkpoint import diagnose
+    from pipeline.train.checkpoints.broken import diagnose
 
     ckpt = str(source / "checkpoints" / "phase0" / "step_000004")
     assert diagnose(ckpt, UnicodeDecodeError("utf-8", b"\x1f\x8b", 0, 1, "invalid start byte")) is None

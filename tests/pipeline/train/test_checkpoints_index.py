@@ -1,4 +1,4 @@
-"""pipeline/train/checkpoints_index.py against the session's SeaweedFS behind the fault proxy: a checkpoint is
+"""pipeline/train/checkpoints/index.py against the session's SeaweedFS behind the fault proxy: a checkpoint is
 published whole or not at all (a refused "complete multipart upload" of model.safetensors, the silent loss of the
 issue, is retried and verified; one that never completes names the file and leaves no meta.json), a resume skips an
 incomplete checkpoint for the newest complete one, cleanup removes what nothing registered, and a storage failure
@@ -15,8 +15,8 @@ from pipeline import storage
 from pipeline import storage_faults as faults
 from pipeline.config import load_config
 from pipeline.storage import StorageError
-from pipeline.train.checkpoint import CheckpointError, read_checkpoint_meta
-from pipeline.train.checkpoints_index import (incomplete, list_checkpoints, prune, publish, resume_point,
+from pipeline.train.checkpoints.state import CheckpointError, read_checkpoint_meta
+from pipeline.train.checkpoints.index import (incomplete, list_checkpoints, prune, publish, resume_point,
                                               newest_complete)
 from pipeline.train.engine import Engine
 

@@ -1,6 +1,6 @@
 """Every rank runs the same collectives, and a collective that never completes ends in one line.
 
-Two gloo workers (pipeline/train/process_group.py) run the training loop every launcher uses:
+Two gloo workers (pipeline/train/distributed/process_group.py) run the training loop every launcher uses:
 - with the eval-time text samples on under FSDP, for both model families, as Ray Train's workers run them (rank 0
   generates inside the whole-weight gather of Engine.full_model, through ray_train's `_gathered` hook): training
   goes on past every evaluation to the last step;
@@ -50,7 +50,7 @@ def _fit(rank: int, world: int, dataset: str, over: dict, parallel: str, on_eval
 
 def samples_under_fsdp(rank: int, world: int, dataset: str) -> dict:
     """Both families under FSDP with rank-0 samples at every evaluation: the steps reached and what was generated."""
-    from pipeline.train.generate import generate_ids
+    from pipeline.train.serve.generate import generate_ids
     from pipeline.train.ray_train import _gathered
 
     out = {}
@@ -74,7 +74,7 @@ class _Left(Exception):
 def leaves_early(rank: int, world: int, dataset: str) -> dict:
     """Rank 1 leaves the loop right after step 2's update, skipping that log step's metrics all-reduce and every
     collective after it, and then stays alive (its connections open) while rank 0 goes on."""
-    from pipeline.train.collectives import CollectiveTimeoutError
+    from pipeline.train.distributed.collectives import CollectiveTimeoutError
 
     def leave(engine, outcome, micro) -> None:
         if rank == 1 and engine.step == 2:
@@ -103,7 +103,7 @@ def dataset(tmp_path_factory) -> str:
 
 
 def test_eval_samples_under_fsdp_do_not_hang_either_family(dataset):
-    from pipeline.train.process_group import run_workers
+    from pipeline.train.distributed.process_group import run_workers
 
     got = run_workers(samples_under_fsdp, 2, dataset, timeout_s=SAMPLES_TIMEOUT_S)
     for mixer in ("resonance", "attention"):
@@ -115,7 +115,7 @@ def test_eval_samples_under_fsdp_do_not_hang_either_family(dataset):
 
 
 def test_a_rank_that_skips_collectives_ends_the_others_in_seconds_with_one_line(dataset):
-    from pipeline.train.process_group import run_workers
+    from pipeline.train.distributed.process_group import run_workers
 
     got = run_workers(leaves_early, 2, dataset, timeout_s=TIMEOUT_S)
     r0, r1 = got
@@ -131,7 +131,7 @@ def test_a_rank_that_skips_collectives_ends_the_others_in_seconds_with_one_line(
 def test_the_nccl_watchdog_prints_the_line_before_the_process_is_ended(capsys):
     """Under NCCL the process may be killed at the timeout before Python sees an exception: the watchdog thread
     prints the line when a region outlives the timeout (less a short lead)."""
-    from pipeline.train.collectives import CollectiveWatch
+    from pipeline.train.distributed.collectives import CollectiveWatch
 
     watch = CollectiveWatch(rank=1, world_size=4, timeout_s=1.0, backend="nccl")
     try:
@@ -147,7 +147,7 @@ def test_the_nccl_watchdog_prints_the_line_before_the_process_is_ended(capsys):
 
 
 def test_a_failure_outside_torch_distributed_keeps_its_own_type():
-    from pipeline.train.collectives import CollectiveWatch
+    from pipeline.train.distributed.collectives import CollectiveWatch
 
     watch = CollectiveWatch(rank=0, world_size=2, timeout_s=5.0)
     with pytest.raises(ZeroDivisionError):

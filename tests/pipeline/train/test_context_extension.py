@@ -13,7 +13,7 @@ import torch
 
 from pipeline.config import ConfigError, load_config
 from pipeline.train.engine import lr_lambda
-from pipeline.train.session import Phase, TrainSession, keep_tokens_per_step, load_phases, parse_phases
+from pipeline.train.session.train_session import Phase, TrainSession, keep_tokens_per_step, load_phases, parse_phases
 from tests.pipeline.train.hf_helpers import build_dataset
 
 SHORT, LONG = 256, 1024

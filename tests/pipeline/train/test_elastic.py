@@ -21,7 +21,7 @@ def test_a_worker_range_is_max_workers_and_min_workers():
     assert cfg.replace({"ray.num_workers": 4}).ray.min_workers == 0
     assert cfg.replace({"ray.num_workers": 4, "ray.min_workers": 2}).ray.min_workers == 2
     assert cfg.flat()["ray.num_workers"] == 4  # every existing use of the field still reads an int
-    from pipeline.train.elastic import worker_count
+    from pipeline.train.distributed.elastic import worker_count
 
     assert worker_count(cfg) == (2, 4) and worker_count(load_config("test", ["--ray.num_workers=4"])) == 4
 
@@ -46,7 +46,7 @@ def test_a_bad_worker_range_is_one_line_naming_the_fix(args, message):
 
 
 def test_every_count_of_the_range_keeps_tokens_per_step():
-    from pipeline.train.elastic import at_world_size
+    from pipeline.train.distributed.elastic import at_world_size
 
     cfg = load_config("test", ["--ray.num_workers=2-4", "--train.grad_accum=3"])  # 4 x 3 x 4 = 48 sequences
     assert elastic_worker_counts(cfg) == [1, 2, 3, 4, 6][:4]
@@ -113,7 +113,7 @@ def test_a_preemption_notice_checkpoints_at_the_next_step_boundary(tmp_path):
 def test_the_process_group_binds_to_the_node_ip_interface_or_refuses(monkeypatch):
     """This machine's hostname may resolve to 127.0.0.1 (as here); a node IP no interface holds is refused in one
     line naming the fix; a loopback node IP (every worker on this machine) needs nothing."""
-    from pipeline.train import node_network as nn
+    from pipeline.train.distributed import node_network as nn
 
     monkeypatch.setattr(nn, "hostname_address", lambda: "127.0.0.1")
     for name in nn.IFNAME_ENVS:
@@ -132,8 +132,8 @@ def test_a_node_refused_inside_ray_is_its_one_line_on_the_driver():
     from ray.exceptions import RayTaskError
     from ray.train.v2.api.exceptions import ControllerError
 
-    from pipeline.train.elastic import raise_setup_error
-    from pipeline.train.node_network import ProcessGroupNetworkError
+    from pipeline.train.distributed.elastic import raise_setup_error
+    from pipeline.train.distributed.node_network import ProcessGroupNetworkError
 
     line = "node 203.0.113.9: its hostname 'b' resolves to 127.0.0.1, ... set GLOO_SOCKET_IFNAME"
     wrapped = ControllerError(RayTaskError("execute", "Traceback ...\n" + line, ProcessGroupNetworkError(line)))

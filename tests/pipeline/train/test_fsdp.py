@@ -1,7 +1,7 @@
 """FSDP2 against DDP and the one-process engine, exact resume and resharded resume, on CPU with gloo.
 
 The Ray-free engine and loop run under a real torch.distributed process group in two spawned worker processes
-(pipeline/train/process_group.py), reading the same shards with the same per-rank split as Ray Train's workers;
+(pipeline/train/distributed/process_group.py), reading the same shards with the same per-rank split as Ray Train's workers;
 tests/pipeline/train/test_fsdp_ray.py runs the same engine under Ray Train. One spawn runs every two-worker
 scenario; the one-worker runs happen in this process (one of them under a one-worker process group).
 
@@ -59,16 +59,16 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
           save_to: str | None = None) -> dict:
     """Train to STEPS with the loop every launcher uses (saving at SAVE_AT when asked); losses per step, and the
     final weights in <dataset>/../<name>.safetensors. A config with a worker range (ray.min_workers > 0) trains as
-    an elastic attempt of `world` workers does (pipeline/train/elastic.py at_world_size)."""
+    an elastic attempt of `world` workers does (pipeline/train/distributed/elastic.py at_world_size)."""
     from pipeline.data.shards import ShardReader, eval_reader
     from pipeline.eval.positions import evaluate_by_position
     from pipeline.train.engine import Engine
-    from pipeline.train.generate import generate_ids
+    from pipeline.train.serve.generate import generate_ids
     from pipeline.train.loop import Hooks, fit
 
     cfg = cfg_for(**over)
     if cfg.ray.min_workers:
-        from pipeline.train.elastic import at_world_size
+        from pipeline.train.distributed.elastic import at_world_size
 
         cfg = at_world_size(cfg, world)
     engine = Engine(cfg, VOCAB, torch.device("cpu"), rank=rank, world_size=world, parallel=parallel)
@@ -110,7 +110,7 @@ def two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from pipeline.train.process_group import process_group, run_workers
+    from pipeline.train.distributed.process_group import process_group, run_workers
 
     tmp = tmp_path_factory.mktemp("fsdp")
     ds = str(tmp / "ds")
@@ -196,7 +196,7 @@ def test_fsdp_composes_with_resonance_untied_head_and_checkpointing(runs):
 def test_sharded_checkpoint_on_disk(runs):
     """Two shard files and metadata, meta.json naming the layout; nothing temporary left; consolidated, the
     weights of every parameter, as a full checkpoint holds them."""
-    from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
+    from pipeline.train.checkpoints.state import load_model_state, read_checkpoint_meta
 
     ckpt = runs["tmp"] / "fsdp2"
     meta = read_checkpoint_meta(ckpt)
@@ -217,7 +217,7 @@ def test_a_damaged_or_foreign_sharded_checkpoint_is_one_clear_error(runs, tmp_pa
     """A missing shard file, and metadata that would run code when unpickled, are refused before anything loads."""
     import shutil
 
-    from pipeline.train.checkpoint import CheckpointError, load_model_state, read_checkpoint_meta
+    from pipeline.train.checkpoints.state import CheckpointError, load_model_state, read_checkpoint_meta
 
     good = runs["tmp"] / "fsdp2"
     missing = tmp_path / "missing"
@@ -264,7 +264,7 @@ def test_generation_from_gathered_fsdp_weights(runs):
     """Engine.full_model() (the eval-time samples under FSDP): every worker gathers the whole weights and greedy
     generation with the KV cache gives what the consolidated weights give in a plain decoder."""
     from model.decoder import build_model
-    from pipeline.train.generate import generate_ids
+    from pipeline.train.serve.generate import generate_ids
 
     decoder = build_model("nano", VOCAB)
     decoder.load_state_dict({k.removeprefix("decoder."): v for k, v in load_weights(runs, "fsdp").items()})
@@ -304,7 +304,7 @@ def test_each_worker_reads_only_its_shards_from_object_storage(runs, s3_bucket):
 
     from pipeline import storage
     from pipeline.train.engine import Engine
-    from pipeline.train.process_group import run_workers
+    from pipeline.train.distributed.process_group import run_workers
 
     local = runs["tmp"] / "fsdp2"
     uri = f"{s3_bucket}/fsdp-in-place/step_4"

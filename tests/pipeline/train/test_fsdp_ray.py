@@ -33,9 +33,9 @@ def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, s3_buc
     from pipeline.data.shards import ShardReader, load_manifest
     from pipeline.sweep.report import OK, OOM
     from pipeline.sweep.tune import run_sweep
-    from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
+    from pipeline.train.checkpoints.state import load_model_state, read_checkpoint_meta
     from pipeline.train.engine import Engine
-    from pipeline.train.export import export_checkpoint
+    from pipeline.train.serve.export import export_checkpoint
     from pipeline.train.loop import fit
     from pipeline.train.ray_train import run_training
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.train.hardware import PEAK_ENV, PEAK_MEMORY_BYTES_PER_S, PeakFlopsError, peak_flops, peak_memory_bandwidth
+from pipeline.train.memory.hardware import PEAK_ENV, PEAK_MEMORY_BYTES_PER_S, PeakFlopsError, peak_flops, peak_memory_bandwidth
 
 
 def test_a_cpu_has_no_peak_unless_one_is_given(monkeypatch):

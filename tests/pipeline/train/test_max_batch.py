@@ -2,7 +2,7 @@
 
     .venv/bin/python -m pytest tests/pipeline/train/test_max_batch.py -q
 
-CPU: memory is counted per live tensor storage (pipeline/train/memory_limit.py), so these tests check that the
+CPU: memory is counted per live tensor storage (pipeline/train/memory/limit.py), so these tests check that the
 count behaves like a device: the floor is the weights + gradients + Adam state, it grows with the batch,
 and the same step fails just below its own measured peak and passes just above it. The finder's answer is
 then checked independently: batch N trains under the limit, N + 1 raises torch.OutOfMemoryError.
@@ -22,7 +22,7 @@ from pipeline.train.engine import Engine
 from model.tiers import TIERS
 from pipeline.train.max_batch import find_max_batch
 from pipeline.train.max_batch import main as max_batch_main
-from pipeline.train.memory_limit import GIB, MemoryLimit
+from pipeline.train.memory.limit import GIB, MemoryLimit
 from pipeline.data.synthetic import synthetic_batches
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,9 +1,9 @@
-"""The memory model (pipeline/train/memory_plan.py) against memory that was measured: the CPU counter on real
+"""The memory model (pipeline/train/memory/plan.py) against memory that was measured: the CPU counter on real
 training steps (one process, and two FSDP workers through the plan command's --measure), the largest micro-batch
 the measured search finds, and the H100 peaks committed under bench/results/; the plan command's answers, the
 fit table in docs/scaling.md and README.md, and what train.parallel=auto chooses.
 
-On CPU every tensor is counted (pipeline/train/memory_limit.py), so the model can be held to a few percent there:
+On CPU every tensor is counted (pipeline/train/memory/limit.py), so the model can be held to a few percent there:
 3% for the attention family with and without activation checkpointing and for FSDP shards, 7% for resonance.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pipeline.config import load_config
 from pipeline.data.synthetic import synthetic_batches
 from pipeline.train.engine import Engine
 from pipeline.train.max_batch import find_max_batch, main as max_batch_main
-from pipeline.train.memory_plan import GIB, choose_parallel, estimate, fit_table, max_batch_by_model
+from pipeline.train.memory.plan import GIB, choose_parallel, estimate, fit_table, max_batch_by_model
 
 ROOT = Path(__file__).resolve().parents[3]
 CPU = torch.device("cpu")

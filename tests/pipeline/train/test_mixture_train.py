@@ -82,7 +82,7 @@ def _steps(rank: int, world: int, dataset: str, overrides: dict, steps: int, loa
 def test_a_resume_from_two_workers_on_one_reads_the_same_rows(mixture_setup, tmp_path):
     """Two workers (micro-batch 2 each) for 3 steps, then one worker (micro-batch 4: the same global batch) from
     their checkpoint to step 6: every step reads the rows one worker reads straight through, in the same order."""
-    from pipeline.train.process_group import run_workers
+    from pipeline.train.distributed.process_group import run_workers
 
     over = {**dict(p.lstrip("-").split("=", 1) for p in mixture_setup.overrides),
             "data.mixture_block_rows": 8, "train.max_steps": 6, "model.compile": "off", "train.sample_tokens": 0,

@@ -1,4 +1,4 @@
-"""An error that the next attempt would raise again spends no Ray Train retry (pipeline/train/failure_policy.py): a
+"""An error that the next attempt would raise again spends no Ray Train retry (pipeline/train/distributed/failure_policy.py): a
 Ray Train run resumed from a checkpoint whose train_state.pt is corrupt ends after one attempt, with one line and no
 worker traceback, whatever ray.max_failures allows; an outage or a lost worker is still retried."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.storage import StorageError
-from pipeline.train.broken_checkpoint import BrokenCheckpoint
-from pipeline.train.collectives import CollectiveTimeoutError
+from pipeline.train.checkpoints.broken import BrokenCheckpoint
+from pipeline.train.distributed.collectives import CollectiveTimeoutError
 
 ROOT = Path(__file__).resolve().parents[3]
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
@@ -29,7 +29,7 @@ def test_the_policy_raises_at_once_only_what_would_repeat(error, decision):
     from ray.train import FailureConfig
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from pipeline.train.failure_policy import NoRetryOfRepeatingErrors
+    from pipeline.train.distributed.failure_policy import NoRetryOfRepeatingErrors
 
     policy = NoRetryOfRepeatingErrors(FailureConfig(max_failures=3))
     assert policy.make_decision(WorkerGroupError(str(error), {0: error})).value == decision
@@ -47,7 +47,7 @@ def _train_workers_started() -> int:
 
 @pytest.mark.system
 def test_a_corrupt_train_state_under_ray_train_is_one_attempt_and_one_line(test_runs_root, ray_address):
-    from pipeline.train.run_dir import recorded_checkpoint
+    from pipeline.train.session.run_dir import recorded_checkpoint
 
     common = ["--preset", "test", f"--run.root={test_runs_root}", "--address", ray_address, "--tracking.enabled=false"]
     res = subprocess.run([*RUN, "train", *common, "--run.name=no-retry", "--train.max_steps=4",

@@ -106,7 +106,7 @@ def test_session_tracks_to_a_real_mlflow_server_and_matches_the_ray_free_engine(
     per-step losses it logged (1 worker on CPU) equal the Ray-free engine's for the same seed and data."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.train.session import TrainSession, load_phases
+    from pipeline.train.session.train_session import TrainSession, load_phases
 
     uri, _ = mlflow_server
     corpus = tmp_path / "corpus.jsonl"
@@ -164,7 +164,7 @@ def test_bad_input_fails_before_any_worker_starts(ray_session, synthetic_dataset
     small.save(tmp_path / "ckpt-v64")
     with pytest.raises(CheckpointError, match="vocab 64 but the dataset's tokenizer has 128"):
         run_training(cfg, synthetic_dataset, tmp_path / "r4", init_from=tmp_path / "ckpt-v64")
-    from pipeline.train.session import TrainSession, load_phases
+    from pipeline.train.session.train_session import TrainSession, load_phases
 
     bad = cfg.replace({"tracking.enabled": True, "tracking.tracking_uri": "http://127.0.0.1:9"})
     (tmp_path / "r5").mkdir()

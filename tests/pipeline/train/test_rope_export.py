@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pipeline.train.engine import Engine
-from pipeline.train.export import export_checkpoint
-from pipeline.train.generate import generate_ids, load_for_generation
+from pipeline.train.serve.export import export_checkpoint
+from pipeline.train.serve.generate import generate_ids, load_for_generation
 from tests.pipeline.train.hf_helpers import build_dataset, load_hf
 
 ORIGINAL = 64  # the "trained" context the scalings extend from

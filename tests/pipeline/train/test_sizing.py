@@ -1,4 +1,4 @@
-"""A run sized to its data (pipeline/train/sizing.py): the rules on their own, then the `gpu` preset's rules run on
+"""A run sized to its data (pipeline/train/session/sizing.py): the rules on their own, then the `gpu` preset's rules run on
 CPU at a small scale through `python pipeline/run.py` -- the default run on a GPU, with the nano tier standing in for
 tier B and 4,096-token rows for 32,768."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config
-from pipeline.train.sizing import MIN_SEQ_LEN, cap_steps, fold_accumulation, rows_at, shorter_seq_len
+from pipeline.train.session.sizing import MIN_SEQ_LEN, cap_steps, fold_accumulation, rows_at, shorter_seq_len
 
 
 def test_rows_shrink_to_the_longest_power_of_two_that_fills_min_rows():

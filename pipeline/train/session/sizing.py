@@ -5,7 +5,7 @@ GPU trains the built-in corpus a few times over at a row length it fills, instea
     python pipeline/run.py                                  # on a GPU: the gpu preset, sized to the built-in corpus
     python pipeline/run.py train --data.min_rows=512 --train.max_epochs=2     # the same rules on any preset
 
-The rules, applied by the train stage (pipeline/train/session.py) to a run of one phase, and printed as `size:` lines:
+The rules, applied by the train stage (pipeline/train/session/train_session.py) to a run of one phase, and printed as `size:` lines:
 
 1. Rows (`data.min_rows` > 0). Prepare at `data.seq_len`. When the corpus packs into fewer rows than min_rows, it is
    packed again at the longest power-of-two seq_len that gives at least min_rows rows (the token stream does not

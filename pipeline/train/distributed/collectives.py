@@ -7,7 +7,7 @@
 Every rank runs the same collectives in the same order: the gradient all-reduce (DDP) or FSDP's all-gathers and
 reduce-scatters inside a step, the metric all-reduces at log steps, the stop poll, evaluation, and a checkpoint.
 When one rank does not (a bug, or a rank stuck elsewhere), the others wait for it. The process group's timeout
-(`train.collective_timeout_s`: Ray Train's TorchConfig, and pipeline/train/process_group.py for Ray-free groups)
+(`train.collective_timeout_s`: Ray Train's TorchConfig, and pipeline/train/distributed/process_group.py for Ray-free groups)
 bounds that wait: gloo then raises in the waiting rank, and NCCL's watchdog aborts the communicator and ends the
 process. The training loop (pipeline/train/loop.py) marks which collective-bearing region each rank is in, so:
 

@@ -16,7 +16,7 @@ Layouts (meta.json `layout`):
 meta.json `format` 2; format 1 (written before sharded checkpoints existed) is the full layout and still loads.
 meta.json's `files` records every other file of the checkpoint with its size and sha256 (a sharded one: every
 worker's shards, gathered by rank 0), so a copy in storage can be checked complete with one listing before it is
-registered or resumed (pipeline/train/checkpoints_index.py); a checkpoint without it is checked by its layout.
+registered or resumed (pipeline/train/checkpoints/index.py); a checkpoint without it is checked by its layout.
 
 Loading either layout into either kind of engine: full -> one process or DDP (as always); full -> FSDP (every
 worker reads the full weights and keeps its shards: `set_model_state_dict(full_state_dict=True)`); sharded -> FSDP
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from pipeline.train.checkpoints_index import file_record
+from pipeline.train.checkpoints.index import file_record
 
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)  # 1: the full layout, before sharded checkpoints
@@ -215,13 +215,13 @@ def read_checkpoint_meta(directory: str | os.PathLike, weights_only: bool = Fals
     of its layout are all there; weights_only: those a reader of the weights alone needs (eval, generate and
     export read no train_state.pt, so a checkpoint that lost it still evaluates and exports)."""
     from pipeline.storage import is_file, read_text
-    from pipeline.train.checkpoints_index import missing_files
+    from pipeline.train.checkpoints.index import missing_files
 
     meta_path = _join(directory, "meta.json")
     try:  # a StorageError (endpoint down, stalled, denied) goes up as what it is: it says nothing of the checkpoint
         text = read_text(meta_path)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        from pipeline.train.run_dir import CHECKPOINT_HINT
+        from pipeline.train.session.run_dir import CHECKPOINT_HINT
 
         raise CheckpointError(f"{directory} is not a checkpoint (no meta.json); {CHECKPOINT_HINT}") from None
     try:
@@ -234,7 +234,7 @@ def read_checkpoint_meta(directory: str | os.PathLike, weights_only: bool = Fals
     layout = meta.setdefault("layout", FULL)
     if layout not in (FULL, SHARDED):
         raise CheckpointError(f"{directory} has checkpoint layout {layout!r}; this version reads {FULL} and {SHARDED}")
-    if meta.get("files"):  # names and sizes meta.json records: one listing (pipeline/train/checkpoints_index.py)
+    if meta.get("files"):  # names and sizes meta.json records: one listing (pipeline/train/checkpoints/index.py)
         problem = missing_files(str(directory), meta, skip=[TRAIN_STATE] if weights_only else [])
         if problem:
             raise CheckpointError(f"{problem}; it is incomplete, use an earlier one")

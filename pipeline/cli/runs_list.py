@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.train.run_dir import RUN_FILE, read_run_file
-from pipeline.train.resume import checkpoint_counters, trained_without_ray
+from pipeline.train.session.run_dir import RUN_FILE, read_run_file
+from pipeline.train.session.resume import checkpoint_counters, trained_without_ray
 
 
 @dataclass

@@ -3,7 +3,7 @@
     python pipeline/run.py validate runs/<run>/checkpoints/phase0/step_000200   # a checkpoint directory or URI
     python pipeline/run.py validate runs/<run>                                  # a run: its latest checkpoint
 
-Every file meta.json's `files` records is read back and compared (size and sha256: pipeline/train/checkpoints_index.py
+Every file meta.json's `files` records is read back and compared (size and sha256: pipeline/train/checkpoints/index.py
 file_problems); when all match, the weights are loaded (a sharded checkpoint consolidated, as eval reads it) and a
 full checkpoint's train_state.pt is read with torch.load(weights_only=True); the tokenizer of the dataset the
 checkpoint names is loaded and compared with the sha256 its manifest records. The report names each broken file; a
@@ -15,9 +15,9 @@ import json
 from typing import Any
 
 from pipeline.storage import first_line, local_copy
-from pipeline.train.broken_checkpoint import TokenizerMissing, dataset_tokenizer_of, previous_complete
-from pipeline.train.checkpoint import FULL, TRAIN_STATE, CheckpointError, load_model_state, read_checkpoint_meta
-from pipeline.train.checkpoints_index import file_problems, incomplete, read_meta
+from pipeline.train.checkpoints.broken import TokenizerMissing, dataset_tokenizer_of, previous_complete
+from pipeline.train.checkpoints.state import FULL, TRAIN_STATE, CheckpointError, load_model_state, read_checkpoint_meta
+from pipeline.train.checkpoints.index import file_problems, incomplete, read_meta
 
 
 def _loads(location: str) -> str | None:

@@ -17,7 +17,7 @@ Phases (a curriculum such as TinyStories then FineWeb-Edu) come from a YAML list
 Model, optimizer and scheduler state carry from one phase to the next; the learning-rate schedule
 spans all phases (one warmup, one cosine); later phases reuse the first phase's tokenizer. A phase may blend
 sources (`data.mixture` in its overrides, a file or the list itself): its data cursor starts at 0, and what each
-source supplies to the phase is decided before it trains (pipeline/train/mixture_run.py).
+source supplies to the phase is decided before it trains (pipeline/train/session/mixture_run.py).
 
 Context extension (docs/long-context.md) is a phase that raises data.seq_len and changes the RoPE settings:
 
@@ -43,9 +43,9 @@ from pipeline.config import Config, ConfigError
 from pipeline.console import stage
 from pipeline.storage import check, is_uri, join, native, storage_root
 from pipeline.storage import pin as pin_storage
-from pipeline.train.run_dir import RUN_FILE, write_run_file
+from pipeline.train.session.run_dir import RUN_FILE, write_run_file
 
-EXTENDED_TAG = "longtrain.extended"  # MLflow tag on a run whose schedule a resume stretched (pipeline/train/resume.py)
+EXTENDED_TAG = "longtrain.extended"  # MLflow tag on a run whose schedule a resume stretched (pipeline/train/session/resume.py)
 # MLflow tag beside it: the steps the extended run now trains to (the param train.max_steps is write-once and keeps
 # the value the run started with)
 MAX_STEPS_TAG = "longtrain.max_steps"
@@ -90,8 +90,8 @@ def run_params(cfg: Config, manifest: Any) -> dict[str, Any]:
 
 def _phase_of(checkpoint: str) -> int:
     """The phase a checkpoint was written in (meta.json's counters); the checkpoint must be complete."""
-    from pipeline.train.broken_checkpoint import diagnosed
-    from pipeline.train.checkpoint import read_checkpoint_meta
+    from pipeline.train.checkpoints.broken import diagnosed
+    from pipeline.train.checkpoints.state import read_checkpoint_meta
 
     with diagnosed(checkpoint):  # broken: one line offering the previous complete checkpoint
         return int(read_checkpoint_meta(checkpoint)["counters"].get("phase", 0))
@@ -120,7 +120,7 @@ def load_phases(path: str | None, cfg: Config, preset: str | None = None) -> lis
 def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
     """A list of phase mappings ({steps, overrides, name, lr_warmup_steps, reset_optimizer}), each validated
     against cfg with one-line errors that name `where` and the phase."""
-    from pipeline.unused_settings import unused_by_mixer, unused_by_source
+    from pipeline.cli.unused_settings import unused_by_mixer, unused_by_source
 
     if not isinstance(doc, list) or not doc:
         raise ConfigError(f"{where}: expected a YAML list of phases like [{{steps: 100, overrides: {{...}}}}]")
@@ -214,7 +214,7 @@ class TrainSession:
                  audit_data: bool = False, start_step: int | None = None, extended: str = "",
                  resume_from: str | None = None, phases_done: int | None = None):
         """`start_step`: where a resumed run's first phase continues (its header shows it); `extended`: how a resume
-        stretched the run's schedule (pipeline/train/resume.py), said in the header and as MLflow tags;
+        stretched the run's schedule (pipeline/train/session/resume.py), said in the header and as MLflow tags;
         `resume_from`: `--resume RUN --checkpoint PATH`, the checkpoint the phase in progress starts from;
         `phases_done`: a resume's count of finished phases when it differs from run.json's (a finished phase that
         grew is open again), recorded once the up-front checks pass."""
@@ -256,7 +256,7 @@ class TrainSession:
         from pipeline.tracking.tracker import (check_artifact_location, check_tracking_uri, open_tracker,
                                                resolve_tracking_uri)
         from pipeline.train.engine import PhaseSchedule
-        from pipeline.train.mixture_run import record_data
+        from pipeline.train.session.train_session.mixture_run import record_data
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
         # Everything that can refuse the command is checked before run.json or the MLflow run is touched: a refused
@@ -267,7 +267,7 @@ class TrainSession:
             check_tracking_uri(resolve_tracking_uri(cfg))  # fail fast, before any data or worker work
             check_artifact_location(cfg)
         if cfg.tracking.register_model:  # and not after hours of training
-            from pipeline.train.export import check_exportable, require_tokenizers
+            from pipeline.train.serve.export import check_exportable, require_tokenizers
 
             check_exportable({"config": cfg.to_dict()}, "tracking.register_model: this run")
             require_tokenizers()
@@ -375,9 +375,9 @@ class TrainSession:
 
     def _size(self, cfg: Config, record: dict[str, Any]):
         """A run of one phase with data.min_rows or train.max_epochs set: prepare its data and size the run to it
-        (pipeline/train/sizing.py); None for other runs."""
+        (pipeline/train/session/sizing.py); None for other runs."""
         from pipeline.data.stages import prepare_main
-        from pipeline.train.sizing import size_to_data, sizes
+        from pipeline.train.session.sizing import size_to_data, sizes
 
         if len(self.phases) != 1 or self.phases[0].overrides or record.get("phases_done", 0) or not sizes(cfg):
             return None
@@ -391,7 +391,7 @@ class TrainSession:
 
     def _register(self, tracker, checkpoint: Path | str, name: str) -> None:
         """Export the final checkpoint to <run_dir>/hf_model and register it as a version of `name`."""
-        from pipeline.train.export import export_checkpoint, register_export
+        from pipeline.train.serve.export import export_checkpoint, register_export
 
         result = export_checkpoint(checkpoint, self.run_dir / "hf_model", overwrite=True)
         version = register_export(result, tracker.tracking_uri, tracker.run_id, name)

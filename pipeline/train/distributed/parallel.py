@@ -22,7 +22,7 @@ fsdp   FSDP2 (`torch.distributed.fsdp.fully_shard`): each block is one FSDP unit
        outside the compiled graphs) and activation checkpointing (torch.utils.checkpoint around the sharded block:
        its parameters are gathered again for the recompute) compose with it.
 auto   fsdp when a full copy with its gradients, AdamW state and the configured micro-batch's activations would not
-       fit one worker's memory (pipeline/train/memory_plan.py's model against train.memory_limit_gib, else the
+       fit one worker's memory (pipeline/train/memory/plan.py's model against train.memory_limit_gib, else the
        device's memory, else the host's); ddp otherwise. Every worker decides from its own device and the
        workers then agree (FSDP if any one needs it).
 """
@@ -46,7 +46,7 @@ def device_memory_gib(cfg, device: torch.device) -> float:
         return cfg.train.memory_limit_gib
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2**30
-    from pipeline.train.hardware import host_available_gib
+    from pipeline.train.memory.hardware import host_available_gib
 
     return host_available_gib()
 
@@ -63,7 +63,7 @@ def resolve_parallel(cfg, vocab_size: int, device: torch.device) -> tuple[str, s
         return "fsdp", "train.parallel=fsdp"
     if cfg.train.parallel == "ddp":
         return ("ddp" if world > 1 else "none"), "train.parallel=ddp"
-    from pipeline.train.memory_plan import choose_parallel
+    from pipeline.train.memory.plan import choose_parallel
 
     mode, why = choose_parallel(cfg, vocab_size, workers=world, limit_gib=device_memory_gib(cfg, device),
                                 device_type=device.type)

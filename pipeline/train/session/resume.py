@@ -10,7 +10,7 @@ a finished phase keeps its steps, except the last, which may grow) and may add p
 run continues from its last checkpoint and the learning-rate schedule (one warmup, one cosine over every phase) is
 stretched to the new total: the train header and the MLflow tag `longtrain.extended` say so. A finished run with
 nothing more asked of it gets one line with the command that would extend it. A run is resumed the way it trained
-(Ray Train or --no-ray), since each keeps its checkpoints in its own place (pipeline/train/run_dir.py LAYOUT).
+(Ray Train or --no-ray), since each keeps its checkpoints in its own place (pipeline/train/session/run_dir.py LAYOUT).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
-from pipeline.train.session import FIXED_ACROSS_PHASES, Phase, load_phases
-from pipeline.train.session import EXTENDED_TAG, MAX_STEPS_TAG  # noqa: F401  (part of this API)
+from pipeline.train.session.train_session import FIXED_ACROSS_PHASES, Phase, load_phases
+from pipeline.train.session.train_session import EXTENDED_TAG, MAX_STEPS_TAG  # noqa: F401  (part of this API)
 
 
 class ResumeError(ValueError):
@@ -96,7 +96,7 @@ def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[
     command line's fields on top), the fields the user typed, --phases, --no-ray and --checkpoint (a checkpoint of
     the run to go back to: its step and phase, not the run's latest, are where it continues). ResumeError when it
     cannot."""
-    from pipeline.unused_settings import unused_by_mixer
+    from pipeline.cli.unused_settings import unused_by_mixer
 
     unused_by_mixer(cfg.model.mixer, typed, where=f"run {run_dir}: ")
     was_local = trained_without_ray(run_dir, record)

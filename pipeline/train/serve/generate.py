@@ -364,10 +364,10 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
     from model.decoder import build_model
     from pipeline.config import from_dict
     from pipeline.storage import local_copy
-    from pipeline.train.broken_checkpoint import dataset_tokenizer_of
-    from pipeline.train.checkpoint import load_decoder_weights, read_checkpoint_meta
+    from pipeline.train.checkpoints.broken import dataset_tokenizer_of
+    from pipeline.train.checkpoints.state import load_decoder_weights, read_checkpoint_meta
     from pipeline.train.engine import model_rope
-    from pipeline.train.hardware import default_device
+    from pipeline.train.memory.hardware import default_device
 
     with local_copy(checkpoint) as local:
         meta = read_checkpoint_meta(local, weights_only=True)

@@ -11,7 +11,7 @@ commands that read checkpoints (eval, generate, export can offer the previous co
     prune("s3://b/run/ray/phase0", keep={...}, older_than="checkpoint_...")   # unregistered and incomplete folders
 
 Complete means: meta.json is there and parses, and every file its `files` record names (each file's size in bytes
-and sha256, written by pipeline/train/checkpoint.py at save time) is there with that size, as one listing of the
+and sha256, written by pipeline/train/checkpoints/state.py at save time) is there with that size, as one listing of the
 checkpoint's prefix shows (one LIST request, no download). `incomplete(..., content=True)` also reads every file
 back and compares its sha256. A checkpoint written before the record existed (no `files` in meta.json) is checked
 for the files of its layout by name. meta.json is written last when a checkpoint is published, so a folder with a

@@ -3,7 +3,7 @@ activation checkpointing, a worker count and DDP or FSDP -- computed, not run, s
 GPUs from a laptop.
 
     python -m pipeline.train.max_batch --tier F --seq-len 32768 --workers 8 --memory-limit-gib 80   # the plan
-    from pipeline.train.memory_plan import estimate, plan
+    from pipeline.train.memory.plan import estimate, plan
     est = estimate(cfg, 32000, workers=8, parallel="fsdp", device_type="cuda")   # est.total, est.parts()
     p = plan(cfg, 32000, workers=8, limit_gib=80, device_type="cuda")          # p.choice, p.rows
 

@@ -4,7 +4,7 @@
     python pipeline/run.py export --checkpoint runs/<run>/checkpoints/phase0/step_000200 --out hf/x --overwrite
     python pipeline/run.py export --resume runs/<run> --out hf/x --register my-model    # + MLflow Model Registry
 
-    from pipeline.train.export import export_checkpoint
+    from pipeline.train.serve.export import export_checkpoint
     result = export_checkpoint("runs/<run>/checkpoints/phase0/step_000200", "hf/x")   # full or sharded (FSDP)
     # then, anywhere with transformers:  AutoModelForCausalLM.from_pretrained("hf/x"), AutoTokenizer...
 
@@ -338,8 +338,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     from pipeline.data.shards import DatasetError, load_manifest, tokenizer_location
     from pipeline.train.engine import model_rope
     from pipeline.storage import local_copy
-    from pipeline.train.broken_checkpoint import dataset_tokenizer_of
-    from pipeline.train.checkpoint import load_model_state, read_checkpoint_meta
+    from pipeline.train.checkpoints.broken import dataset_tokenizer_of
+    from pipeline.train.checkpoints.state import load_model_state, read_checkpoint_meta
 
     out = Path(out_dir).resolve()
     if (out.exists() or out.is_symlink()) and not overwrite:  # before any work

@@ -101,7 +101,7 @@ _STAGE_FIELDS = {
     "eval": (("run.", "tracking."), "eval takes the model, its data and its settings from the checkpoint"),
     "export": (("run.", "tracking."), "export takes the model and its tokenizer from the checkpoint"),
     # prepare: the data, where things go, the Ray it runs on, the tier (the longest seq_len it allows) and, for
-    # data.min_rows, the micro-batch it folds (pipeline/train/sizing.py)
+    # data.min_rows, the micro-batch it folds (pipeline/train/session/sizing.py)
     "prepare": (("data.", "run.", "ray.address", "ray.dashboard_host", "ray.num_workers", "ray.cpus_per_worker",
                  "ray.use_gpu", "model.tier", "model.mixer", "train.batch_size", "train.grad_accum"),
                 "prepare reads data.*, run.*, ray.address and model.tier; the rest is for training"),

@@ -16,8 +16,8 @@ from pathlib import Path
 def _run_part(run_dir: Path, no_ray: bool, training: bool) -> str:
     """What the run directory holds now, and the command that continues it; marks a run still recorded as
     running (or failed by this very interrupt) as stopped, as a Ctrl+C during training does."""
-    from pipeline.train.resume import resume_command
-    from pipeline.train.run_dir import RUN_FILE, read_run_file, write_run_file
+    from pipeline.train.session.resume import resume_command
+    from pipeline.train.session.run_dir import RUN_FILE, read_run_file, write_run_file
 
     if not (run_dir / RUN_FILE).is_file():
         return f"run directory {run_dir} holds nothing yet"

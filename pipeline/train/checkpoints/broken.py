@@ -8,7 +8,7 @@ checkpoint of the same run, offered as the command to run instead. Used by eval,
 
 Cheap when nothing is wrong: the load is tried first. Only when it fails (an error from safetensors, torch.load with
 weights_only=True, json, torch.distributed.checkpoint, or the project's own CheckpointError) is every file read back
-and compared with meta.json's record (size and sha256, pipeline/train/checkpoints_index.py incomplete) to name the
+and compared with meta.json's record (size and sha256, pipeline/train/checkpoints/index.py incomplete) to name the
 file, and the run's folder listed for the newest complete checkpoint older than the broken one. A StorageError stays
 a StorageError (an outage is never reported as a corrupt file), and an error that no broken file explains (another
 tier, a bug, a text or JSON error while every file is whole: another file read by the command) goes on as it was.
@@ -27,8 +27,8 @@ import shlex
 from typing import Any, Iterator
 
 from pipeline.storage import StorageError, basename, first_line, join
-from pipeline.train.checkpoint import CheckpointError
-from pipeline.train.checkpoints_index import checkpoint_names, incomplete, run_folder, step_of
+from pipeline.train.checkpoints.state import CheckpointError
+from pipeline.train.checkpoints.index import checkpoint_names, incomplete, run_folder, step_of
 
 
 class BrokenCheckpoint(CheckpointError):

@@ -14,7 +14,7 @@ The same training across a resize (this module and pipeline/train/ray_train.py):
     pipeline/config.py refuses a range with a count that cannot keep it, listing the counts that can;
   - the data cursor counts global sequences and the order is a function of (seed, epoch), so every row is read once
     per epoch whatever the worker counts; the LR schedule continues by step; DDP (full) and FSDP (sharded)
-    checkpoints both load on another worker count (pipeline/train/checkpoint.py);
+    checkpoints both load on another worker count (pipeline/train/checkpoints/state.py);
   - rank 0 says what changed and why (`event_lines`), logs `train/world_size` at every log step, and on a resume
     the steps redone since the last step any worker logged and the seconds from that step to the first new one
     (`train/steps_redone`, `train/resume_s`), from a small progress record in the run's storage.
@@ -25,7 +25,7 @@ a spot reclaim, seen through Ray Train's preemption watcher) makes every worker 
 boundary and end the attempt with PreemptionStop; Ray Train then starts the next one on the nodes that remain.
 
 Multi-node process groups on hosts whose hostname resolves to a loopback address: each worker binds Gloo/NCCL to
-the interface holding its Ray node IP before the group starts (pipeline/train/node_network.py).
+the interface holding its Ray node IP before the group starts (pipeline/train/distributed/node_network.py).
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def _setup_worker(event: dict[str, Any]) -> None:
     the hostname is loopback, take SIGTERM as a preemption notice, and keep why this attempt started."""
     import ray
 
-    from pipeline.train.node_network import bind_process_group
+    from pipeline.train.distributed.node_network import bind_process_group
 
     bind_process_group(ray.util.get_node_ip_address())
     NOTICE.signal_reason = None
@@ -140,7 +140,7 @@ def raise_setup_error(exc: BaseException) -> None:
     """On the driver: when Ray Train failed because a worker's set-up refused its node (ProcessGroupNetworkError,
     raised inside Ray's worker group start), raise that one line instead of Ray's wrapped traceback."""
     from pipeline.ray_runtime import find_cause
-    from pipeline.train.node_network import ProcessGroupNetworkError
+    from pipeline.train.distributed.node_network import ProcessGroupNetworkError
 
     found = find_cause(exc, lambda e: isinstance(e, ProcessGroupNetworkError))
     if found is not None:
@@ -166,7 +166,7 @@ class WorkerSetupTorchConfig(TorchConfig):
 
 def torch_config(timeout_s: float = 1800) -> WorkerSetupTorchConfig:
     """`timeout_s` bounds every collective's wait (gloo and NCCL): a rank that never joins one ends the attempt with
-    one line instead of a silent hang (train.collective_timeout_s, pipeline/train/collectives.py)."""
+    one line instead of a silent hang (train.collective_timeout_s, pipeline/train/distributed/collectives.py)."""
     return WorkerSetupTorchConfig(timeout_s=math.ceil(timeout_s))
 
 

@@ -1,7 +1,7 @@
 """Ray Train's side of checkpoints: a checkpoint is uploaded and verified by the project's storage layer before Ray
 registers it, a restore skips a registered checkpoint that is not complete, `--checkpoint PATH` resumes from a chosen
 one, and the folders Ray never registered are removed. The what-is-complete logic is in
-pipeline/train/checkpoints_index.py; this module hands it Ray's names and record. Imported inside Ray Train's workers
+pipeline/train/checkpoints/index.py; this module hands it Ray's names and record. Imported inside Ray Train's workers
 (ray itself is imported in the functions: pipeline/train/ray_train.py stays light for Ray's controller).
 
     report(metrics, checkpoint=Checkpoint.from_directory(d), checkpoint_upload_fn=publish_for_ray(storage, out))
@@ -20,13 +20,13 @@ from pipeline.storage import StorageError, is_local, location_of
 def load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
     """Ray Train's checkpoint into the engine. A checkpoint Ray registered that is not complete (a file lost in
     storage, or registered by a version that did not verify its uploads) is skipped for the newest complete one
-    in the run's folder, said in one line (pipeline/train/checkpoints_index.py resume_point). On object storage a
+    in the run's folder, said in one line (pipeline/train/checkpoints/index.py resume_point). On object storage a
     sharded (FSDP) checkpoint is read in place: each worker fetches only the byte ranges of its own shards, so no
     node downloads the whole model and optimizer. A full checkpoint, which every worker needs whole, comes through
     Ray's as_directory (one download per node, shared by its workers)."""
-    from pipeline.train.broken_checkpoint import diagnosed
-    from pipeline.train.checkpoint import CheckpointError
-    from pipeline.train.checkpoints_index import resume_point, run_folder
+    from pipeline.train.checkpoints.broken import diagnosed
+    from pipeline.train.checkpoints.state import CheckpointError
+    from pipeline.train.checkpoints.index import resume_point, run_folder
 
     location = location_of(restored.filesystem, restored.path, ray_storage)
     chosen, note = resume_point(run_folder(location), preferred=location)
@@ -42,7 +42,7 @@ def load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
 def _load_location(engine, location: str, via=None) -> dict[str, Any]:
     """A checkpoint at `location` into the engine (as load_restored says); `via`: Ray's Checkpoint
     for it, whose as_directory shares one download per node."""
-    from pipeline.train.checkpoint import SHARDED, read_checkpoint_meta
+    from pipeline.train.checkpoints.state import SHARDED, read_checkpoint_meta
 
     if not is_local(location):
         meta = read_checkpoint_meta(location)
@@ -61,8 +61,8 @@ def _load_location(engine, location: str, via=None) -> dict[str, Any]:
 def load_chosen(engine, location: str) -> dict[str, Any]:
     """`--checkpoint PATH` on a resume: that checkpoint, which must be complete (the user chose it: no other is
     taken in its place)."""
-    from pipeline.train.broken_checkpoint import BrokenCheckpoint, diagnosed, previous_complete
-    from pipeline.train.checkpoints_index import incomplete, step_of
+    from pipeline.train.checkpoints.broken import BrokenCheckpoint, diagnosed, previous_complete
+    from pipeline.train.checkpoints.index import incomplete, step_of
 
     problem = incomplete(location)
     if problem is not None:
@@ -76,7 +76,7 @@ def load_chosen(engine, location: str) -> dict[str, Any]:
 def written_by(restored, lc: dict[str, Any]) -> bool:
     """Whether Ray's latest checkpoint was reported by this fit (a restart within it) rather than by an earlier run
     of the same name: meta.json's fit_id."""
-    from pipeline.train.checkpoints_index import read_meta
+    from pipeline.train.checkpoints.index import read_meta
 
     meta = read_meta(location_of(restored.filesystem, restored.path, lc["ray_storage"]))
     return bool(meta) and meta.get("fit_id") == lc.get("fit_id")
@@ -106,7 +106,7 @@ def wait_for_storage(run_store: str, window_s: float, rank: int) -> None:
 
 
 def publish_for_ray(ray_storage: str, published: dict[str, str]):
-    """Ray Train's checkpoint_upload_fn: the worker's checkpoint files uploaded by pipeline/train/checkpoints_index.py
+    """Ray Train's checkpoint_upload_fn: the worker's checkpoint files uploaded by pipeline/train/checkpoints/index.py
     `publish` (the project's storage layer, which raises, then a listing that verifies every file's name and size,
     retried with backoff for run.storage_retry_s) into the folder Ray names; only then is it handed back for Ray to
     register. Ray's own upload (pyarrow copy_files) could return normally with a file missing, and register the
@@ -116,7 +116,7 @@ def publish_for_ray(ray_storage: str, published: dict[str, str]):
     def upload(checkpoint, name: str):
         import ray.train
 
-        from pipeline.train.checkpoints_index import publish
+        from pipeline.train.checkpoints.index import publish
 
         storage = ray.train.get_context().get_storage()
         path = storage.build_checkpoint_path_from_name(name)
@@ -134,7 +134,7 @@ def prune_unregistered(location: str) -> None:
     train.keep_checkpoints itself. Best effort: what fails now is removed at a later checkpoint."""
     import ray.train
 
-    from pipeline.train.checkpoints_index import prune, run_folder
+    from pipeline.train.checkpoints.index import prune, run_folder
 
     try:
         kept = ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED,

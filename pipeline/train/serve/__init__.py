@@ -1,0 +1,1 @@
+"""A trained checkpoint put to use: generation from a checkpoint, its flags, and export to Hugging Face."""
