@@ -382,9 +382,10 @@ class Decoder(TokenModel):
         return self.norm(x)  # (B, T, D)
 
 
-def build_model(tier_name: str, vocab_size: int, *, mixer: str = "attention", rope: RopeConfig | None = None,
+def build_model(tier_name: "str | Tier", vocab_size: int, *, mixer: str = "attention", rope: RopeConfig | None = None,
                 **kw) -> nn.Module:
-    """Decoder for the named tier (see model/tiers.py); rope: the RoPE base and scaling (model/rope.py; None = the
+    """Decoder for the tier (model/tiers.py: its name, or the Tier/ResonanceTier itself as an engine that resolved it
+    once passes it); rope: the RoPE base and scaling (model/rope.py; None = the
     tier's base, unscaled); kw: tie_embeddings, doc_masking, attention, activation_checkpointing. mixer="resonance"
     builds model/resonance.py's ResonanceLM of that name instead (the same forward, generation and loss-head
     interface); it has no positions to rotate, so `rope` does not apply to it (pipeline/train/engine.py
@@ -395,4 +396,4 @@ def build_model(tier_name: str, vocab_size: int, *, mixer: str = "attention", ro
         return build_resonance_model(tier_name, vocab_size, **kw)
     if mixer != "attention":
         raise ValueError(f"mixer={mixer!r} is not allowed; choose attention or resonance")
-    return Decoder(get_tier(tier_name), vocab_size, rope=rope, **kw)
+    return Decoder(get_tier(tier_name) if isinstance(tier_name, str) else tier_name, vocab_size, rope=rope, **kw)

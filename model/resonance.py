@@ -392,7 +392,8 @@ class ResonanceLM(TokenModel):
         return self.norm(x)  # (B, T, D)
 
 
-def build_resonance_model(tier_name: str, vocab_size: int, **kw) -> ResonanceLM:
-    """ResonanceLM for the named resonance tier; kw: tie_embeddings, doc_masking, activation_checkpointing (none,
+def build_resonance_model(tier_name: "str | ResonanceTier", vocab_size: int, **kw) -> ResonanceLM:
+    """ResonanceLM for the resonance tier (its name, or the ResonanceTier itself); kw: tie_embeddings, doc_masking, activation_checkpointing (none,
     all, every_<k>, or mixer: recompute every block's mixer half), form."""
-    return ResonanceLM(get_mixer_tier(tier_name, "resonance"), vocab_size, **kw)
+    tier = get_mixer_tier(tier_name, "resonance") if isinstance(tier_name, str) else tier_name
+    return ResonanceLM(tier, vocab_size, **kw)

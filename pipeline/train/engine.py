@@ -41,6 +41,7 @@ from pipeline.train.checkpoints.state import (CHECKPOINT_FORMAT, CheckpointError
                                        read_checkpoint_meta)
 from pipeline.train.memory.hardware import autocast_dtype, configure_cuda_math, default_device, peak_flops, peak_memory_gib
 from pipeline.train.memory.limit import MemoryLimit
+from pipeline.train.memory.plan import shape_of
 from pipeline.train.distributed.parallel import resolve_parallel, shard_model
 
 # Steady state: train/steady_tokens_per_s and train/steady_mfu leave out the first optimizer steps an Engine takes
@@ -116,10 +117,10 @@ class PhaseSchedule:
 _ROPE_NOTED = False  # the resonance family's "no RoPE" note is printed once per process
 
 
-def model_rope(cfg: Config, *, say: bool = True) -> RopeConfig | None:
+def model_rope(cfg: Config, *, say: bool = True, tier=None) -> RopeConfig | None:
     """The RoPE base and scaling cfg.model asks for (model/rope.py RopeConfig), for build_model. The resonance
     family has no RoPE: None, and, when model.rope_* differ from their defaults, a note printed once per process
-    (`say`: rank 0 only, under Ray Train)."""
+    (`say`: rank 0 only, under Ray Train). `tier`: cfg's tier where the caller resolved it already."""
     global _ROPE_NOTED
     m = cfg.model
     if m.mixer != "attention":
@@ -128,7 +129,7 @@ def model_rope(cfg: Config, *, say: bool = True) -> RopeConfig | None:
             print(f"note: model.mixer={m.mixer} has no RoPE; model.rope_theta and model.rope_scaling are ignored",
                   flush=True)
         return None
-    tier = get_mixer_tier(m.tier, m.mixer)
+    tier = tier or get_mixer_tier(m.tier, m.mixer)
     return RopeConfig(theta=m.rope_theta or tier.rope_base, scaling=m.rope_scaling, factor=m.rope_factor,
                       original_max_len=m.rope_original_max_len, beta_fast=m.rope_beta_fast,
                       beta_slow=m.rope_beta_slow, low_freq_factor=m.rope_low_freq_factor,
@@ -150,8 +151,11 @@ class Engine:
         self.rank, self.world_size = rank, world_size
         configure_cuda_math()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every worker and every run
-        tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
-        decoder = build_model(cfg.model.tier, vocab_size, mixer=cfg.model.mixer, rope=model_rope(cfg, say=rank == 0),
+        # The tier and everything the memory model needs, resolved once here and handed on (the model, RoPE, FLOPs,
+        # the choice of DDP or FSDP): pipeline/train/memory/plan.py Shape
+        self.shape = shape_of(cfg, vocab_size, self.device.type)
+        tier = self.shape.tier
+        decoder = build_model(tier, vocab_size, mixer=cfg.model.mixer, rope=model_rope(cfg, say=rank == 0, tier=tier),
                               tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
                               attention=cfg.model.attention, activation_checkpointing=cfg.model.activation_checkpointing)
         decoder.to(self.device)
@@ -161,7 +165,7 @@ class Engine:
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
         self.module = LossModule(decoder, cfg.train.ce_chunk_size)
         if parallel is None:
-            self.parallel, self.parallel_reason = resolve_parallel(cfg, vocab_size, self.device)
+            self.parallel, self.parallel_reason = resolve_parallel(cfg, vocab_size, self.device, shape=self.shape)
         else:
             self.parallel, self.parallel_reason = parallel, "set by the caller"
         self.model = shard_model(self.module, self.parallel, self.device, self.amp_dtype)

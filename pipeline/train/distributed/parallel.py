@@ -51,8 +51,9 @@ def device_memory_gib(cfg, device: torch.device) -> float:
     return host_available_gib()
 
 
-def resolve_parallel(cfg, vocab_size: int, device: torch.device) -> tuple[str, str]:
-    """(mode, why) for this worker from cfg.train.parallel and the process group (none without one)."""
+def resolve_parallel(cfg, vocab_size: int, device: torch.device, *, shape=None) -> tuple[str, str]:
+    """(mode, why) for this worker from cfg.train.parallel and the process group (none without one). `shape`: cfg's
+    memory-model Shape (pipeline/train/memory/plan.py) where the engine resolved it already."""
     if not distributed():
         why = "one process, no process group"
         if cfg.train.parallel == "fsdp":
@@ -66,7 +67,7 @@ def resolve_parallel(cfg, vocab_size: int, device: torch.device) -> tuple[str, s
     from pipeline.train.memory.plan import choose_parallel
 
     mode, why = choose_parallel(cfg, vocab_size, workers=world, limit_gib=device_memory_gib(cfg, device),
-                                device_type=device.type)
+                                device_type=device.type, shape=shape)
     flag = torch.tensor([1.0 if mode == "fsdp" else 0.0], device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # the workers agree
     if flag.item() and mode != "fsdp":

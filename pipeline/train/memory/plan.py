@@ -42,7 +42,7 @@ against the H100 peaks of tiers B, C and D at 32,768 tokens (docs/scaling.md).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -244,20 +244,26 @@ def _head(s: Shape) -> tuple[int, int]:
 
 
 def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", device_type: str = "cuda",
-             batch_size: int | None = None, activation_checkpointing: str | None = None) -> MemoryEstimate:
+             batch_size: int | None = None, activation_checkpointing: str | None = None,
+             shape: Shape | None = None) -> MemoryEstimate:
     """Peak bytes per worker of a training step of `cfg` with `workers` workers under `parallel` (ddp | fsdp;
     ddp with one worker is the one-process run) on a `device_type` device.
 
     Backward is followed block by block: block i's backward holds the activations of the blocks below it, its
     own (saved, or recomputed when checkpointed), the residual stream's gradient in and out, and the gradients
     of its own weights and of the blocks above it, so both ends of backward and every block between are candidates
-    for the peak."""
+    for the peak. `shape`: cfg's Shape on `device_type` where the caller resolved it already (shape_of); the
+    micro-batch and activation checkpointing asked for here replace its own."""
     from model.layers import checkpointed_layers
 
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
-    s = shape_of(cfg, vocab_size, device_type, batch_size=batch_size,
-                 activation_checkpointing=activation_checkpointing)
+    if shape is None:
+        s = shape_of(cfg, vocab_size, device_type, batch_size=batch_size,
+                     activation_checkpointing=activation_checkpointing)
+    else:
+        s = replace(shape, batch_size=batch_size or shape.batch_size,
+                    activation_checkpointing=activation_checkpointing or shape.activation_checkpointing)
     total_p, root_p, block_p = _param_split(s)
     L, d = s.tier.n_layers, s.tier.d_model
     n = s.batch_size * s.seq_len
@@ -384,10 +390,12 @@ def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: s
     out = Plan(cfg.model.tier, cfg.model.mixer, cfg.data.seq_len, vocab_size, workers, limit_gib, usable, device_type)
     modes = ("ddp", "fsdp") if workers > 1 else ("ddp",)
     options = AC_OPTIONS if cfg.model.mixer != "resonance" else ("none", "every_4", "mixer", "every_2", "all")
+    shape = shape_of(cfg, vocab_size, device_type)  # the tier resolved once for every estimate below
     for ac in options:
         for mode in modes:
             b, est = max_batch_by_model(cfg, vocab_size, limit_bytes=usable, upper=upper, workers=workers,
-                                        parallel=mode, device_type=device_type, activation_checkpointing=ac)
+                                        parallel=mode, device_type=device_type, activation_checkpointing=ac,
+                                        shape=shape)
             row = PlanRow(mode, ac, b, est.total, est)
             out.rows.append(row)
             if out.choice is None and b >= 1:
@@ -395,17 +403,19 @@ def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: s
     return out
 
 
-def choose_parallel(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str) -> tuple[str, str]:
+def choose_parallel(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str,
+                    shape: Shape | None = None) -> tuple[str, str]:
     """train.parallel=auto: ("ddp" | "fsdp", why). FSDP when a full copy with its gradients, AdamW state and the
     configured micro-batch's activations would not fit `limit_gib`; one worker has nothing to shard across."""
     if workers == 1:
         return "ddp", "one worker: nothing to shard across"
     usable = usable_bytes(limit_gib, device_type)
-    ddp = estimate(cfg, vocab_size, workers=workers, parallel="ddp", device_type=device_type)
+    shape = shape or shape_of(cfg, vocab_size, device_type)  # the tier resolved once for both estimates
+    ddp = estimate(cfg, vocab_size, workers=workers, parallel="ddp", device_type=device_type, shape=shape)
     room = f"{size_text(usable)} usable per worker"
     if ddp.total <= usable:
         return "ddp", f"a full copy fits: {size_text(ddp.total)} by the memory model, {room}"
-    fsdp = estimate(cfg, vocab_size, workers=workers, parallel="fsdp", device_type=device_type)
+    fsdp = estimate(cfg, vocab_size, workers=workers, parallel="fsdp", device_type=device_type, shape=shape)
     tail = "" if fsdp.total <= usable else (f", which does not fit either: see `python -m pipeline.train.max_batch "
                                             f"--workers {workers}` for micro-batch and activation checkpointing")
     return "fsdp", (f"a full copy needs {size_text(ddp.total)} by the memory model, {room}; sharded over {workers} "

@@ -231,3 +231,38 @@ def test_steady_state_figures_leave_out_the_first_steps_and_the_time_between_ste
     seconds = (8 - STEADY_AFTER_STEPS) * 4 * SEQ / last["train/steady_tokens_per_s"]
     assert seconds <= wall - 2 * 0.3  # two evaluations slept outside the timed steps
     assert 0 < last["train/steady_mfu"] and "train/steady_mfu" not in logged[0]
+
+
+@pytest.mark.parametrize("mixer", ["attention", "resonance"])
+def test_the_engine_resolves_its_tier_once_and_hands_it_on(monkeypatch, mixer):
+    """The tier's shape is looked up once, when the engine starts (pipeline/train/memory/plan.py shape_of), and the
+    model, RoPE, FLOPs and the choice of DDP or FSDP are handed that one object; the Shape's tier is the model's."""
+    import model.decoder
+    import model.resonance
+    import model.tiers
+    import pipeline.train.engine as engine_module
+    from pipeline.train.distributed.parallel import resolve_parallel
+    from pipeline.train.memory.plan import estimate
+
+    cfg = make_cfg(**{"model.mixer": mixer, "model.tier": "nano"})
+    lookups = []
+
+    def counted(original):
+        def lookup(*args, **kwargs):
+            lookups.append(args)
+            return original(*args, **kwargs)
+        return lookup
+
+    for module, name in [(model.tiers, "get_mixer_tier"), (model.tiers, "get_tier"), (model.decoder, "get_tier"),
+                         (model.resonance, "get_mixer_tier"), (engine_module, "get_mixer_tier")]:
+        monkeypatch.setattr(module, name, counted(getattr(module, name)))
+    engine = Engine(cfg, VOCAB, torch.device("cpu"))
+    assert len(lookups) == 1, lookups
+    assert engine.shape.tier is engine.module.decoder.tier and engine.shape.vocab_size == VOCAB
+    lookups.clear()
+    resolve_parallel(cfg, VOCAB, torch.device("cpu"), shape=engine.shape)
+    assert estimate(cfg, VOCAB, workers=2, parallel="fsdp", shape=engine.shape).total > 0
+    assert lookups == []
+    # handing the shape on changes no figure of the memory model
+    assert estimate(cfg, VOCAB, workers=2, parallel="fsdp", device_type="cpu", shape=engine.shape) \
+        == estimate(cfg, VOCAB, workers=2, parallel="fsdp", device_type="cpu")
