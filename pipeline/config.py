@@ -490,7 +490,7 @@ def _validate_rope(m: ModelConfig) -> None:
 
 
 def _check_mixture(text: str) -> None:
-    from pipeline.data.mixture_spec import MixtureSpecError, parse_mixture
+    from pipeline.mixture_spec import MixtureSpecError, parse_mixture
 
     try:
         parse_mixture(text)

@@ -80,7 +80,7 @@ def prepare_main(cfg) -> Path:
 def _prepare_mixture_main(cfg) -> Path | str:
     """prepare_main for data.mixture: every source (cached each by its own hash), a summary line per source."""
     from pipeline.data.mixture_prepare import prepare_mixture, source_config
-    from pipeline.data.mixture_spec import normalized, parse_mixture
+    from pipeline.mixture_spec import normalized, parse_mixture
 
     d = cfg.data
     specs = parse_mixture(d.mixture)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
-from pipeline.data.mixture_spec import parse_mixture
+from pipeline.mixture_spec import parse_mixture
 from pipeline.sweep.space import DirichletWeights, SpaceError, load_space, resolve_mixture
 from pipeline.sweep.tune import TAG_SWEEP
 from pipeline.tracking.tracker import PARENT_RUN_TAG

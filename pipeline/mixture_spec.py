@@ -1,6 +1,6 @@
 """`data.mixture`: named sources blended by token share, parsed and checked when the config is validated.
 
-    from pipeline.data.mixture_spec import parse_mixture
+    from pipeline.mixture_spec import parse_mixture
     sources = parse_mixture("mixes/web_code.yaml")          # a YAML file holding a list, or the list inline:
     sources = parse_mixture('[{name: web, weight: 0.7, source: files, path: "web/*.jsonl"},'
                             ' {name: code, weight: 0.3, source: hf, hf_name: bigcode/the-stack-smol}]')
