@@ -7,7 +7,7 @@
 A space file (every key but `params` optional; defaults shown):
 
     description: "..."
-    metric: val/loss                # a stable metric name from pipeline/tracking/tracker.py
+    metric: val/loss                # a stable metric name from pipeline/tracking/names.py
     mode: min                       # min | max
     num_samples: 1                  # times the grid is repeated / random configs drawn
     max_concurrent_trials: 0        # 0 = as many as the cluster's CPUs/GPUs fit
