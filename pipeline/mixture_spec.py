@@ -8,7 +8,7 @@
 Each source is a mapping: `name` (letters, digits, `_ . -`; it names the source's metrics, `val/<name>/loss`),
 `weight` (>= 0: its share of the training stream's tokens; the weights are normalized to sum to 1; 0 = evaluated,
 never trained on), `max_repetitions` (default 4: passes over its training split the run may make), and what the
-source reads, with the names of the data.* fields: `source` (builtin | files | hf), `path`, `text_column`,
+source reads, with the names of the data.* fields (which of them each source kind reads: SOURCE_KIND_FIELDS): `source` (builtin | files | hf), `path`, `text_column`,
 `hf_name`, `hf_config`, `hf_split`, `hf_streaming`, `max_documents`, `on_bad_record`, `max_bad_fraction`; a field a
 source leaves out comes from data.* (so `--data.max_documents=1000` applies to every source that sets none). A
 source may instead be a dataset prepared before: `dataset_dir: runs/datasets/<hash>`. The sources share one
@@ -30,6 +30,18 @@ from typing import Any
 
 DEFAULT_MAX_REPETITIONS = 4.0
 SOURCE_KINDS = ("builtin", "files", "hf")
+# The data.* fields that only some source kinds read, by kind (every kind reads the others: max_documents,
+# on_bad_record, max_bad_fraction, ...). The one rule the data room (pipeline/data/) and the unused-settings check
+# (pipeline/cli/unused_settings.py: a field the source does not read is refused) both read.
+SOURCE_KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "builtin": (),
+    "files": ("path", "text_column"),
+    "hf": ("path", "text_column", "hf_name", "hf_config", "hf_split", "hf_streaming"),
+}
+# The same by field: field -> the kinds that read it.
+FIELD_SOURCE_KINDS: dict[str, tuple[str, ...]] = {
+    f: tuple(k for k in SOURCE_KINDS if f in SOURCE_KIND_FIELDS[k]) for fields in SOURCE_KIND_FIELDS.values()
+    for f in fields}
 # What a source may set, with the type of the data.* field of the same name.
 SOURCE_FIELDS: dict[str, type] = {"source": str, "path": str, "text_column": str, "hf_name": str, "hf_config": str,
                                   "hf_split": str, "hf_streaming": bool, "max_documents": int,

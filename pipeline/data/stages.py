@@ -115,8 +115,9 @@ def _skipped_line(d, indent: str = "  ", field: str = "data.path") -> str:
     """`\n  skipped 2 file(s) of data.path='corpus/' of a type it does not read: notes.md, old.jsonl.xz (...)` when
     the corpus directory holds files of a type not read (compressed .txt/.jsonl/.json are read): none left out unsaid."""
     from pipeline.data.corpus import READS, skipped_files
+    from pipeline.mixture_spec import SOURCE_KIND_FIELDS
 
-    if d.source not in ("files", "hf") or not d.path:
+    if "path" not in SOURCE_KIND_FIELDS.get(d.source, ()) or not d.path:
         return ""
     skipped = skipped_files(d.path)
     if not skipped:
