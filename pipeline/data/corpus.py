@@ -6,7 +6,7 @@
 Sources (`data.source`):
   builtin  text that ships with Python: pydoc_data's help topics and the docstrings of the standard library
            (one document per topic and per module, parsed with `ast` from the .py files, never imported);
-           about 2 MB, no download.
+           about 2 MB, no download (pipeline/data/builtin_corpus.py).
   files    `data.path` is a file, a directory (searched recursively) or a glob of .txt, .jsonl, .json, .parquet,
            on this machine or in object storage (s3://bucket/corpus/*.jsonl, gs://..., any pyarrow or fsspec
            URI: pipeline/storage.py), read by one Ray Data file datasource in sorted path order. .txt, .jsonl
@@ -33,14 +33,12 @@ one line instead of a Ray worker traceback, and Ray never retries what a retry c
 """
 from __future__ import annotations
 
-import ast
 import glob
 import hashlib
 import io
 import json
 import os
 import platform
-import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -48,6 +46,7 @@ import numpy as np
 import pyarrow as pa
 from pyarrow.fs import FileType
 
+from pipeline.data.builtin_corpus import BUILTIN_BLOCKS, builtin_items, builtin_module_files, read_builtin
 from pipeline.data.cleaning import CleanStats, clean_batch, decode_utf8, fix_surrogates
 from pipeline.storage import (StorageError, check_bucket, explained, info, is_local, is_uri, listdir, location_of,
                               open_input, resolve, scheme)
@@ -68,7 +67,6 @@ MATCHES_NONE = ("matches no .txt, .jsonl, .json or .parquet files, nor .txt, .js
                 ".gz, .bz2, .zst or .zstd")
 BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
 _PARQUET_BATCH_ROWS = 1024  # rows per block the Parquet reader yields
-_BUILTIN_BLOCKS = 32  # blocks of the built-in corpus's item list
 
 
 class DataSourceError(ValueError):
@@ -378,75 +376,6 @@ class _RawReader(io.RawIOBase):
 
 
 # ----------------------------------------------------------------------------------------------
-# Built-in corpus
-
-def builtin_module_files() -> list[Path]:
-    """The standard library's .py files (no tests, no site-packages), sorted."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
-    return sorted(p for p in stdlib.rglob("*.py") if not skip.intersection(p.relative_to(stdlib).parts))
-
-
-def module_document(path: Path) -> str:
-    """The docstrings of one module as one document: module docstring, then each class and function with its
-    signature and docstring, in source order. Empty when the module has none or does not parse."""
-    try:
-        tree = ast.parse(path.read_bytes())
-    except (SyntaxError, ValueError, OSError):
-        return ""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    name = ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__")
-    parts: list[str] = []
-    doc = ast.get_docstring(tree)
-    if doc:
-        parts.append(f"Module {name}\n\n{doc}")
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                qual = f"{prefix}{child.name}"
-                d = ast.get_docstring(child)
-                if d:
-                    if isinstance(child, ast.ClassDef):
-                        head = f"class {name}.{qual}"
-                    else:
-                        head = f"def {name}.{qual}({ast.unparse(child.args)})"
-                    parts.append(f"{head}\n{d}")
-                visit(child, f"{qual}.")
-
-    visit(tree, "")
-    return "\n\n".join(parts)
-
-
-def builtin_items() -> list[dict[str, str]]:
-    """One item per document of the built-in corpus: pydoc topics first, then modules."""
-    import pydoc_data.topics
-
-    items = [{"kind": "topic", "key": k} for k in sorted(pydoc_data.topics.topics)]
-    return items + [{"kind": "module", "key": str(p)} for p in builtin_module_files()]
-
-
-def builtin_document(item: dict[str, str]) -> str:
-    if item["kind"] == "topic":
-        import pydoc_data.topics
-
-        return pydoc_data.topics.topics[item["key"]]
-    return module_document(Path(item["key"]))
-
-
-def _builtin_rows(row: dict[str, Any]) -> list[dict[str, str]]:
-    text = builtin_document(row)
-    return [{"text": text}] if text else []  # modules without docstrings are not documents
-
-
-def _read_builtin() -> "ray.data.Dataset":
-    import ray.data
-
-    items = builtin_items()
-    return ray.data.from_items(items, override_num_blocks=min(_BUILTIN_BLOCKS, len(items))).flat_map(_builtin_rows)
-
-
-# ----------------------------------------------------------------------------------------------
 # Hugging Face
 
 def _read_hf(d: "DataConfig") -> "ray.data.Dataset":
@@ -559,7 +488,7 @@ def blocks_at_least(d: "DataConfig") -> int | None:
     pool of more actors than this leaves some idle (pipeline/data/pack.py)."""
     if d.source == "builtin":
         items = builtin_items()
-        blocks = min(_BUILTIN_BLOCKS, len(items))
+        blocks = min(BUILTIN_BLOCKS, len(items))
         if d.max_documents:  # a block holds at most ceil(items / blocks) documents
             blocks = min(blocks, -(-d.max_documents // -(-len(items) // blocks)))
         return max(1, blocks)
@@ -595,7 +524,7 @@ def read_documents(d: "DataConfig") -> "ray.data.Dataset":
     """The configured source as a Ray Dataset with a `text` column (string or binary) and, for files read
     here, a `replaced` column (invalid UTF-8 already replaced). Order is the source order (preserve_order)."""
     if d.source == "builtin":
-        ds = _read_builtin()
+        ds = read_builtin()
     elif d.source == "files":
         ds = _read_files(resolve_files(d.path), d.text_column)
     elif d.source == "hf":

@@ -14,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_config
+from pipeline.data.builtin_corpus import builtin_document, builtin_items
 from pipeline.data.cleaning import CleanStats, clean_batch, clean_texts
-from pipeline.data.corpus import (DataSourceError, builtin_document, builtin_items, check_bad_records, describe_source,
-                                  read_document_file, read_documents, resolve_files)
+from pipeline.data.corpus import (DataSourceError, check_bad_records, describe_source, read_document_file,
+                                  read_documents, resolve_files)
 from tests.pipeline.data.helpers import sample_docs, write_jsonl
 
 
