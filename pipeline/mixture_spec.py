@@ -8,12 +8,13 @@
 Each source is a mapping: `name` (letters, digits, `_ . -`; it names the source's metrics, `val/<name>/loss`),
 `weight` (>= 0: its share of the training stream's tokens; the weights are normalized to sum to 1; 0 = evaluated,
 never trained on), `max_repetitions` (default 4: passes over its training split the run may make), and what the
-source reads, with the names of the data.* fields (which of them each source kind reads: SOURCE_KIND_FIELDS): `source` (builtin | files | hf), `path`, `text_column`,
-`hf_name`, `hf_config`, `hf_split`, `hf_streaming`, `max_documents`, `on_bad_record`, `max_bad_fraction`; a field a
-source leaves out comes from data.* (so `--data.max_documents=1000` applies to every source that sets none). A
-source may instead be a dataset prepared before: `dataset_dir: runs/datasets/<hash>`. The sources share one
-tokenizer, row length and split (data.tokenizer, data.vocab_size, data.seq_len, data.val_fraction, ...): those
-fields belong to the whole mixture, and a source that sets one is refused.
+source reads, with the names of the data.* fields: `source` (builtin | files | hf), `path`, `text_column`,
+`hf_name`, `hf_config`, `hf_split`, `hf_streaming`, `max_documents`, `on_bad_record`, `max_bad_fraction` (which of
+them each source kind reads: SOURCE_KIND_FIELDS, the table the unused-settings check reads too); a field a source
+leaves out comes from data.* (so `--data.max_documents=1000` applies to every source that sets none). A source may
+instead be a dataset prepared before: `dataset_dir: runs/datasets/<hash>`. The sources share one tokenizer, row
+length and split (data.tokenizer, data.vocab_size, data.seq_len, data.val_fraction, ...): those fields belong to the
+whole mixture, and a source that sets one is refused.
 
 Errors are MixtureSpecError (a ValueError) with one line naming the source and the field; pipeline/config.py turns
 them into ConfigError. Imports nothing from the project (config.py imports this module).

@@ -500,7 +500,8 @@ def blocks_at_least(d: "DataConfig") -> int | None:
         return None
     files = resolve_files(d.path)
     total, docs_per_block = 0, None
-    for f, size, _ in file_listing(files):  # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet 1,024 rows
+    # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet 1,024 rows
+    for f, size, _ in file_listing(files):
         kind = file_kind(f)
         if kind == "jsonl":  # compressed: its compressed size, fewer blocks than it yields (still a lower bound)
             total += max(1, size // BLOCK_BYTES)
