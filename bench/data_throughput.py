@@ -46,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from pipeline.data.corpus import builtin_document, builtin_items, clean_texts, read_document_file  # noqa: E402
+from pipeline.data.builtin_corpus import builtin_document, builtin_items  # noqa: E402
+from pipeline.data.cleaning import clean_texts  # noqa: E402
+from pipeline.data.corpus import read_document_file  # noqa: E402
 from pipeline.data.pack import DOCS_PER_BATCH, SplitRule, encode_stream  # noqa: E402
 from pipeline.data.shards import (rows_per_row_group, shard_schema, token_numpy_type, windows_table,  # noqa: E402
                              write_shard)

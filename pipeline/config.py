@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from model.tiers import MIXERS, get_mixer_tier, tiers_for
+from pipeline.mixture_spec import SOURCE_KINDS
 
 
 class ConfigError(ValueError):
@@ -387,7 +388,7 @@ def validate(cfg: Config) -> None:
             "mixer (model.mixer=resonance)"
         )
     _validate_rope(m)
-    _one_of("data.source", d.source, ("builtin", "files", "hf"))
+    _one_of("data.source", d.source, SOURCE_KINDS)
     if d.source == "files" and not d.path:
         raise ConfigError("data.path is empty; data.source=files needs a file, directory or glob in data.path")
     if d.source == "hf" and not d.hf_name:
@@ -490,7 +491,7 @@ def _validate_rope(m: ModelConfig) -> None:
 
 
 def _check_mixture(text: str) -> None:
-    from pipeline.data.mixture_spec import MixtureSpecError, parse_mixture
+    from pipeline.mixture_spec import MixtureSpecError, parse_mixture
 
     try:
         parse_mixture(text)

@@ -16,15 +16,21 @@ PACKAGES = ("model", "cuda_ops", "pipeline")
 FORBIDDEN = {
     "model": ("ray", "mlflow", "pipeline"),
     "cuda_ops": ("ray", "mlflow", "model", "pipeline"),
-    "pipeline.data": ("pipeline.train", "pipeline.sweep", "pipeline.tracking", "pipeline.run"),
+    "pipeline.data": ("pipeline.train", "pipeline.sweep", "pipeline.tracking", "pipeline.run", "pipeline.cli"),
     "pipeline.tracking": ("pipeline.data", "pipeline.train", "pipeline.sweep", "pipeline.run", "ray"),
     "pipeline.eval": ("pipeline.train.ray_train", "pipeline.train.session.train_session", "pipeline.train.local", "pipeline.sweep",
                       "pipeline.run", "ray"),
     "pipeline.train": ("pipeline.sweep", "pipeline.run"),
     "pipeline.sweep": ("pipeline.run",),
     # the Ray-free engine: a plain process with torch, pyarrow and sentencepiece runs it
-    "pipeline.train.engine": ("ray", "mlflow"),
-    "pipeline.train.loop": ("ray", "mlflow"),
+    "pipeline.train.engine": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    "pipeline.train.loop": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    # the config sits below every stage; the mixture spec beside it and the stable tracking names import nothing of
+    # the project (the engine, the workers and the config read them without MLflow, Ray or the data room)
+    "pipeline.config": ("pipeline.data", "pipeline.eval", "pipeline.train", "pipeline.sweep", "pipeline.tracking",
+                        "pipeline.cli"),
+    "pipeline.mixture_spec": ("pipeline", "model", "ray", "mlflow", "torch"),
+    "pipeline.tracking.names": ("pipeline", "model", "ray", "mlflow", "torch"),
 }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PRESETS, Config, ConfigError
+from pipeline.mixture_spec import FIELD_SOURCE_KINDS
 
 
 class IgnoredSettingError(ConfigError):
@@ -108,9 +109,8 @@ _STAGE_FIELDS = {
 }
 # With --no-ray nothing starts Ray Train: only the Ray that prepare's Ray Data joins or starts is configured.
 _NO_RAY_FIELDS = ("ray.address", "ray.dashboard_host")
-# Fields only one data source reads.
-_SOURCE_FIELDS = {"data.path": {"files", "hf"}, "data.text_column": {"files", "hf"}, "data.hf_name": {"hf"},
-                  "data.hf_config": {"hf"}, "data.hf_split": {"hf"}, "data.hf_streaming": {"hf"}}
+# Fields only some data sources read: the config's table (pipeline/mixture_spec.py SOURCE_KIND_FIELDS).
+_SOURCE_FIELDS = {f"data.{field}": set(kinds) for field, kinds in FIELD_SOURCE_KINDS.items()}
 _DATA_STAGES = {"all", "prepare", "train", "tune"}
 # Fields another field's value turns off: (field, is it off?, why).
 _OFF_BY = [

@@ -1,4 +1,4 @@
-"""Text sources, each a Ray Dataset of documents, and the cleaning step every document goes through.
+"""Text sources, each a Ray Dataset of documents, and the driver's rule on their unreadable records.
 
     from pipeline.data.corpus import read_documents, describe_source
     ds = read_documents(cfg.data)        # ray.data.Dataset with a `text` column, in source order
@@ -6,7 +6,7 @@
 Sources (`data.source`):
   builtin  text that ships with Python: pydoc_data's help topics and the docstrings of the standard library
            (one document per topic and per module, parsed with `ast` from the .py files, never imported);
-           about 2 MB, no download.
+           about 2 MB, no download (pipeline/data/builtin_corpus.py).
   files    `data.path` is a file, a directory (searched recursively) or a glob of .txt, .jsonl, .json, .parquet,
            on this machine or in object storage (s3://bucket/corpus/*.jsonl, gs://..., any pyarrow or fsspec
            URI: pipeline/storage.py), read by one Ray Data file datasource in sorted path order. .txt, .jsonl
@@ -20,9 +20,9 @@ Sources (`data.source`):
            a datasource reading the dataset's shards in parallel). With `data.path` set, it is passed as
            `data_files` (e.g. hf_name=json with local .jsonl files, as the tests do: no hub access here).
 
-Cleaning (`clean_texts`, run inside the tokenizer actors): invalid UTF-8 is replaced with U+FFFD and
-counted, NUL characters are removed and counted, empty and whitespace-only documents (and JSON nulls)
-are dropped and counted. Nothing is dropped silently.
+Every document is then cleaned inside the tokenizer actors (pipeline/data/cleaning.py: invalid UTF-8 replaced and
+counted, NULs removed, empty documents dropped and counted). A corpus with no usable text is told so in one line by
+pipeline/data/no_usable_text.py.
 
 Bad records (a .jsonl line that is not JSON, a missing or non-string text field, a .json file that does
 not parse, a non-text value in a column) are data, not exceptions: the reader emits them as rows with a
@@ -33,16 +33,12 @@ one line instead of a Ray worker traceback, and Ray never retries what a retry c
 """
 from __future__ import annotations
 
-import ast
 import glob
 import hashlib
 import io
 import json
 import os
 import platform
-import re
-import sysconfig
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -50,6 +46,8 @@ import numpy as np
 import pyarrow as pa
 from pyarrow.fs import FileType
 
+from pipeline.data.builtin_corpus import BUILTIN_BLOCKS, builtin_items, builtin_module_files, read_builtin
+from pipeline.data.cleaning import CleanStats, clean_batch, decode_utf8, fix_surrogates
 from pipeline.storage import (StorageError, check_bucket, explained, info, is_local, is_uri, listdir, location_of,
                               open_input, resolve, scheme)
 from pipeline.storage import glob as glob_files
@@ -67,10 +65,8 @@ READS = ".txt, .jsonl, .json and .parquet; .txt, .jsonl and .json also compresse
 # What a data.path that names no corpus file is told (local or object storage).
 MATCHES_NONE = ("matches no .txt, .jsonl, .json or .parquet files, nor .txt, .jsonl or .json files compressed as "
                 ".gz, .bz2, .zst or .zstd")
-_SURROGATES = re.compile("[\ud800-\udfff]")
-_BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
+BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
 _PARQUET_BATCH_ROWS = 1024  # rows per block the Parquet reader yields
-_BUILTIN_BLOCKS = 32  # blocks of the built-in corpus's item list
 
 
 class DataSourceError(ValueError):
@@ -78,38 +74,7 @@ class DataSourceError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Cleaning: shared by the Ray pipeline and the single-process baseline.
-
-@dataclass
-class CleanStats:
-    documents: int = 0  # kept (non-empty after cleaning)
-    dropped_empty: int = 0  # empty, whitespace-only or null
-    replaced_invalid_utf8: int = 0  # invalid UTF-8 sequences (and lone surrogates) replaced by U+FFFD
-    nul_removed: int = 0  # NUL characters deleted
-    text_chars: int = 0  # characters of the kept documents
-    bad_records: int = 0  # unreadable records (see the module docstring), skipped
-    bad_files: dict[str, list] = field(default_factory=dict)  # file -> [bad records, first reason]
-
-    def add(self, other: "CleanStats") -> None:
-        for k, v in asdict(other).items():
-            if k not in ("bad_files", "bad_records"):  # count_bad adds those
-                setattr(self, k, getattr(self, k) + v)
-        for f, (n, reason) in other.bad_files.items():
-            self.count_bad(f, reason, n)
-
-    def count_bad(self, file: str, reason: str, n: int = 1) -> None:
-        entry = self.bad_files.setdefault(file, [0, reason])  # the first reason seen (source order) is kept
-        entry[0] += n
-        self.bad_records += n
-
-    @property
-    def records(self) -> int:
-        """Records read: kept documents, dropped empty ones and unreadable ones."""
-        return self.documents + self.dropped_empty + self.bad_records
-
-    def first_bad_reason(self) -> str:
-        return next(iter(self.bad_files.values()))[1] if self.bad_files else ""
-
+# Bad records: the driver's decision
 
 def check_bad_records(stats: CleanStats, on_bad_record: str, max_bad_fraction: float) -> None:
     """The driver's decision on unreadable records: DataSourceError (one line, the first bad record named)
@@ -126,86 +91,6 @@ def check_bad_records(stats: CleanStats, on_bad_record: str, max_bad_fraction: f
             f"{stats.bad_records:,} of {stats.records:,} records ({fraction:.3%}) are unreadable, more than "
             f"data.max_bad_fraction={max_bad_fraction:g}; the first: {first}. Fix the data (or point data.path / "
             "data.text_column at the right files and field), or raise data.max_bad_fraction")
-
-
-def decode_utf8(data: bytes) -> tuple[str, int]:
-    """Decode with invalid sequences replaced by U+FFFD; returns (text, number replaced)."""
-    text = data.decode("utf-8", "replace")
-    if "\ufffd" not in text:
-        return text, 0
-    return text, text.count("\ufffd") - data.count(b"\xef\xbf\xbd")
-
-
-def fix_surrogates(text: str) -> tuple[str, int]:
-    """Lone surrogates (from JSON escapes like \\ud800) cannot be UTF-8 encoded: replace them, count them."""
-    try:
-        text.encode("utf-8")
-        return text, 0
-    except UnicodeEncodeError:
-        return _SURROGATES.subn("\ufffd", text)
-
-
-def _as_list(values: Any) -> list | None:
-    if values is None:
-        return None
-    return values.to_pylist() if hasattr(values, "to_pylist") else list(values)
-
-
-def clean_batch(batch: pa.Table, source: str = "the corpus") -> tuple[list[str], CleanStats]:
-    """clean_texts over a reader's block: `text`, and where the reader added them `replaced`, `bad_file`
-    and `bad_reason`."""
-    names = batch.column_names
-    bad = (batch.column("bad_file"), batch.column("bad_reason")) if "bad_reason" in names else None
-    return clean_texts(batch.column("text"), batch.column("replaced") if "replaced" in names else None, bad, source)
-
-
-def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None, bad: Any = None,
-                source: str = "the corpus") -> tuple[list[str], CleanStats]:
-    """Clean one batch of documents. `column` is string or binary (nulls allowed); `replaced` optionally
-    carries per-row counts of invalid UTF-8 already replaced by a reader; `bad` optionally (files, reasons)
-    per row, a reason marking an unreadable record. Unreadable records and non-text values (counted against
-    `source`) are counted in stats.bad_files and skipped. Returns (kept texts, stats)."""
-    stats = CleanStats()
-    bad_files, bad_reasons = (_as_list(bad[0]), _as_list(bad[1])) if bad is not None else (None, None)
-    if isinstance(column, (pa.Array, pa.ChunkedArray)):
-        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-            try:
-                column.validate(full=True)  # Parquet/Arrow strings are not guaranteed to be valid UTF-8
-            except pa.ArrowInvalid:
-                column = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
-        values = column.to_pylist()
-    else:
-        values = list(column)
-    if replaced is not None:
-        stats.replaced_invalid_utf8 += int(sum(x or 0 for x in (replaced.to_pylist() if hasattr(replaced, "to_pylist")
-                                                                  else replaced)))
-    out: list[str] = []
-    for i, v in enumerate(values):
-        if bad_reasons is not None and bad_reasons[i] is not None:
-            stats.count_bad(bad_files[i], bad_reasons[i])
-            continue
-        if v is None:
-            stats.dropped_empty += 1
-            continue
-        if isinstance(v, (bytes, bytearray, memoryview)):
-            v, n = decode_utf8(bytes(v))
-            stats.replaced_invalid_utf8 += n
-        elif not isinstance(v, str):
-            stats.count_bad(source, f"{source}: a document is a {type(v).__name__}, not text; point "
-                                    "data.text_column at a string column")
-            continue
-        if "\x00" in v:
-            stats.nul_removed += v.count("\x00")
-            v = v.replace("\x00", "")
-        if not v or v.isspace():
-            stats.dropped_empty += 1
-            continue
-        v, n = fix_surrogates(v)
-        stats.replaced_invalid_utf8 += n
-        stats.documents += 1
-        stats.text_chars += len(v)
-        out.append(v)
-    return out, stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,7 +207,7 @@ def _resolve_uri(path: str) -> list[str]:
     return files
 
 
-def _check_parquet_column(files: list[str], column: str) -> None:
+def check_parquet_column(files: list[str], column: str) -> None:
     import pyarrow.parquet as pq
 
     for f in files:
@@ -424,7 +309,7 @@ def read_document_file(f: Any, path: str, kind: str, column: str) -> Iterator[pa
         counts.append(n + k)
         bad.append(b)
         size += len(raw)
-        if size >= _BLOCK_BYTES:
+        if size >= BLOCK_BYTES:
             yield _doc_table(texts, counts, bad, path)
             texts, counts, bad, size = [], [], [], 0
     if texts:
@@ -446,7 +331,7 @@ def _read_files(files: list[str], column: str) -> "ray.data.Dataset":
     import ray.data
     from ray.data.datasource import FileBasedDatasource
 
-    _check_parquet_column([f for f in files if f.lower().endswith(".parquet")], column)
+    check_parquet_column([f for f in files if f.lower().endswith(".parquet")], column)
     fs, _ = resolve(files[0])  # one data.path: one filesystem; each read task opens it from its own environment
     prefix = f"{scheme(files[0])}://" if is_uri(files[0]) and not is_local(files[0]) else ""
 
@@ -491,75 +376,6 @@ class _RawReader(io.RawIOBase):
 
 
 # ----------------------------------------------------------------------------------------------
-# Built-in corpus
-
-def builtin_module_files() -> list[Path]:
-    """The standard library's .py files (no tests, no site-packages), sorted."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__"}
-    return sorted(p for p in stdlib.rglob("*.py") if not skip.intersection(p.relative_to(stdlib).parts))
-
-
-def module_document(path: Path) -> str:
-    """The docstrings of one module as one document: module docstring, then each class and function with its
-    signature and docstring, in source order. Empty when the module has none or does not parse."""
-    try:
-        tree = ast.parse(path.read_bytes())
-    except (SyntaxError, ValueError, OSError):
-        return ""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    name = ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__")
-    parts: list[str] = []
-    doc = ast.get_docstring(tree)
-    if doc:
-        parts.append(f"Module {name}\n\n{doc}")
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                qual = f"{prefix}{child.name}"
-                d = ast.get_docstring(child)
-                if d:
-                    if isinstance(child, ast.ClassDef):
-                        head = f"class {name}.{qual}"
-                    else:
-                        head = f"def {name}.{qual}({ast.unparse(child.args)})"
-                    parts.append(f"{head}\n{d}")
-                visit(child, f"{qual}.")
-
-    visit(tree, "")
-    return "\n\n".join(parts)
-
-
-def builtin_items() -> list[dict[str, str]]:
-    """One item per document of the built-in corpus: pydoc topics first, then modules."""
-    import pydoc_data.topics
-
-    items = [{"kind": "topic", "key": k} for k in sorted(pydoc_data.topics.topics)]
-    return items + [{"kind": "module", "key": str(p)} for p in builtin_module_files()]
-
-
-def builtin_document(item: dict[str, str]) -> str:
-    if item["kind"] == "topic":
-        import pydoc_data.topics
-
-        return pydoc_data.topics.topics[item["key"]]
-    return module_document(Path(item["key"]))
-
-
-def _builtin_rows(row: dict[str, Any]) -> list[dict[str, str]]:
-    text = builtin_document(row)
-    return [{"text": text}] if text else []  # modules without docstrings are not documents
-
-
-def _read_builtin() -> "ray.data.Dataset":
-    import ray.data
-
-    items = builtin_items()
-    return ray.data.from_items(items, override_num_blocks=min(_BUILTIN_BLOCKS, len(items))).flat_map(_builtin_rows)
-
-
-# ----------------------------------------------------------------------------------------------
 # Hugging Face
 
 def _read_hf(d: "DataConfig") -> "ray.data.Dataset":
@@ -597,7 +413,7 @@ def _read_hf(d: "DataConfig") -> "ray.data.Dataset":
         # to what it then does anyway: the dataset's Arrow table.
         # One block per ~1 MB of text, not one for the whole table: each block is a tokenizer task.
         table = hfds.with_format("arrow")[:]
-        step = max(1, table.num_rows * _BLOCK_BYTES // max(1, table.nbytes))
+        step = max(1, table.num_rows * BLOCK_BYTES // max(1, table.nbytes))
         ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, max(1, table.num_rows), step)])
     else:
         ds = ray.data.from_huggingface(hfds)
@@ -640,7 +456,7 @@ def describe_source(d: "DataConfig") -> dict[str, Any]:
                 "bytes": sum(p.stat().st_size for p in files), "max_documents": d.max_documents}
     if d.source == "files":
         files = resolve_files(d.path)
-        listing = _listing(files)
+        listing = file_listing(files)
         digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
         return {"kind": "files", "path": d.path, "files": len(files), "bytes": sum(x[1] for x in listing),
                 "listing_sha256": digest, "text_column": d.text_column, "max_documents": d.max_documents}
@@ -649,13 +465,13 @@ def describe_source(d: "DataConfig") -> dict[str, Any]:
                                 "streaming": d.hf_streaming, "text_column": d.text_column,
                                 "max_documents": d.max_documents}
         if d.path:
-            listing = _listing(resolve_files(d.path))
+            listing = file_listing(resolve_files(d.path))
             desc["data_files_sha256"] = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
         return desc
     raise DataSourceError(f"data.source={d.source!r} has no corpus to prepare; use builtin, files or hf")
 
 
-def _listing(files: list[str]) -> list[tuple[str, int, int]]:
+def file_listing(files: list[str]) -> list[tuple[str, int, int]]:
     """(location, size, mtime in ns) per file: what the cache key hashes. Local files by their resolved path."""
     if not is_uri(files[0]) or is_local(files[0]):
         return [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
@@ -672,25 +488,26 @@ def blocks_at_least(d: "DataConfig") -> int | None:
     pool of more actors than this leaves some idle (pipeline/data/pack.py)."""
     if d.source == "builtin":
         items = builtin_items()
-        blocks = min(_BUILTIN_BLOCKS, len(items))
+        blocks = min(BUILTIN_BLOCKS, len(items))
         if d.max_documents:  # a block holds at most ceil(items / blocks) documents
             blocks = min(blocks, -(-d.max_documents // -(-len(items) // blocks)))
         return max(1, blocks)
     if d.source == "hf" and d.path and not d.max_documents:
         # _read_hf's ~1 MB slices of the loaded Arrow table, whose text is larger than Parquet files and at least
         # half the size of JSON ones: half the files' bytes in MB is a lower bound
-        return max(1, sum(size for _, size, _ in _listing(resolve_files(d.path))) // _BLOCK_BYTES // 2)
+        return max(1, sum(size for _, size, _ in file_listing(resolve_files(d.path))) // BLOCK_BYTES // 2)
     if d.source != "files":
         return None
     files = resolve_files(d.path)
     total, docs_per_block = 0, None
-    for f, size, _ in _listing(files):  # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet 1,024 rows
+    # _read_files: txt and json one block, jsonl ~1 MB blocks, parquet 1,024 rows
+    for f, size, _ in file_listing(files):
         kind = file_kind(f)
         if kind == "jsonl":  # compressed: its compressed size, fewer blocks than it yields (still a lower bound)
-            total += max(1, size // _BLOCK_BYTES)
+            total += max(1, size // BLOCK_BYTES)
             if docs_per_block is None:  # the first ~1 MB block of the first .jsonl: how many documents a block holds
                 with open_stream(f) as fh:  # a local file or one ranged read of an object
-                    docs_per_block = max(1, sum(1 for line in fh.read(_BLOCK_BYTES).splitlines() if line.strip()))
+                    docs_per_block = max(1, sum(1 for line in fh.read(BLOCK_BYTES).splitlines() if line.strip()))
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
@@ -708,7 +525,7 @@ def read_documents(d: "DataConfig") -> "ray.data.Dataset":
     """The configured source as a Ray Dataset with a `text` column (string or binary) and, for files read
     here, a `replaced` column (invalid UTF-8 already replaced). Order is the source order (preserve_order)."""
     if d.source == "builtin":
-        ds = _read_builtin()
+        ds = read_builtin()
     elif d.source == "files":
         ds = _read_files(resolve_files(d.path), d.text_column)
     elif d.source == "hf":
@@ -748,63 +565,3 @@ class TextSample:
 def sample_texts(ds: "ray.data.Dataset", max_bytes: int, on_bad_record: str = "skip") -> TextSample:
     """TextSample(ds, max_bytes, on_bad_record): an iterable of the sample's texts that keeps its counts."""
     return TextSample(ds, max_bytes, on_bad_record)
-
-
-def corpus_name(d: "DataConfig") -> str:
-    """The corpus as a message names it."""
-    if d.source == "files":
-        return f"data.path={d.path!r}"
-    if d.source == "hf":
-        return f"Hugging Face dataset {d.hf_name}{f' ({d.hf_config})' if d.hf_config else ''}, split {d.hf_split}"
-    return "the built-in corpus"
-
-
-def nothing_usable(d: "DataConfig", stats: CleanStats) -> str:
-    """One line for a corpus that gave no text at all: how many records, why none counted (the first unreadable
-    one names its file, line and the fields it has), and what to set."""
-    if not stats.records:
-        return f"no text in {corpus_name(d)}: it holds no records (empty files?); point data.path at the corpus"
-    parts = []
-    if stats.bad_records:
-        parts.append(f"{stats.bad_records:,} unreadable (the first: {stats.first_bad_reason()})")
-    if stats.dropped_empty:
-        parts.append(f"{stats.dropped_empty:,} empty or whitespace-only")
-    return (f"no text in {corpus_name(d)}: {stats.records:,} records read, none with text: {'; '.join(parts)}; "
-            f"check data.path and data.text_column={d.text_column!r}")
-
-
-def check_first_records(d: "DataConfig") -> None:
-    """Before Ray starts, in seconds instead of after it: a local or object-storage corpus (data.source=files)
-    whose files are all empty, or whose first file with records has none with data.text_column among its first
-    records (its first MiB), fails with one line naming the file, the field and the fields it has. The reads are
-    one ranged read of one file (Parquet: its schema) and the listing the cache key makes anyway."""
-    if d.source != "files":
-        return
-    files = resolve_files(d.path)
-    listing = _listing(files)
-    nonempty = [f for f, size, _ in listing if size > 0]
-    if not nonempty:
-        names = ", ".join(Path(f).name for f in files[:3]) + (", ..." if len(files) > 3 else "")
-        raise DataSourceError(f"no text in data.path={d.path!r}: its {len(files)} file(s) ({names}) are empty; "
-                              "point data.path at the corpus")
-    kind_of = {f: file_kind(f) for f in nonempty}
-    first_parquet = next((f for f in nonempty if kind_of[f] == "parquet"), None)
-    if first_parquet:
-        _check_parquet_column([first_parquet], d.text_column)
-    first_json = next((f for f in nonempty if kind_of[f] in ("jsonl", "json")), None)
-    if first_json is None:
-        return
-    with open_stream(first_json) as fh:
-        head = fh.read(_BLOCK_BYTES)
-    if kind_of[first_json] == "json" and len(head) == _BLOCK_BYTES:
-        return  # a .json file is one document: its first MiB alone does not parse
-    blocks = read_document_file(io.BytesIO(head), first_json, kind_of[first_json], d.text_column)
-    table = pa.concat_tables(list(blocks)) if head.strip() else None
-    if table is None or table.num_rows == 0:
-        return
-    if len(head) == _BLOCK_BYTES and table.num_rows > 1:  # the last line may be cut at the MiB boundary
-        table = table.slice(0, table.num_rows - 1)
-    reasons = table.column("bad_reason").to_pylist()
-    if all(r is not None for r in reasons):  # no record read there has the field
-        raise DataSourceError(f"none of the first {len(reasons):,} records of {first_json} is usable (checked before "
-                              f"any Ray work); the first: {reasons[0]}")

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from pipeline.data.mixture_spec import SourceSpec, normalized, parse_mixture
+from pipeline.mixture_spec import SourceSpec, normalized, parse_mixture
 from pipeline.data.shards import DatasetError, Manifest, ShardReader, load_manifest
 from pipeline.storage import absolute, join
 
@@ -266,7 +266,7 @@ def open_mixture(dataset_dir: str | Path, mixture: str, block_rows: int, seed: i
 def inline_mixture(cfg: "Config") -> "Config":
     """cfg with a data.mixture file replaced by the list it holds: what a run records and ships to workers, which
     may run where the file is not."""
-    from pipeline.data.mixture_spec import mixture_json
+    from pipeline.mixture_spec import mixture_json
 
     text = cfg.data.mixture
     if not text or text.strip().startswith("["):

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from pipeline.data.mixture import MIXTURE_KIND, MixtureError, is_mixture
-from pipeline.data.mixture_spec import SOURCE_FIELDS, SourceSpec, normalized, parse_mixture
+from pipeline.mixture_spec import SOURCE_FIELDS, SourceSpec, normalized, parse_mixture
 from pipeline.data.shards import SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, load_manifest, write_manifest
 from pipeline.storage import absolute, dataset_store, exists, join, read_bytes, write_bytes
 

@@ -67,8 +67,10 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.builds import Build, remove_stale
-from pipeline.data.corpus import (CleanStats, DataSourceError, blocks_at_least, check_bad_records, check_first_records,
-                                  clean_batch, describe_source, nothing_usable, read_documents, sample_texts)
+from pipeline.data.cleaning import CleanStats, clean_batch
+from pipeline.data.corpus import (DataSourceError, blocks_at_least, check_bad_records, describe_source, read_documents,
+                                  sample_texts)
+from pipeline.data.no_usable_text import check_first_records, nothing_usable
 from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, ShardWriters, SplitRule,  # noqa: F401
                                       plan_shards)
 from pipeline.data.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE, DatasetError, Manifest, ShardInfo,

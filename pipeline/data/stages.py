@@ -80,7 +80,7 @@ def prepare_main(cfg) -> Path:
 def _prepare_mixture_main(cfg) -> Path | str:
     """prepare_main for data.mixture: every source (cached each by its own hash), a summary line per source."""
     from pipeline.data.mixture_prepare import prepare_mixture, source_config
-    from pipeline.data.mixture_spec import normalized, parse_mixture
+    from pipeline.mixture_spec import normalized, parse_mixture
 
     d = cfg.data
     specs = parse_mixture(d.mixture)
@@ -115,8 +115,9 @@ def _skipped_line(d, indent: str = "  ", field: str = "data.path") -> str:
     """`\n  skipped 2 file(s) of data.path='corpus/' of a type it does not read: notes.md, old.jsonl.xz (...)` when
     the corpus directory holds files of a type not read (compressed .txt/.jsonl/.json are read): none left out unsaid."""
     from pipeline.data.corpus import READS, skipped_files
+    from pipeline.mixture_spec import SOURCE_KIND_FIELDS
 
-    if d.source not in ("files", "hf") or not d.path:
+    if "path" not in SOURCE_KIND_FIELDS.get(d.source, ()) or not d.path:
         return ""
     skipped = skipped_files(d.path)
     if not skipped:

@@ -7,7 +7,7 @@
 A space file (every key but `params` optional; defaults shown):
 
     description: "..."
-    metric: val/loss                # a stable metric name from pipeline/tracking/tracker.py
+    metric: val/loss                # a stable metric name from pipeline/tracking/names.py
     mode: min                       # min | max
     num_samples: 1                  # times the grid is repeated / random configs drawn
     max_concurrent_trials: 0        # 0 = as many as the cluster's CPUs/GPUs fit
@@ -116,7 +116,7 @@ class DirichletWeights:
 def resolve_mixture(value: Any, base_mixture: str, named: dict[str, str]) -> Any:
     """A trial's data.mixture value as the config takes it: a named mixture's list, or `web=0.3,code=0.7` (simplex
     weights) applied to the base mixture's sources; anything else unchanged."""
-    from pipeline.data.mixture_spec import mixture_json, parse_mixture, with_weights
+    from pipeline.mixture_spec import mixture_json, parse_mixture, with_weights
 
     if not isinstance(value, str):
         return value
@@ -219,7 +219,7 @@ def _check_value(path: Path, section: str, key: str, value: Any, base: Config) -
 
 def _parse_mixture_dist(path: Path, spec: Any, base: Config) -> Dist:
     """data.mixture: named mixtures (a grid) or simplex draws over the base config's mixture's sources."""
-    from pipeline.data.mixture_spec import MixtureSpecError, mixture_json, parse_mixture, with_weights
+    from pipeline.mixture_spec import MixtureSpecError, mixture_json, parse_mixture, with_weights
 
     kinds = ", ".join(f"{k} ({v})" for k, v in MIXTURE_DISTRIBUTIONS.items())
     if not base.data.mixture:

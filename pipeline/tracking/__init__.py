@@ -1,4 +1,4 @@
-"""MLflow tracking from rank 0 (stable param and metric names) and the training-curve plot.
+"""MLflow tracking from rank 0, the stable param, metric and tag names (names.py), and the training-curve plot.
 
 Imports `pipeline.config` only; every stage may import it.
 """

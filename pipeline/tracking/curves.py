@@ -4,7 +4,7 @@
     plot_training_curves(history, "runs/my-run/training_curves.png")
 
 `history` is the list of records the engine logged, one dict per logging or evaluation event, keyed by
-the stable metric names of pipeline.tracking.tracker plus "step", e.g.
+the stable metric names of pipeline.tracking.names plus "step", e.g.
     {"step": 10, "train/loss": 4.1, "train/lr": 3e-3, "train/tokens_per_s": 9e3, "train/tokens_seen": 20480}
     {"step": 50, "val/loss": 3.9}
 Missing keys, None and NaN/inf values are simply absent from the plot; a panel with nothing to draw says
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from pipeline.tracking.tracker import TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_SEEN, VAL_LOSS
+from pipeline.tracking.names import TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_SEEN, VAL_LOSS
 
 
 def _series(history: Iterable[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:

@@ -25,19 +25,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.storage import absolute
+from pipeline.tracking.names import REGISTERED_TAG
 
 # `manifest` below is a pipeline.data.shards.Manifest, duck-typed: tracking does not import the data package.
 Manifest = Any
 
 REGISTERED_MODEL_ARTIFACT = "hf_model"  # the export's folder inside the training run's artifacts
-REGISTERED_TAG = "longtrain.registered_model"  # on the run: "<name>/<version>"
 DATASET_CONTEXT = "train"
 DIGEST_CHARS = 16  # MLflow allows 36; 16 hex digits are what runs/datasets/<hash> is named by
-# A mixture logs one input per source (context "train", or "eval" for a source of weight 0) with these tags; the
-# dataset's digest and profile carry its settings hash and tokenizer sha256.
-MIXTURE_SOURCE_TAG = "longtrain.mixture_source"
-MIXTURE_WEIGHT_TAG = "longtrain.mixture_weight"
-TOKENIZER_TAG = "longtrain.tokenizer_sha256"
 
 
 def dataset_name(manifest: Manifest) -> str:
@@ -97,7 +92,7 @@ def dataset_input(manifest: Manifest, dataset_dir: str | Path):
 
 def log_dataset_input(client, run_id: str, manifest: Manifest, dataset_dir: str | Path,
                       context: str = DATASET_CONTEXT, tags: Mapping[str, Any] | None = None) -> None:
-    """`tags`: more input tags, e.g. a mixture source's MIXTURE_SOURCE_TAG, MIXTURE_WEIGHT_TAG."""
+    """`tags`: more input tags, e.g. a mixture source's MIXTURE_SOURCE_TAG, MIXTURE_WEIGHT_TAG (names.py)."""
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 

@@ -1,5 +1,6 @@
 """MLflow tracking from rank 0: one run per training job, one parent run per sweep with a child per trial.
 
+    from pipeline.tracking.names import PARAM_MODEL_PARAMS, PARAM_WORLD_SIZE, TRAIN_LOSS, TRAIN_LR
     from pipeline.tracking.tracker import check_tracking_uri, open_tracker, pin_tracking_uri
     cfg = pin_tracking_uri(cfg)                             # driver: one store for every worker, any cwd/node
     check_tracking_uri(cfg.tracking.tracking_uri)           # before any worker starts: fail fast, clearly
@@ -19,51 +20,8 @@ The tracker talks to MLflow through an explicit `MlflowClient` and run id, never
 Ray Tune trial. `mlflow` is imported inside functions: the engine host (torch, no MLflow) can still import
 every pipeline module that refers to tracking only optionally.
 
-Stable names (the MLflow UI compares runs and sweep trials column by column, so these never change):
-
-| kind   | name                       | meaning                                                        |
-|--------|----------------------------|----------------------------------------------------------------|
-| param  | `<section>.<field>`        | every config field path from `cfg.flat()`, e.g. `train.batch_size`, `model.tier` |
-| param  | `model.params`             | exact trainable parameter count                                |
-| param  | `world_size`               | number of data-parallel training workers                       |
-| param  | `tokenizer_sha256`         | sha256 of the SentencePiece model file                         |
-| param  | `manifest_hash`            | content hash of the shard manifest (the dataset identity)      |
-| param  | `git_commit`               | `git rev-parse HEAD` (+ `-dirty`) of the code that ran         |
-| metric | `train/loss`               | mean token cross-entropy over the logging window (nats)        |
-| metric | `train/ppl`                | exp(train/loss)                                                |
-| metric | `train/lr`                 | learning rate at the step                                      |
-| metric | `train/grad_norm`          | global gradient L2 norm before clipping                        |
-| metric | `train/tokens_per_s`       | training tokens per second, all workers together               |
-| metric | `train/tokens_per_s_per_gpu` | the same per worker (train/tokens_per_s / world_size)        |
-| metric | `train/mfu`                | model FLOPs utilisation, fraction of peak (0..1), per GPU: executed FLOPs over world_size x peak |
-| metric | `train/hfu`                | train/mfu plus the forward activation checkpointing recomputes (hardware FLOPs) |
-| metric | `train/tflops_per_gpu`     | executed model FLOPs per second per worker (TFLOP/s; also on a CPU) |
-| metric | `train/peak_mem_gib`       | peak accelerator memory on rank 0 (GiB)                        |
-| metric | `train/tokens_seen`        | training tokens consumed so far, all workers together          |
-| metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
-| metric | `train/bad_steps`          | optimizer steps skipped so far for a non-finite loss/gradient  |
-| metric | `train/data_wait`          | share of the logging window's wall clock spent waiting for the next batch (0..1) |
-| metric | `eval/data_wait`           | share of an evaluation's wall clock waiting for validation batches (0..1) |
-| metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
-| metric | `val/ppl`                  | exp(val/loss)                                                  |
-| metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
-| metric | `val/<source>/loss`, `ppl`, `bpb`, `accuracy` | a mixture: each source's validation split (bpb: bits per UTF-8 byte); val/loss, val/ppl and val/accuracy are then the aggregate weighted by the mixture |
-| param  | `mixture/<source>/weight`, `mixture/<source>/repetitions` | a mixture: each source's share of the training tokens and the passes over its data the run makes (phase i > 0: `phase<i>/mixture/...`) |
-| metric | `eval/loss`, `eval/ppl`, `eval/accuracy` | the `eval` stage on the whole validation split, at the checkpoint's step |
-| metric | `val/pos_loss/<lo>-<hi>`, `val/pos_docs/…`, `val/pos_tokens/…`, `val/cum_ppl/<L>` | loss by position in the document at each evaluation (train.eval_by_position; pipeline/eval/positions.py) |
-| metric | `eval/pos_*`, `eval_<k>x/*`, `passkey/*` | the eval stage's --by-position, --seq-len kx and --passkey (pipeline/eval/stage.py) |
-| artifact | `position_loss.png`, `passkey_heatmap.png`, `passkey_grid.json` | pipeline/tracking/long_context.py |
-| metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
-| metric | `train/world_size`         | training workers at the step (an elastic run's changes with the nodes it has) |
-| metric | `train/steps_redone`       | after a restart: steps between its checkpoint and the last step logged before it |
-| metric | `train/resume_s`           | after a restart: seconds from the last step logged before it to the first one after |
-| tag    | `mlflow.experimentKind` (experiment) | `custom_model_development`: MLflow 3's UI opens the runs table, not the GenAI overview |
-| tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
-| tag    | `longtrain.restart`        | the latest restart of the worker group: its size before and after, why, the steps redone |
-| tag    | `longtrain.extended`, `longtrain.max_steps` | a resume that extended the run: the schedule's stretch, and the steps it now trains to (param `train.max_steps` keeps its first value) |
-| input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py); a mixture: one per source, tagged with its name and weight |
-
-Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
+The stable names of the params, metrics and tags it logs (the MLflow UI compares runs and sweep trials
+column by column by them) are in pipeline/tracking/names.py.
 """
 from __future__ import annotations
 
@@ -80,63 +38,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from pipeline.storage import artifact_location, check, is_uri, scheme
+from pipeline.tracking.names import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, GIT_COMMIT_TAG, NONFINITE_TAG,
+                                     PARAM_GIT_COMMIT, PARENT_RUN_TAG, TIER_TAG)
 
 if TYPE_CHECKING:
     from pipeline.config import Config
 
 log = logging.getLogger(__name__)
 
-# --- stable names -----------------------------------------------------------------------------
-PARAM_MODEL_PARAMS = "model.params"
-PARAM_MODEL_TIER = "model.tier"  # also a config field; named here because sweeps group by it
-PARAM_WORLD_SIZE = "world_size"
-PARAM_TOKENIZER_SHA256 = "tokenizer_sha256"
-PARAM_MANIFEST_HASH = "manifest_hash"
-PARAM_GIT_COMMIT = "git_commit"
-EXTRA_PARAMS = (PARAM_MODEL_PARAMS, PARAM_WORLD_SIZE, PARAM_TOKENIZER_SHA256, PARAM_MANIFEST_HASH,
-                PARAM_GIT_COMMIT)
-
-TRAIN_LOSS = "train/loss"
-TRAIN_PPL = "train/ppl"
-TRAIN_LR = "train/lr"
-TRAIN_GRAD_NORM = "train/grad_norm"
-TRAIN_TOKENS_PER_S = "train/tokens_per_s"
-TRAIN_TOKENS_PER_S_PER_GPU = "train/tokens_per_s_per_gpu"
-TRAIN_MFU = "train/mfu"  # FLOPs executed (attention within documents under doc masking) over the peak
-TRAIN_HFU = "train/hfu"  # + the forward recomputed by activation checkpointing
-TRAIN_TFLOPS_PER_GPU = "train/tflops_per_gpu"
-TRAIN_MFU_CAUSAL_EQUIV = "train/mfu_causal_equiv"  # whole-row causal attention counted, as other tools do
-TRAIN_EXECUTED_FLOPS_PER_TOKEN = "train/executed_flops_per_token"
-TRAIN_PEAK_MEM_GIB = "train/peak_mem_gib"  # the largest of any worker since the run's engine started
-# Steady state (pipeline/train/engine.py STEADY_AFTER_STEPS): after the first optimizer steps of the process (compile,
-# warm-up), time inside the steps only; train/steady_steps says how many steps that is.
-TRAIN_STEADY_TOKENS_PER_S = "train/steady_tokens_per_s"
-TRAIN_STEADY_MFU = "train/steady_mfu"
-TRAIN_STEADY_STEPS = "train/steady_steps"
-TRAIN_TOKENS_SEEN = "train/tokens_seen"
-TRAIN_ACCURACY = "train/accuracy"
-TRAIN_BAD_STEPS = "train/bad_steps"
-TRAIN_DATA_WAIT = "train/data_wait"  # pipeline/train/loop.py's DATA_WAIT
-TRAIN_WORLD_SIZE = "train/world_size"  # an elastic run's changes as nodes come and go (pipeline/train/distributed/elastic.py)
-TRAIN_STEPS_REDONE = "train/steps_redone"  # logged once after each restart of the worker group
-TRAIN_RESUME_S = "train/resume_s"
-EVAL_DATA_WAIT = "eval/data_wait"  # pipeline/train/loop.py's EVAL_DATA_WAIT
-VAL_LOSS = "val/loss"
-VAL_PPL = "val/ppl"
-VAL_ACCURACY = "val/accuracy"
-METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_PER_S_PER_GPU,
-           TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
-           TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
-           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S,
-           VAL_LOSS, VAL_PPL, VAL_ACCURACY, EVAL_DATA_WAIT)
-
-PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
-KERNELS_TAG = "longtrain.kernels"  # the backend each cuda_ops kernel family ran, and why when not Numba's
-ELASTIC_TAG = "longtrain.restart"  # what the latest restart of the worker group changed, and why
-PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
-# MLflow 3's UI shows an experiment without this tag as a GenAI one (traces overview first); ours are model training
-EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
 LOCAL_DB_NAME = "mlflow.db"
 LOCAL_ARTIFACTS_DIR = "mlartifacts"
 # MLflow's own limits (mlflow.utils.validation); copied so this module imports without MLflow.
@@ -162,7 +71,7 @@ def resolve_tracking_uri(cfg: "Config") -> str:
     return "sqlite:///" + str(Path(cfg.run.root).resolve() / LOCAL_DB_NAME)
 
 
-def _local_path(uri: str) -> Path | None:
+def local_store_path(uri: str) -> Path | None:
     """The filesystem path behind a sqlite:/// or file: URI or a bare path; None for anything else."""
     parsed = urllib.parse.urlparse(uri)
     if parsed.scheme == "sqlite":
@@ -205,7 +114,7 @@ def check_tracking_uri(uri: str, timeout_s: float = 5.0) -> None:
         if status != 200:
             raise _unreachable(uri, f"GET /health answered HTTP {status}; is it an MLflow server?")
         return
-    path = _local_path(uri)
+    path = local_store_path(uri)
     if path is None:
         return
     # sqlite: the path is the database file; file store / bare path: the path is the store directory.
@@ -312,9 +221,9 @@ class Tracker:
             self._run_id = run_id
             return
         self.experiment_id = self._experiment_id(cfg.tracking.experiment)
-        tags = {"longtrain.tier": cfg.model.tier}
+        tags = {TIER_TAG: cfg.model.tier}
         if self.git_commit:
-            tags["mlflow.source.git.commit"] = self.git_commit
+            tags[GIT_COMMIT_TAG] = self.git_commit
         if parent_run_id:
             tags[PARENT_RUN_TAG] = parent_run_id
         run = self.client.create_run(self.experiment_id, tags=tags, run_name=run_name or cfg.run.name or None)
@@ -336,7 +245,7 @@ class Tracker:
         if found is not None:
             return found.experiment_id
         location = artifact_location(self.cfg) or None  # the storage root's, when it is a bucket
-        db = _local_path(self.tracking_uri) if self.tracking_uri.startswith("sqlite:") else None
+        db = local_store_path(self.tracking_uri) if self.tracking_uri.startswith("sqlite:") else None
         if db is not None and location is None:
             # MLflow's default artifact root for a SQL store is ./mlruns under whatever the cwd is; keep the
             # artifacts next to the database instead.

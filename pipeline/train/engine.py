@@ -478,7 +478,7 @@ def announce_kernels(engine: Engine, tracker=None, say=print) -> str:
     line = describe_backends(engine.device)
     say(f"kernels: {line}")
     if tracker is not None:
-        from pipeline.tracking.tracker import KERNELS_TAG
+        from pipeline.tracking.names import KERNELS_TAG
 
         tracker.set_tags({KERNELS_TAG: line})
     return line

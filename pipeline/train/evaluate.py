@@ -55,7 +55,7 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
 
 def eval_report(checkpoint: str | Path, metrics: dict[str, float]) -> str:
     """What the `eval` stage prints: the eval/* line and, for a mixture, a table with one row per source."""
-    from pipeline.data.mixture_spec import normalized, parse_mixture
+    from pipeline.mixture_spec import normalized, parse_mixture
     from pipeline.eval.sources import source_names, source_table
 
     line = "eval: " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.count("/") == 1)

@@ -20,14 +20,14 @@ import torch
 
 from pipeline.train.distributed.collectives import CollectiveWatch
 from pipeline.eval.positions import evaluate_by_position
+from pipeline.tracking.names import EVAL_DATA_WAIT, TRAIN_DATA_WAIT
 from pipeline.train.engine import Engine, StepOutcome
 
 BatchIter = Iterator[dict[str, torch.Tensor]]
 # Share of the logging window's wall-clock time spent waiting for the next batch (starting an epoch's
-# stream included): ~0 when the data keeps up with the step (the tracker's stable name).
-DATA_WAIT = "train/data_wait"
-# The same for an evaluation: the share of its wall-clock time spent waiting for validation batches (storage reads).
-EVAL_DATA_WAIT = "eval/data_wait"
+# stream included): ~0 when the data keeps up with the step. EVAL_DATA_WAIT: the same for an evaluation, the share of
+# its wall-clock time spent waiting for validation batches (storage reads). Stable names: pipeline/tracking/names.py.
+DATA_WAIT = TRAIN_DATA_WAIT
 
 
 class DataExhaustedError(ValueError):

@@ -238,7 +238,7 @@ def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
     if engine.world_size > 1 or engine.cfg.train.parallel != "auto":
         worker_print(f"parallel: {engine.parallel} over {engine.world_size} worker(s) ({engine.parallel_reason})")
     if tracker is not None:
-        from pipeline.tracking.tracker import PARALLEL_TAG
+        from pipeline.tracking.names import PARALLEL_TAG
 
         tracker.set_tags({PARALLEL_TAG: f"{engine.parallel}: {engine.parallel_reason}"})
     before = (meta or {}).get("world_size")
@@ -387,10 +387,10 @@ def check_places_for_workers(cfg: Config, places: dict[str, str]) -> None:
     (dataset, checkpoints, run storage) or a local MLflow store on a cluster whose workers run on other nodes is
     refused with one line naming the fix."""
     require_shared(cfg, places)
-    from pipeline.tracking.tracker import TrackingError, _local_path
+    from pipeline.tracking.tracker import TrackingError, local_store_path
 
     uri = cfg.tracking.tracking_uri
-    if cfg.tracking.enabled and uri and _local_path(uri) is not None and workers_may_be_elsewhere(cfg):
+    if cfg.tracking.enabled and uri and local_store_path(uri) is not None and workers_may_be_elsewhere(cfg):
         raise TrackingError(f"the MLflow store {uri} is a file on this machine, but rank 0 may run on another node "
                             "and log there; set MLFLOW_TRACKING_URI (or tracking.tracking_uri) to an MLflow server "
                             "every node reaches (cluster.yaml runs one on the head)")

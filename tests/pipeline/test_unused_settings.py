@@ -90,3 +90,41 @@ def test_a_data_path_without_a_source_reads_those_files_and_says_so(tmp_path, ca
     assert err.strip() == (f"error: no text in data.path='{corpus}': its 1 file(s) (part-0.jsonl) are empty; point "
                            f"data.path at the corpus")
     assert not (tmp_path / "runs").exists()  # refused before a build directory (or Ray) was started
+
+
+def _not_read() -> list[tuple[str, str]]:
+    from pipeline.mixture_spec import FIELD_SOURCE_KINDS, SOURCE_KINDS
+
+    return [(kind, field) for field, kinds in FIELD_SOURCE_KINDS.items() for kind in SOURCE_KINDS if kind not in kinds]
+
+
+@pytest.mark.parametrize("kind, field", _not_read(), ids=[f"{k}-{f}" for k, f in _not_read()])
+def test_a_data_field_the_source_kind_does_not_read_is_refused(kind, field, tmp_path, capsys):
+    """Every field the config's table (pipeline/mixture_spec.py SOURCE_KIND_FIELDS) gives to other source kinds is
+    refused for this one, with the kinds that read it named."""
+    from pipeline.mixture_spec import FIELD_SOURCE_KINDS
+    from pipeline.run import main
+
+    needs = {"builtin": [], "files": ["--data.path=corpus/"], "hf": ["--data.hf_name=roneneldan/TinyStories"]}[kind]
+    value = "true" if field == "hf_streaming" else "x"
+    args = ["prepare", f"--data.source={kind}", *needs, f"--data.{field}={value}", f"--run.root={tmp_path}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    readers = " or ".join(sorted(FIELD_SOURCE_KINDS[field]))
+    assert err == (f"error: data.{field} is set, but data.source={kind} does not read it (it is for data.source="
+                   f"{readers}); set data.source, or drop data.{field}"), err
+    assert not any(tmp_path.iterdir()), "something was written"
+
+
+def test_the_source_kind_table_names_data_fields_a_mixture_source_may_set():
+    """A misspelt field in the table would turn its check off silently: each one is a data.* field, and one a mixture's
+    source may set (pipeline/mixture_spec.py SOURCE_FIELDS)."""
+    import dataclasses
+
+    from pipeline.config import DataConfig
+    from pipeline.mixture_spec import SOURCE_FIELDS, SOURCE_KIND_FIELDS, SOURCE_KINDS
+
+    data_fields = {f.name for f in dataclasses.fields(DataConfig)}
+    assert set(SOURCE_KIND_FIELDS) == set(SOURCE_KINDS)
+    named = {f for fields in SOURCE_KIND_FIELDS.values() for f in fields}
+    assert named <= data_fields & set(SOURCE_FIELDS), named - (data_fields & set(SOURCE_FIELDS))

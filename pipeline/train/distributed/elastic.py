@@ -44,11 +44,11 @@ from ray.train.torch.config import TorchConfig, _TorchBackend
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from pipeline.config import Config
-from pipeline.tracking.tracker import TRAIN_RESUME_S, TRAIN_STEPS_REDONE, TRAIN_WORLD_SIZE
+from pipeline.tracking.names import TRAIN_RESUME_S, TRAIN_STEPS_REDONE, TRAIN_WORLD_SIZE
 
 PROGRESS_FILE = "progress.json"  # <run storage>/progress.json: rank 0's last logged step, for the lost work
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-# Stable MLflow metric names, listed in pipeline/tracking/tracker.py.
+# Stable MLflow metric names, listed in pipeline/tracking/names.py.
 WORLD_SIZE, STEPS_REDONE, RESUME_S = TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S
 
 
@@ -355,7 +355,7 @@ def announce(lines: list[str], tracker) -> None:
     for line in lines:
         say(line)
     if lines and tracker is not None:
-        from pipeline.tracking.tracker import ELASTIC_TAG
+        from pipeline.tracking.names import ELASTIC_TAG
 
         tracker.set_tags({ELASTIC_TAG: " | ".join(lines)[:5000]})
 

@@ -54,7 +54,7 @@ def record_data(cfg: Config, dataset_dir: str | Path, manifest: Any, tracker, *,
     """The module docstring; returns the config to train with (for a mixture shorter than one block, with its own
     data.mixture_block_rows). MixtureError before anything is logged when a source would need more than its
     max_repetitions passes."""
-    from pipeline.tracking.lineage import MIXTURE_SOURCE_TAG, MIXTURE_WEIGHT_TAG, TOKENIZER_TAG
+    from pipeline.tracking.names import MIXTURE_SOURCE_TAG, MIXTURE_WEIGHT_TAG, TOKENIZER_TAG
 
     mix = mixture_of(dataset_dir, cfg)
     if mix is None:

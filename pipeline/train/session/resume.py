@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config
+from pipeline.tracking.names import EXTENDED_TAG, MAX_STEPS_TAG  # noqa: F401  (part of this API)
 from pipeline.train.session.train_session import FIXED_ACROSS_PHASES, Phase, load_phases
-from pipeline.train.session.train_session import EXTENDED_TAG, MAX_STEPS_TAG  # noqa: F401  (part of this API)
 
 
 class ResumeError(ValueError):

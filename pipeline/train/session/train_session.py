@@ -43,12 +43,9 @@ from pipeline.config import Config, ConfigError
 from pipeline.console import stage
 from pipeline.storage import check, is_uri, join, native, storage_root
 from pipeline.storage import pin as pin_storage
+from pipeline.tracking.names import EXTENDED_TAG, MAX_STEPS_TAG
 from pipeline.train.session.run_dir import RUN_FILE, write_run_file
 
-EXTENDED_TAG = "longtrain.extended"  # MLflow tag on a run whose schedule a resume stretched (pipeline/train/session/resume.py)
-# MLflow tag beside it: the steps the extended run now trains to (the param train.max_steps is write-once and keeps
-# the value the run started with)
-MAX_STEPS_TAG = "longtrain.max_steps"
 # Fields that fix the model's shape or the token ids: they cannot change between phases.
 FIXED_ACROSS_PHASES = ("model.tier", "model.mixer", "model.tie_embeddings", "data.vocab_size", "data.tokenizer")
 
@@ -79,8 +76,8 @@ def run_params(cfg: Config, manifest: Any) -> dict[str, Any]:
     tokenizer and settings hashes (`manifest`: pipeline/data/shards.py's Manifest)."""
     from model.flops import param_count
     from model.tiers import get_mixer_tier
-    from pipeline.tracking.tracker import (PARAM_MANIFEST_HASH, PARAM_MODEL_PARAMS, PARAM_TOKENIZER_SHA256,
-                                           PARAM_WORLD_SIZE)
+    from pipeline.tracking.names import (PARAM_MANIFEST_HASH, PARAM_MODEL_PARAMS, PARAM_TOKENIZER_SHA256,
+                                         PARAM_WORLD_SIZE)
 
     tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
     return {PARAM_MODEL_PARAMS: param_count(tier, manifest.vocab_size, cfg.model.tie_embeddings),
@@ -403,7 +400,7 @@ class TrainSession:
         is not logged is a warning: the run's outcome stands). When the run failed, nothing here may take the place
         of the error that ended it: what fails here is dropped, and nothing waits for storage."""
         from pipeline.tracking.curves import plot_training_curves
-        from pipeline.tracking.tracker import METRICS
+        from pipeline.tracking.names import METRICS
 
         self._record(status={"FINISHED": "finished", "KILLED": "stopped", "FAILED": "failed"}[status])
         if tracker.run_id is None:

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.config import load_config
-from pipeline.data.corpus import clean_texts
+from pipeline.data.cleaning import clean_texts
 from pipeline.data.tokenizer import Tokenizer, train_tokenizer
 
 VOCAB = 400

@@ -14,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import load_config
-from pipeline.data.corpus import (CleanStats, DataSourceError, builtin_document, builtin_items, check_bad_records,
-                                  clean_batch, clean_texts, describe_source, read_document_file, read_documents,
-                                  resolve_files)
+from pipeline.data.builtin_corpus import builtin_document, builtin_items
+from pipeline.data.cleaning import CleanStats, clean_batch, clean_texts
+from pipeline.data.corpus import (DataSourceError, check_bad_records, describe_source, read_document_file,
+                                  read_documents, resolve_files)
 from tests.pipeline.data.helpers import sample_docs, write_jsonl
 
 
@@ -250,7 +251,8 @@ def test_compressed_files_are_listed_checked_and_in_the_cache_key(tmp_path):
     changes, and the check before any Ray work reads through the compression."""
     import gzip
 
-    from pipeline.data.corpus import check_first_records, file_kind, skipped_files
+    from pipeline.data.corpus import file_kind, skipped_files
+    from pipeline.data.no_usable_text import check_first_records
 
     corpus = _compressed_corpus(tmp_path, sample_docs(73, 300))
     assert [Path(p).name for p in resolve_files(str(corpus))] == [
@@ -297,7 +299,8 @@ def test_compressed_objects_in_a_bucket_are_listed_read_and_checked(s3_bucket, t
     import gzip
 
     from pipeline import storage
-    from pipeline.data.corpus import check_first_records, open_stream, skipped_files
+    from pipeline.data.corpus import open_stream, skipped_files
+    from pipeline.data.no_usable_text import check_first_records
 
     prefix = f"{s3_bucket}/gzcorpus"
     packed = gzip.compress(b'{"body": "x"}\n{"body": "y"}\n')

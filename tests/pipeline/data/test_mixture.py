@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import ConfigError, load_config
 from pipeline.data.mixture import (MixtureError, MixtureReader, block_counts, check_plan, describe_plan,
                                    fitted_block_rows, mixture_of)
-from pipeline.data.mixture_spec import parse_mixture
+from pipeline.mixture_spec import parse_mixture
 
 FILES = {"name": "web", "weight": 0.7, "source": "files", "path": "corpus/*.jsonl"}
 CODE = {"name": "code", "weight": 0.3, "source": "hf", "hf_name": "bigcode/the-stack-smol", "text_column": "content"}

@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
-from pipeline.data.mixture_spec import parse_mixture
+from pipeline.mixture_spec import parse_mixture
 from pipeline.sweep.space import DirichletWeights, SpaceError, load_space, resolve_mixture
 from pipeline.sweep.tune import TAG_SWEEP
-from pipeline.tracking.tracker import PARENT_RUN_TAG
+from pipeline.tracking.names import PARENT_RUN_TAG
 
 ROOT = Path(__file__).resolve().parents[3]
 SPACE = ROOT / "tune_spaces" / "mixture_weights.yaml"

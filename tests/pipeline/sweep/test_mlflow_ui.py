@@ -113,7 +113,7 @@ def test_mlflow_ui_shows_the_sweep_its_comparison_and_the_long_context_pictures(
     from mlflow.tracking import MlflowClient
     from selenium.webdriver.common.by import By
 
-    from pipeline.tracking.tracker import PARENT_RUN_TAG
+    from pipeline.tracking.names import PARENT_RUN_TAG
 
     shots = Path(os.environ.get("LONGTRAIN_UI_SCREENSHOTS") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)

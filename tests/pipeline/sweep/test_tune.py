@@ -21,7 +21,7 @@ import yaml
 from pipeline.config import Config, field_types, load_config
 from pipeline.train.engine import STEADY_AFTER_STEPS
 from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, write_best_preset
-from pipeline.tracking.tracker import METRICS, PARENT_RUN_TAG
+from pipeline.tracking.names import METRICS, PARENT_RUN_TAG
 from pipeline.sweep.tune import TAG_REASON, TAG_STATUS, TAG_SWEEP, TAG_TRIAL, SweepContext, TrialFailed, is_oom
 from pipeline.sweep.space import DISTRIBUTIONS, SpaceError, load_space
 

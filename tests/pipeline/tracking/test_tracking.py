@@ -21,10 +21,13 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 from tests.conftest import _free_port  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.tracking.curves import plot_training_curves  # noqa: E402
-from pipeline.tracking.tracker import (  # noqa: E402
+from pipeline.tracking.names import (  # noqa: E402
     NONFINITE_TAG, PARAM_GIT_COMMIT, PARAM_MODEL_PARAMS, PARAM_WORLD_SIZE, PARENT_RUN_TAG, TRAIN_LOSS, TRAIN_LR,
-    TRAIN_TOKENS_PER_S, TRAIN_TOKENS_SEEN, VAL_LOSS, NullTracker, Tracker, TrackingError, check_tracking_uri,
-    git_commit, open_tracker, pin_tracking_uri, resolve_tracking_uri, ui_command_for,
+    TRAIN_TOKENS_PER_S, TRAIN_TOKENS_SEEN, VAL_LOSS,
+)
+from pipeline.tracking.tracker import (  # noqa: E402
+    NullTracker, Tracker, TrackingError, check_tracking_uri, git_commit, open_tracker, pin_tracking_uri,
+    resolve_tracking_uri, ui_command_for,
 )
 
 def _history() -> list[dict]:

@@ -1,6 +1,6 @@
 """`data.mixture`: named sources blended by token share, parsed and checked when the config is validated.
 
-    from pipeline.data.mixture_spec import parse_mixture
+    from pipeline.mixture_spec import parse_mixture
     sources = parse_mixture("mixes/web_code.yaml")          # a YAML file holding a list, or the list inline:
     sources = parse_mixture('[{name: web, weight: 0.7, source: files, path: "web/*.jsonl"},'
                             ' {name: code, weight: 0.3, source: hf, hf_name: bigcode/the-stack-smol}]')
@@ -9,11 +9,12 @@ Each source is a mapping: `name` (letters, digits, `_ . -`; it names the source'
 `weight` (>= 0: its share of the training stream's tokens; the weights are normalized to sum to 1; 0 = evaluated,
 never trained on), `max_repetitions` (default 4: passes over its training split the run may make), and what the
 source reads, with the names of the data.* fields: `source` (builtin | files | hf), `path`, `text_column`,
-`hf_name`, `hf_config`, `hf_split`, `hf_streaming`, `max_documents`, `on_bad_record`, `max_bad_fraction`; a field a
-source leaves out comes from data.* (so `--data.max_documents=1000` applies to every source that sets none). A
-source may instead be a dataset prepared before: `dataset_dir: runs/datasets/<hash>`. The sources share one
-tokenizer, row length and split (data.tokenizer, data.vocab_size, data.seq_len, data.val_fraction, ...): those
-fields belong to the whole mixture, and a source that sets one is refused.
+`hf_name`, `hf_config`, `hf_split`, `hf_streaming`, `max_documents`, `on_bad_record`, `max_bad_fraction` (which of
+them each source kind reads: SOURCE_KIND_FIELDS, the table the unused-settings check reads too); a field a source
+leaves out comes from data.* (so `--data.max_documents=1000` applies to every source that sets none). A source may
+instead be a dataset prepared before: `dataset_dir: runs/datasets/<hash>`. The sources share one tokenizer, row
+length and split (data.tokenizer, data.vocab_size, data.seq_len, data.val_fraction, ...): those fields belong to the
+whole mixture, and a source that sets one is refused.
 
 Errors are MixtureSpecError (a ValueError) with one line naming the source and the field; pipeline/config.py turns
 them into ConfigError. Imports nothing from the project (config.py imports this module).
@@ -30,6 +31,18 @@ from typing import Any
 
 DEFAULT_MAX_REPETITIONS = 4.0
 SOURCE_KINDS = ("builtin", "files", "hf")
+# The data.* fields that only some source kinds read, by kind (every kind reads the others: max_documents,
+# on_bad_record, max_bad_fraction, ...). The one rule the data room (pipeline/data/) and the unused-settings check
+# (pipeline/cli/unused_settings.py: a field the source does not read is refused) both read.
+SOURCE_KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "builtin": (),
+    "files": ("path", "text_column"),
+    "hf": ("path", "text_column", "hf_name", "hf_config", "hf_split", "hf_streaming"),
+}
+# The same by field: field -> the kinds that read it.
+FIELD_SOURCE_KINDS: dict[str, tuple[str, ...]] = {
+    f: tuple(k for k in SOURCE_KINDS if f in SOURCE_KIND_FIELDS[k]) for fields in SOURCE_KIND_FIELDS.values()
+    for f in fields}
 # What a source may set, with the type of the data.* field of the same name.
 SOURCE_FIELDS: dict[str, type] = {"source": str, "path": str, "text_column": str, "hf_name": str, "hf_config": str,
                                   "hf_split": str, "hf_streaming": bool, "max_documents": int,

@@ -1,0 +1,124 @@
+"""The stable names of what a run records in MLflow: params, metrics and tags (the MLflow client that logs them is
+pipeline/tracking/tracker.py). Plain strings, importing nothing: the Ray-free engine and the Ray Train workers name
+their metrics with them without importing MLflow.
+
+    from pipeline.tracking.names import PARAM_WORLD_SIZE, TRAIN_LOSS, TRAIN_LR
+    tracker.log_config({PARAM_WORLD_SIZE: 2})
+    tracker.log_metrics({TRAIN_LOSS: 3.2, TRAIN_LR: 3e-3}, step=10)
+
+Stable names (the MLflow UI compares runs and sweep trials column by column, so these never change):
+
+| kind   | name                       | meaning                                                        |
+|--------|----------------------------|----------------------------------------------------------------|
+| param  | `<section>.<field>`        | every config field path from `cfg.flat()`, e.g. `train.batch_size`, `model.tier` |
+| param  | `model.params`             | exact trainable parameter count                                |
+| param  | `world_size`               | number of data-parallel training workers                       |
+| param  | `tokenizer_sha256`         | sha256 of the SentencePiece model file                         |
+| param  | `manifest_hash`            | content hash of the shard manifest (the dataset identity)      |
+| param  | `git_commit`               | `git rev-parse HEAD` (+ `-dirty`) of the code that ran         |
+| metric | `train/loss`               | mean token cross-entropy over the logging window (nats)        |
+| metric | `train/ppl`                | exp(train/loss)                                                |
+| metric | `train/lr`                 | learning rate at the step                                      |
+| metric | `train/grad_norm`          | global gradient L2 norm before clipping                        |
+| metric | `train/tokens_per_s`       | training tokens per second, all workers together               |
+| metric | `train/tokens_per_s_per_gpu` | the same per worker (train/tokens_per_s / world_size)        |
+| metric | `train/mfu`                | model FLOPs utilisation, fraction of peak (0..1), per GPU: executed FLOPs over world_size x peak |
+| metric | `train/hfu`                | train/mfu plus the forward activation checkpointing recomputes (hardware FLOPs) |
+| metric | `train/tflops_per_gpu`     | executed model FLOPs per second per worker (TFLOP/s; also on a CPU) |
+| metric | `train/peak_mem_gib`       | peak accelerator memory on rank 0 (GiB)                        |
+| metric | `train/tokens_seen`        | training tokens consumed so far, all workers together          |
+| metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
+| metric | `train/bad_steps`          | optimizer steps skipped so far for a non-finite loss/gradient  |
+| metric | `train/data_wait`          | share of the logging window's wall clock spent waiting for the next batch (0..1) |
+| metric | `eval/data_wait`           | share of an evaluation's wall clock waiting for validation batches (0..1) |
+| metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
+| metric | `val/ppl`                  | exp(val/loss)                                                  |
+| metric | `val/accuracy`             | next-token top-1 accuracy on the validation split (0..1)       |
+| metric | `val/<source>/loss`, `ppl`, `bpb`, `accuracy` | a mixture: each source's validation split (bpb: bits per UTF-8 byte); val/loss, val/ppl and val/accuracy are then the aggregate weighted by the mixture |
+| param  | `mixture/<source>/weight`, `mixture/<source>/repetitions` | a mixture: each source's share of the training tokens and the passes over its data the run makes (phase i > 0: `phase<i>/mixture/...`) |
+| metric | `eval/loss`, `eval/ppl`, `eval/accuracy` | the `eval` stage on the whole validation split, at the checkpoint's step |
+| metric | `val/pos_loss/<lo>-<hi>`, `val/pos_docs/…`, `val/pos_tokens/…`, `val/cum_ppl/<L>` | loss by position in the document at each evaluation (train.eval_by_position; pipeline/eval/positions.py) |
+| metric | `eval/pos_*`, `eval_<k>x/*`, `passkey/*` | the eval stage's --by-position, --seq-len kx and --passkey (pipeline/eval/stage.py) |
+| artifact | `position_loss.png`, `passkey_heatmap.png`, `passkey_grid.json` | pipeline/tracking/long_context.py |
+| metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
+| metric | `train/world_size`         | training workers at the step (an elastic run's changes with the nodes it has) |
+| metric | `train/steps_redone`       | after a restart: steps between its checkpoint and the last step logged before it |
+| metric | `train/resume_s`           | after a restart: seconds from the last step logged before it to the first one after |
+| tag    | `mlflow.experimentKind` (experiment) | `custom_model_development`: MLflow 3's UI opens the runs table, not the GenAI overview |
+| tag    | `longtrain.tier`, `mlflow.source.git.commit` | a new run's model.tier and the code's commit (git_commit) |
+| tag    | `longtrain.kernels`        | the backend each cuda_ops kernel family ran, and why when not Numba's |
+| tag    | `longtrain.nonfinite_metrics_skipped` | metric values not logged because they were NaN or inf |
+| tag    | `longtrain.registered_model` | on a run whose export was registered: `<name>/<version>` (lineage.py) |
+| tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
+| tag    | `longtrain.restart`        | the latest restart of the worker group: its size before and after, why, the steps redone |
+| tag    | `longtrain.extended`, `longtrain.max_steps` | a resume that extended the run: the schedule's stretch, and the steps it now trains to (param `train.max_steps` keeps its first value) |
+| input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py); a mixture: one per source, tagged with its name and weight |
+
+Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.
+"""
+
+# --- params -----------------------------------------------------------------------------------
+PARAM_MODEL_PARAMS = "model.params"
+PARAM_MODEL_TIER = "model.tier"  # also a config field; named here because sweeps group by it
+PARAM_WORLD_SIZE = "world_size"
+PARAM_TOKENIZER_SHA256 = "tokenizer_sha256"
+PARAM_MANIFEST_HASH = "manifest_hash"
+PARAM_GIT_COMMIT = "git_commit"
+EXTRA_PARAMS = (PARAM_MODEL_PARAMS, PARAM_WORLD_SIZE, PARAM_TOKENIZER_SHA256, PARAM_MANIFEST_HASH,
+                PARAM_GIT_COMMIT)
+
+# --- metrics ----------------------------------------------------------------------------------
+TRAIN_LOSS = "train/loss"
+TRAIN_PPL = "train/ppl"
+TRAIN_LR = "train/lr"
+TRAIN_GRAD_NORM = "train/grad_norm"
+TRAIN_TOKENS_PER_S = "train/tokens_per_s"
+TRAIN_TOKENS_PER_S_PER_GPU = "train/tokens_per_s_per_gpu"
+TRAIN_MFU = "train/mfu"  # FLOPs executed (attention within documents under doc masking) over the peak
+TRAIN_HFU = "train/hfu"  # + the forward recomputed by activation checkpointing
+TRAIN_TFLOPS_PER_GPU = "train/tflops_per_gpu"
+TRAIN_MFU_CAUSAL_EQUIV = "train/mfu_causal_equiv"  # whole-row causal attention counted, as other tools do
+TRAIN_EXECUTED_FLOPS_PER_TOKEN = "train/executed_flops_per_token"
+TRAIN_PEAK_MEM_GIB = "train/peak_mem_gib"  # the largest of any worker since the run's engine started
+# Steady state (pipeline/train/engine.py STEADY_AFTER_STEPS): after the first optimizer steps of the process (compile,
+# warm-up), time inside the steps only; train/steady_steps says how many steps that is.
+TRAIN_STEADY_TOKENS_PER_S = "train/steady_tokens_per_s"
+TRAIN_STEADY_MFU = "train/steady_mfu"
+TRAIN_STEADY_STEPS = "train/steady_steps"
+TRAIN_TOKENS_SEEN = "train/tokens_seen"
+TRAIN_ACCURACY = "train/accuracy"
+TRAIN_BAD_STEPS = "train/bad_steps"
+TRAIN_DATA_WAIT = "train/data_wait"  # measured by pipeline/train/loop.py
+TRAIN_WORLD_SIZE = "train/world_size"  # an elastic run's changes as nodes come and go (pipeline/train/distributed/elastic.py)
+TRAIN_STEPS_REDONE = "train/steps_redone"  # logged once after each restart of the worker group
+TRAIN_RESUME_S = "train/resume_s"
+EVAL_DATA_WAIT = "eval/data_wait"  # measured by pipeline/train/loop.py
+VAL_LOSS = "val/loss"
+VAL_PPL = "val/ppl"
+VAL_ACCURACY = "val/accuracy"
+METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_PER_S_PER_GPU,
+           TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
+           TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
+           TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S,
+           VAL_LOSS, VAL_PPL, VAL_ACCURACY, EVAL_DATA_WAIT)
+
+# --- tags -------------------------------------------------------------------------------------
+PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
+KERNELS_TAG = "longtrain.kernels"  # the backend each cuda_ops kernel family ran, and why when not Numba's
+ELASTIC_TAG = "longtrain.restart"  # what the latest restart of the worker group changed, and why
+PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
+# MLflow 3's UI shows an experiment without this tag as a GenAI one (traces overview first); ours are model training
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+NONFINITE_TAG = "longtrain.nonfinite_metrics_skipped"
+TIER_TAG = "longtrain.tier"  # a new run's model.tier, set when the run is created
+GIT_COMMIT_TAG = "mlflow.source.git.commit"  # MLflow's own tag for the code's commit (the UI shows it)
+EXTENDED_TAG = "longtrain.extended"  # on a run whose schedule a resume stretched (pipeline/train/session/resume.py)
+# beside it: the steps the extended run now trains to (the param train.max_steps is write-once and keeps the value the
+# run started with)
+MAX_STEPS_TAG = "longtrain.max_steps"
+REGISTERED_TAG = "longtrain.registered_model"  # on the run an export registered: "<name>/<version>" (lineage.py)
+# A mixture logs one dataset input per source (context "train", or "eval" for a source of weight 0) with these tags;
+# the dataset's digest and profile carry its settings hash and tokenizer sha256 (lineage.py).
+MIXTURE_SOURCE_TAG = "longtrain.mixture_source"
+MIXTURE_WEIGHT_TAG = "longtrain.mixture_weight"
+TOKENIZER_TAG = "longtrain.tokenizer_sha256"
