@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from model.generate import GenerationOutput, generate_ids_timed, generation_autocast
+from pipeline.data.shards import dataset_tokenizer
 
 
 def _trim(ids: list[int], eos_id: int | None) -> list[int]:
@@ -62,7 +63,6 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
     from model.decoder import build_model
     from pipeline.config import from_dict
     from pipeline.storage import local_copy
-    from pipeline.train.checkpoints.broken import dataset_tokenizer_of
     from pipeline.train.checkpoints.state import load_decoder_weights, read_checkpoint_meta
     from pipeline.train.engine import model_rope
     from pipeline.train.memory.hardware import default_device
@@ -70,20 +70,13 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
     with local_copy(checkpoint) as local:
         meta = read_checkpoint_meta(local, weights_only=True)
         cfg = from_dict(meta["config"])
-        tokenizer = dataset_tokenizer_of(meta, checkpoint)  # or one line naming its file and what is wrong
+        # the dataset's tokenizer, or one line naming its file and what is wrong
+        tokenizer = dataset_tokenizer(meta.get("dataset_dir", ""), checkpoint)
         device = device or default_device()
         decoder = build_model(cfg.model.tier, meta["vocab_size"], mixer=cfg.model.mixer, rope=model_rope(cfg),
                               tie_embeddings=cfg.model.tie_embeddings)  # the RoPE tables the checkpoint trained with
         load_decoder_weights(decoder, local, meta)  # either layout: a sharded checkpoint is consolidated here
     return prepare_for_generation(decoder, device), tokenizer
-
-
-def dataset_tokenizer(dataset_dir: str | Path):
-    """The Tokenizer a dataset was built with (its manifest names the file; local or on object storage)."""
-    from pipeline.data.shards import tokenizer_location
-    from pipeline.data.tokenizer import Tokenizer
-
-    return Tokenizer(tokenizer_location(dataset_dir))
 
 
 def generate_from_checkpoint(checkpoint: str | Path, prompts: list[str], **kw) -> GenerationOutput:
