@@ -156,6 +156,44 @@ def tokenizer_location(dataset_dir: Path | str) -> str:
     return join(str(dataset_dir), m.tokenizer_file)
 
 
+class TokenizerMissing(DatasetError):
+    """The dataset, or the tokenizer its manifest names, is not there (a checkpoint that names it may be whole)."""
+
+
+def dataset_tokenizer(dataset_dir: Path | str, checkpoint: Any = None):
+    """The Tokenizer the dataset was built with (the file its manifest names; local or on object storage), checked:
+    TokenizerMissing when the dataset or the file is not there, DatasetError naming the file when it is not a
+    SentencePiece model, and whether its sha256 is the one the manifest records. `checkpoint`: the checkpoint whose
+    meta.json names the dataset, for the lines (every checkpoint of a run reads the same tokenizer, so no other
+    checkpoint is offered)."""
+    from pipeline.data.tokenizer import Tokenizer, TokenizerError
+    from pipeline.storage import first_line, sha256
+
+    try:
+        path = tokenizer_location(dataset_dir)
+    except (DatasetError, FileNotFoundError) as exc:
+        if checkpoint is None:
+            raise TokenizerMissing(str(exc)) from None
+        raise TokenizerMissing(f"tokenizer for checkpoint {checkpoint} not found ({exc}); the checkpoint names its "
+                               "dataset, which must still exist") from None
+    try:
+        return Tokenizer(path)
+    except TokenizerError as exc:
+        try:  # only on failure: a second read of the manifest, for the one line
+            recorded = load_manifest(dataset_dir).tokenizer_sha256
+            sha = "; its sha256 is not the one the manifest records" if recorded and sha256(path) != recorded else ""
+        except (FileNotFoundError, DatasetError):
+            sha = ""
+        if checkpoint is not None:
+            whose = f"the dataset's, which checkpoint {checkpoint} names"
+            readers = "; every checkpoint of the run reads it:"
+        else:
+            whose, readers = f"dataset {str(dataset_dir)!r}'s", ";"
+        raise DatasetError(f"tokenizer model {path} ({whose}) is broken: {first_line(exc)}{sha}{readers} restore it "
+                           f"from a copy of the dataset or prepare the dataset again; check it with `python "
+                           f"pipeline/run.py validate {dataset_dir}`") from None
+
+
 def check_compatible(manifest: Manifest, vocab_size: int | None = None, seq_len: int | None = None,
                      tokenizer_sha256: str | None = None) -> None:
     """Raise DatasetError naming the first setting that does not match the dataset."""

@@ -103,7 +103,7 @@ def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None
              f"{prefix}/loss={res.loss:.4f}  {prefix}/ppl={math.exp(min(res.loss, 700.0)):.2f}\n{res.table()}\n"
              f"{_cumulative_line(res)}")
     if passkey:
-        from pipeline.train.serve.generate import dataset_tokenizer
+        from pipeline.data.shards import dataset_tokenizer
 
         lengths = passkey_lengths or default_lengths(T)
         grid = passkey_grid(engine.module.decoder, dataset_tokenizer(dataset_dir), haystack_tokens(dataset_dir),

@@ -4,7 +4,9 @@ checkpoint of the same run, offered as the command to run instead. Used by eval,
 
     with diagnosed(location):        # location: the checkpoint as the user named it (a directory or a URI)
         engine.load(local_copy)      # any failure to read it becomes BrokenCheckpoint, or stays what it was
-    tok = dataset_tokenizer_of(meta, checkpoint)   # the dataset's tokenizer, or one line naming its file
+
+The dataset's tokenizer, which every checkpoint of a run reads, is checked apart: pipeline/data/shards.py
+dataset_tokenizer(meta["dataset_dir"], checkpoint), one line naming its file.
 
 Cheap when nothing is wrong: the load is tried first. Only when it fails (an error from safetensors, torch.load with
 weights_only=True, json, torch.distributed.checkpoint, or the project's own CheckpointError) is every file read back
@@ -51,10 +53,6 @@ class BrokenCheckpoint(CheckpointError):
         step = f" (step {self.previous_step})" if self.previous_step is not None else ""
         use = command or f"pass --checkpoint {self.previous}"
         return f"{self.problem}; the previous complete checkpoint is {self.previous}{step}: {use}"
-
-
-class TokenizerMissing(CheckpointError):
-    """The dataset a checkpoint names, or its tokenizer, is not there (the checkpoint itself may be whole)."""
 
 
 def previous_complete(location: str) -> tuple[str | None, int | None]:
@@ -137,34 +135,6 @@ def diagnosed(location: Any) -> Iterator[None]:
         if broken is None:
             raise
         raise broken from None
-
-
-def dataset_tokenizer_of(meta: dict[str, Any], checkpoint: Any):
-    """The Tokenizer of the dataset a checkpoint names (meta.json's dataset_dir). CheckpointError naming the file
-    when it is missing or not a SentencePiece model, and whether its sha256 is the one the dataset's manifest
-    records. Every checkpoint of a run reads the same one, so no other checkpoint is offered."""
-    from pipeline.data.shards import DatasetError, load_manifest, tokenizer_location
-    from pipeline.data.tokenizer import Tokenizer, TokenizerError
-    from pipeline.storage import sha256
-
-    dataset_dir = meta.get("dataset_dir", "")
-    try:
-        path = tokenizer_location(dataset_dir)
-    except (DatasetError, FileNotFoundError) as exc:
-        raise TokenizerMissing(f"tokenizer for checkpoint {checkpoint} not found ({exc}); the checkpoint names its "
-                              "dataset, which must still exist") from None
-    try:
-        return Tokenizer(path)
-    except TokenizerError as exc:
-        try:
-            recorded = load_manifest(dataset_dir).tokenizer_sha256
-            sha = "; its sha256 is not the one the manifest records" if recorded and sha256(path) != recorded else ""
-        except (FileNotFoundError, DatasetError):
-            sha = ""
-        raise CheckpointError(f"tokenizer model {path} (the dataset's, which checkpoint {checkpoint} names) is "
-                              f"broken: {first_line(exc)}{sha}; every checkpoint of the run reads it: restore it "
-                              f"from a copy of the dataset or prepare the dataset again; check it with `python "
-                              f"pipeline/run.py validate {dataset_dir}`") from None
 
 
 def offered_command(argv: list[str], previous: str, stage: str, target: str | None = None) -> str:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pipeline.data.shards import DatasetError, TokenizerMissing, dataset_tokenizer
 from pipeline.storage import first_line, local_copy
-from pipeline.train.checkpoints.broken import TokenizerMissing, dataset_tokenizer_of, previous_complete
+from pipeline.train.checkpoints.broken import previous_complete
 from pipeline.train.checkpoints.state import FULL, TRAIN_STATE, CheckpointError, load_model_state, read_checkpoint_meta
 from pipeline.train.checkpoints.index import file_problems, incomplete, read_meta
 
@@ -72,11 +73,11 @@ def check_checkpoint(location: str) -> tuple[list[str], list[str]]:
                                                            else " (consolidated from the shards)"))
     if meta.get("dataset_dir"):
         try:
-            tok = dataset_tokenizer_of(meta, location)
+            tok = dataset_tokenizer(meta["dataset_dir"], location)
             lines.append(f"  ok      tokenizer {tok.path}: loads, vocab {tok.vocab_size}")
         except TokenizerMissing as exc:  # a dataset moved away: the checkpoint itself is whole
             lines.append(f"  note    {exc}")
-        except CheckpointError as exc:
+        except DatasetError as exc:  # the tokenizer model itself is broken
             problems.append(str(exc))
             lines.append(f"  BROKEN  {exc}")
     return problems, lines

@@ -335,10 +335,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
 
     from model.tiers import get_tier
     from pipeline.config import from_dict
-    from pipeline.data.shards import DatasetError, load_manifest, tokenizer_location
+    from pipeline.data.shards import DatasetError, dataset_tokenizer, load_manifest, tokenizer_location
     from pipeline.train.engine import model_rope
     from pipeline.storage import local_copy
-    from pipeline.train.checkpoints.broken import dataset_tokenizer_of
     from pipeline.train.checkpoints.state import load_model_state, read_checkpoint_meta
 
     out = Path(out_dir).resolve()
@@ -355,7 +354,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
         except (DatasetError, FileNotFoundError) as exc:
             raise ExportError(f"tokenizer for checkpoint {checkpoint} not found ({exc}); the checkpoint names its "
                               f"dataset, which must still exist") from None
-        dataset_tokenizer_of(meta, checkpoint)  # a broken tokenizer model: one line naming it, before any work
+        dataset_tokenizer(dataset_dir, checkpoint)  # a broken tokenizer model: one line naming it, before any work
         state = load_model_state(local, meta)  # either layout: a sharded (FSDP) checkpoint is consolidated here
     tier, tie, vocab = get_tier(meta["tier"]), bool(meta.get("tie_embeddings", True)), int(meta["vocab_size"])
     rope = model_rope(from_dict(meta["config"]))  # the RoPE base and scaling the checkpoint's last phase used

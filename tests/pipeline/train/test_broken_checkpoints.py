@@ -281,6 +281,18 @@ def test_eval_reads_no_tokenizer(broken_tokenizer, capsys):
     assert code == 0 and "eval: eval/loss=" in out, err
 
 
+def test_eval_passkey_names_a_broken_tokenizer_as_generate_does(broken_tokenizer, capsys):
+    """eval --passkey reads the dataset's tokenizer through the same checked function as generate, export and validate
+    (pipeline/data/shards.py dataset_tokenizer): the line names the file and its sha256, not only the library's words."""
+    run, ckpt, tokenizer = broken_tokenizer
+    code, _, err = _main(_eval(ckpt) + ["--passkey", "--passkey-lengths", "64", "--passkey-trials", "1"], capsys)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: tokenizer model {tokenizer} (dataset "), lines[0]
+    assert "its sha256 is not the one the manifest records" in lines[0]
+    assert "restore it from a copy of the dataset or prepare the dataset again" in lines[0]
+
+
 def test_validate_names_a_broken_tokenizer(broken_tokenizer, capsys):
     run, ckpt, tokenizer = broken_tokenizer
     code, out, _ = _main(["validate", str(ckpt)], capsys)

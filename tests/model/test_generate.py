@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model.decoder import build_model
-from pipeline.train.serve.generate import generate_ids, generate_ids_timed
+from model.generate import generate_ids, generate_ids_timed
 
 
 def full_recompute_greedy(decoder, prompt: list[int], n: int) -> list[int]:
@@ -197,7 +197,7 @@ def test_a_decode_graph_is_captured_only_for_a_span_that_ran_at_every_prompt_len
     span is captured only after a step ran it eagerly (never compiled or first launched inside a capture; prompt
     lengths 254, 510, 766, ... cross a bucket right after the warm-up), captured once, and replayed after."""
     from model.kv_cache import KVCache
-    from pipeline.train.serve.generate import CAPTURE, EAGER, REPLAY, WARMUP_STEPS, _DecodeLoop, decode_plan
+    from model.generate import CAPTURE, EAGER, REPLAY, WARMUP_STEPS, _DecodeLoop, decode_plan
 
     new = 64
     crossing = 0
@@ -225,7 +225,7 @@ def test_a_decode_graph_is_captured_only_for_a_span_that_ran_at_every_prompt_len
 
 
 def test_a_model_without_spans_captures_after_the_warm_up():
-    from pipeline.train.serve.generate import CAPTURE, EAGER, REPLAY, decode_plan
+    from model.generate import CAPTURE, EAGER, REPLAY, decode_plan
 
     assert decode_plan([None] * 6, warmup=2) == [EAGER, EAGER, CAPTURE, REPLAY, REPLAY, REPLAY]
     assert decode_plan([None] * 2, warmup=2) == [EAGER, EAGER]
