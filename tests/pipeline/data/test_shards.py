@@ -12,24 +12,20 @@ import pytest
 import torch
 
 from pipeline.data.stages import validate_main
-from pipeline.data.pack import prepare
 from pipeline.data.validate import validate_dataset
 from pipeline.data.shards import (DatasetError, ShardReader, check_compatible, check_trainable, epoch_order,
                                   eval_reader, load_manifest, ray_batches)
 from pipeline.data.tokenizer import train_tokenizer
-from tests.pipeline.data.helpers import SEQ_LEN, data_cfg, read_rows, sample_docs, write_jsonl
+from tests.pipeline.data.helpers import SEQ_LEN, read_rows, sample_docs
 
 WIDTH = SEQ_LEN + 1
 
 
 @pytest.fixture(scope="module")
-def dataset(ray_session, tok_path, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("shards")
-    tok = tok_path
-    write_jsonl(tmp / "corpus.jsonl", sample_docs(60, 2500))
-    cfg = data_cfg(tmp, tok, data__source="files", data__path=str(tmp / "corpus.jsonl"), data__rows_per_shard=100,
-                   data__val_fraction=0.1)
-    return prepare(cfg)
+def dataset(files_dataset):
+    """The session's files dataset (tests/pipeline/conftest.py): 60 help topics on the session tokenizer, 100 rows a
+    shard, 10% validation; read here, damaged only in private copies (copy_of)."""
+    return files_dataset.dataset
 
 
 @pytest.fixture

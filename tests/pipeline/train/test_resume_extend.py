@@ -27,25 +27,15 @@ GPU_ONLY_METRICS = ("train/mfu", "train/hfu", "train/mfu_causal_equiv", "train/s
 
 
 @pytest.fixture(scope="module")
-def common(test_runs_root, mlflow_server, tmp_path_factory) -> list[str]:
-    """The command line every test's runs share: a small corpus prepared once (on the session's Ray) with the
-    session dataset's tokenizer named explicitly, so that a phase added later reuses the same dataset (a later
-    phase's data is prepared with the first phase's tokenizer) instead of preparing another."""
-    import shutil
-
-    from pipeline.config import load_config
-    from pipeline.data.pack import prepare
-    from tests.pipeline.data.helpers import sample_docs, write_jsonl
-
+def common(files_dataset, mlflow_server, tmp_path_factory) -> list[str]:
+    """The command line every test's runs share: a run root of the module's own, on the session's files dataset
+    (tests/pipeline/conftest.py: prepared once on the session's Ray, found again in its dataset store) with its
+    tokenizer named explicitly, so that a phase added later reuses the same dataset (a later phase's data is
+    prepared with the first phase's tokenizer) instead of preparing another."""
     root = tmp_path_factory.mktemp("resume-runs")
-    (session_dataset,) = (test_runs_root / "datasets").iterdir()
-    tokenizer = shutil.copy(next(session_dataset.glob("build-*/tokenizer.model")), root / "tokenizer.model")
-    corpus = write_jsonl(root / "corpus.jsonl", sample_docs(120, 1500))
-    args = ["--preset", "test", f"--run.root={root}", "--data.source=files", f"--data.path={corpus}",
-            f"--data.tokenizer={tokenizer}", "--train.sample_tokens=0", f"--tracking.tracking_uri={mlflow_server[0]}",
-            "--tracking.experiment=resume-extend", "--tracking.system_metrics=false"]
-    prepare(load_config("test", [a for a in args if a.startswith(("--run.", "--data."))]))
-    return args
+    return ["--preset", "test", f"--run.root={root}", *files_dataset.overrides, "--train.sample_tokens=0",
+            f"--tracking.tracking_uri={mlflow_server[0]}", "--tracking.experiment=resume-extend",
+            "--tracking.system_metrics=false"]
 
 
 def _root(common: list[str]) -> Path:
