@@ -222,7 +222,7 @@ def stage_eval(cfg: Config, checkpoint: Path | str, dataset_dir: Path | str | No
                run_dir: Path | None = None) -> dict[str, float]:
     from pipeline.storage import local_copy
     from pipeline.tracking.tracker import TrackingError
-    from pipeline.train.evaluate import eval_report, evaluate_checkpoint, log_eval_to_run, run_dir_of_checkpoint
+    from pipeline.cli.eval import eval_report, evaluate_checkpoint, log_eval_to_run, run_dir_of_checkpoint
 
     stage("eval", f"{checkpoint} on the validation split")
     run_dir = run_dir or run_dir_of_checkpoint(checkpoint)
@@ -241,7 +241,7 @@ def long_context_options(args: argparse.Namespace) -> tuple[list[int], list[int]
     """(--seq-len factors, --passkey-lengths) when the eval stage is asked for a long-context measure, else None;
     bad values are one-line errors here, before any model loads."""
     from pipeline.eval.passkey import parse_lengths
-    from pipeline.eval.stage import parse_factors
+    from pipeline.eval.long_context import parse_factors
 
     if not (args.by_position or args.seq_len or args.passkey or args.passkey_lengths):
         return None
@@ -257,12 +257,12 @@ def long_context_options(args: argparse.Namespace) -> tuple[list[int], list[int]
 
 
 def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Namespace, run_dir: Path | None = None):
-    """eval --by-position / --seq-len Kx / --passkey (pipeline/eval/stage.py), logged to the run that trained the
+    """eval --by-position / --seq-len Kx / --passkey (pipeline/eval/long_context.py), logged to the run that trained the
     checkpoint; returns the LongContextReport."""
-    from pipeline.eval.stage import evaluate_long_context, log_long_context
+    from pipeline.eval.long_context import evaluate_long_context, log_long_context
     from pipeline.storage import local_copy
     from pipeline.tracking.tracker import TrackingError, check_tracking_uri
-    from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
+    from pipeline.cli.eval import run_dir_of_checkpoint, tracked_run
 
     factors, lengths = long_context_options(args)
     asked = ["by position"] * args.by_position + [f"rows {k}x as long" for k in factors] + ["passkey"] * args.passkey
@@ -310,7 +310,7 @@ def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> in
 
 
 def stage_export(cfg: Config, args: argparse.Namespace) -> None:
-    from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
+    from pipeline.cli.eval import run_dir_of_checkpoint, tracked_run
     from pipeline.train.checkpoints.broken import diagnosed
     from pipeline.train.serve.export import export_checkpoint, register_export
 

@@ -67,7 +67,7 @@ def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None
     from pipeline.eval.passkey import default_lengths, haystack_tokens, passkey_grid
     from pipeline.eval.positions import evaluate_by_position
     from pipeline.console import progress
-    from pipeline.train.evaluate import load_for_eval
+    from pipeline.cli.eval import load_for_eval
 
     engine, meta, cfg, dataset_dir, manifest = load_for_eval(checkpoint, dataset_dir)
     T, batch = manifest.seq_len, cfg.train.batch_size
