@@ -207,7 +207,7 @@ def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:
     if cfg.data.mixture:  # each source's rows and passes for this trial's weights (refused when one runs out)
         from pipeline.data.mixture import MixtureError
         from pipeline.data.shards import load_manifest
-        from pipeline.train.session.train_session.mixture_run import record_data
+        from pipeline.train.session.mixture_run import record_data
 
         try:
             cfg = record_data(cfg, ctx.dataset_dir, load_manifest(ctx.dataset_dir), tracker,
@@ -502,7 +502,7 @@ def is_source_loss(key: str) -> bool:
 def _check_named_mixtures(cfg: Config, space: Space, dataset: str) -> None:
     """MixtureError (one line) when a named mixture of the space would need more of a source than it may repeat."""
     from pipeline.data.mixture import check_plan, fitted_block_rows, mixture_of
-    from pipeline.train.session.train_session.mixture_run import rows_per_step
+    from pipeline.train.session.mixture_run import rows_per_step
 
     for name, mixture in space.mixtures().items():
         trial = with_token_budget(cfg.replace({"data.mixture": mixture}), space.token_budget)

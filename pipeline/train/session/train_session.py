@@ -256,7 +256,7 @@ class TrainSession:
         from pipeline.tracking.tracker import (check_artifact_location, check_tracking_uri, open_tracker,
                                                resolve_tracking_uri)
         from pipeline.train.engine import PhaseSchedule
-        from pipeline.train.session.train_session.mixture_run import record_data
+        from pipeline.train.session.mixture_run import record_data
 
         cfg, total = self.cfg, sum(p.steps for p in self.phases)
         # Everything that can refuse the command is checked before run.json or the MLflow run is touched: a refused
