@@ -25,6 +25,9 @@ meaning); `--preset` picks a named preset (cpu, gpu, fineweb-32k, long-32k, test
 is gpu when CUDA is present, else cpu. A flag or field the stage would not use is refused, not ignored.
 Every path that names data or results may be a URI (s3://, gs://, ...): data.path, run.storage (one bucket for
 datasets, checkpoints and artifacts), data.dataset_store, ray.storage_path, --checkpoint, validate's target.
+This file parses the command line and dispatches: each subcommand is one module of pipeline/cli/ (prepare.py,
+train.py for train and the default all, eval.py, generate.py, export.py, validate.py, runs_list.py; tune is
+pipeline/sweep/tune.py).
 
 Where a run keeps things (pipeline/train/session/run_dir.py LAYOUT):
 
