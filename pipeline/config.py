@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from model.tiers import MIXERS, get_mixer_tier, tiers_for
-from pipeline.mixture_spec import SOURCE_KINDS
+from pipeline.mixture_spec import FIELD_SOURCE_KINDS, SOURCE_KINDS
 
 
 class ConfigError(ValueError):
@@ -37,7 +37,7 @@ class ModelConfig:
     attention: str = "auto"  # auto | flex | varlen | cudnn | sdpa | dense (model/decoder.py)
     mixer: str = "attention"  # attention (Llama-style decoder) | resonance (model/resonance.py); same tier names
     # RoPE base and scaling (model/rope.py, docs/long-context.md); each may change per phase. The resonance family
-    # has no RoPE: setting them for it is refused (pipeline/cli/unused_settings.py unused_by_mixer)
+    # has no RoPE: setting them for it is refused (unused_by_mixer below)
     rope_theta: float = 0.0  # RoPE base; 0 = the tier's (500,000)
     rope_scaling: str = "none"  # none | linear | yarn | llama3: positions scaled for a longer context than trained
     rope_factor: float = 1.0  # linear, yarn, llama3: how many times the original length the context is scaled to
@@ -681,3 +681,34 @@ def load_config(preset_name: str | None = None, overrides: list[str] | dict[str,
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     return base.replace(overrides or {})
+
+
+# ------------------------------------------------------------------------------------------ settings left unused
+class IgnoredSettingError(ConfigError):
+    """A flag or field the command would not use; the message names it and what to do instead."""
+
+
+# Fields only some data sources read: the one table of them (pipeline/mixture_spec.py SOURCE_KIND_FIELDS).
+_SOURCE_FIELDS = {f"data.{field}": set(kinds) for field, kinds in FIELD_SOURCE_KINDS.items()}
+
+
+def unused_by_source(source: str, keys: Any, where: str = "") -> None:
+    """IgnoredSettingError for a data field in `keys` that data.source=`source` does not read (`where`: the phase
+    or file that set it, for the message)."""
+    for key in keys:
+        readers = _SOURCE_FIELDS.get(key)
+        if readers and source not in readers:
+            raise IgnoredSettingError(f"{where}{key} is set, but data.source={source} does not read it (it is for "
+                                      f"data.source={' or '.join(sorted(readers))}); set data.source, or drop {key}")
+
+
+def unused_by_mixer(mixer: str, keys: Any, where: str = "") -> None:
+    """IgnoredSettingError for a RoPE field (model.rope_*) in `keys` when model.mixer=`mixer` has no RoPE (the
+    resonance family: its kernel is its position code). `where`: the phase, run or file that set it."""
+    if mixer == "attention":
+        return
+    for key in keys:
+        if str(key).startswith("model.rope_"):
+            raise IgnoredSettingError(f"{where}{key} is set, but model.mixer={mixer} has no RoPE (its kernel is its "
+                                      f"position code), so no RoPE setting is used; drop {key}, or train "
+                                      f"model.mixer=attention")

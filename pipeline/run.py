@@ -25,6 +25,9 @@ meaning); `--preset` picks a named preset (cpu, gpu, fineweb-32k, long-32k, test
 is gpu when CUDA is present, else cpu. A flag or field the stage would not use is refused, not ignored.
 Every path that names data or results may be a URI (s3://, gs://, ...): data.path, run.storage (one bucket for
 datasets, checkpoints and artifacts), data.dataset_store, ray.storage_path, --checkpoint, validate's target.
+This file parses the command line and dispatches: each subcommand is one module of pipeline/cli/ (prepare.py,
+train.py for train and the default all, eval.py, generate.py, export.py, validate.py, runs_list.py; tune is
+pipeline/sweep/tune.py).
 
 Where a run keeps things (pipeline/train/session/run_dir.py LAYOUT):
 
@@ -43,17 +46,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python pipeline/run.py`: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import Config, ConfigError, from_flat, load_config, parse_overrides  # noqa: E402
-from pipeline.console import current_stage, plain_worker_prefixes, quiet_mlflow, reset_stage, stage  # noqa: E402
-from pipeline.train.session.run_dir import (CHECKPOINT_HINT, check_run_root, find_run, new_run_dir,  # noqa: E402
-                                    read_run_file, recorded_checkpoint, run_dir_of)
+from pipeline.cli.errors import UsageError, user_error  # noqa: E402
+from pipeline.config import Config, ConfigError, load_config, parse_overrides  # noqa: E402
+from pipeline.console import current_stage, plain_worker_prefixes, quiet_mlflow, reset_stage  # noqa: E402
+from pipeline.train.session.run_dir import check_run_root  # noqa: E402
 
 STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune", "export", "runs")
-REAL_CORPUS_COMMAND = "python pipeline/run.py --preset fineweb-32k"  # printed after a run sized to the built-in corpus
-
-
-class UsageError(ValueError):
-    """Bad command-line usage; printed as one line."""
 
 
 def _fields_epilog(argv: list[str]) -> str:
@@ -148,211 +146,6 @@ def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
     return cfg
 
 
-# ------------------------------------------------------------------------------------------ stages
-def stage_prepare(cfg: Config) -> Path:
-    from pipeline.data.stages import prepare_main
-    from pipeline.train.session.sizing import size_to_data
-
-    if cfg.data.min_rows > 0 and not cfg.data.mixture:  # the rows the train stage would size the data to (sizing.py)
-        return size_to_data(cfg, prepare_main, steps=False).dataset
-    return prepare_main(cfg)
-
-
-def stage_train(cfg: Config, args: argparse.Namespace):
-    """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
-    from pipeline.train.session.resume import plan_resume
-    from pipeline.train.session.train_session import TrainSession, load_phases
-
-    if args.checkpoint and not args.resume:
-        raise UsageError("train --checkpoint continues a run from one of its checkpoints: add --resume RUN (a new "
-                         "run from another run's weights is a phase: --phases)")
-    start_step, extended, reopened = None, "", None
-    if args.resume:
-        run_dir = find_run(cfg, args.resume)
-        args.run_dir = run_dir  # what a Ctrl+C from here on leaves behind is this run (main)
-        record = read_run_file(run_dir)
-        saved = from_flat(record["config"])
-        typed = getattr(args, "typed_fields", {})
-        # the run's own config, with the fields this command line set on top
-        preset = load_config(args.preset).flat()
-        cfg = saved.replace({k: v for k, v in cfg.flat().items() if k in typed or v != preset[k]})
-        plan = plan_resume(run_dir, record, cfg, typed, phases_file=args.phases, no_ray=args.no_ray,
-                           checkpoint=args.checkpoint)
-        if plan.finished:
-            print(plan.finished)
-            return run_dir, None
-        phases, start_step, extended = plan.phases, plan.start_step, plan.extended
-        # a finished phase that grew is open again: the session records it once its up-front checks pass
-        reopened = plan.phases_done if plan.phases_done != record.get("phases_done", 0) else None
-    else:
-        # the phases are checked before the run's directory is made: a refused file leaves nothing behind
-        phases = load_phases(args.phases, cfg, preset=args.preset)  # a preset may bring its own (long-32k)
-        run_dir = new_run_dir(cfg)
-        args.run_dir = run_dir
-    audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))
-    session = TrainSession(cfg, run_dir, phases, use_ray=not args.no_ray, audit_data=audit, start_step=start_step,
-                           extended=extended, resume_from=args.checkpoint, phases_done=reopened)
-    return run_dir, session.run(resume=bool(args.resume))
-
-
-def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path | str:
-    """--checkpoint, else the --resume run's latest: a local directory (Path) or a URI on object storage."""
-    from pipeline.storage import native
-    from pipeline.train.engine import CheckpointError
-
-    if args.checkpoint:
-        run_dir = run_dir_of(cfg, args.checkpoint)  # a run directory: its latest checkpoint
-        if run_dir is None:
-            return native(args.checkpoint)
-        ckpt = recorded_checkpoint(run_dir)
-        if ckpt is None:
-            raise CheckpointError(f"--checkpoint {args.checkpoint}: run {run_dir} has no checkpoint yet (status "
-                                  f"{read_run_file(run_dir).get('status', '?')}); {CHECKPOINT_HINT}")
-        return native(ckpt)
-    if args.resume:
-        run_dir = find_run(cfg, args.resume)
-        ckpt = recorded_checkpoint(run_dir)
-        if ckpt:
-            return native(ckpt)
-        raise CheckpointError(f"--resume {args.resume}: run {run_dir} has no checkpoint yet; {CHECKPOINT_HINT}")
-    raise CheckpointError(f"no checkpoint given; {CHECKPOINT_HINT}, or --resume RUN")
-
-
-def stage_eval(cfg: Config, checkpoint: Path | str, dataset_dir: Path | str | None = None,
-               run_dir: Path | None = None) -> dict[str, float]:
-    from pipeline.storage import local_copy
-    from pipeline.tracking.tracker import TrackingError
-    from pipeline.train.evaluate import eval_report, evaluate_checkpoint, log_eval_to_run, run_dir_of_checkpoint
-
-    stage("eval", f"{checkpoint} on the validation split")
-    run_dir = run_dir or run_dir_of_checkpoint(checkpoint)
-    with local_copy(checkpoint) as local:  # on object storage: one temporary copy for the eval and the log
-        metrics = evaluate_checkpoint(local, dataset_dir)
-        print(eval_report(local, metrics))  # a mixture: a table with one row per source
-        try:
-            logged = log_eval_to_run(local, metrics, run_dir, cfg.tracking.tracking_uri)
-            print(f"eval: logged to MLflow run {logged[1]}" if logged else "eval: not logged (no tracked run for it)")
-        except TrackingError as exc:  # the numbers are printed above; a store that is down does not undo them
-            print(f"eval: not logged: {exc}")
-    return metrics
-
-
-def long_context_options(args: argparse.Namespace) -> tuple[list[int], list[int] | None] | None:
-    """(--seq-len factors, --passkey-lengths) when the eval stage is asked for a long-context measure, else None;
-    bad values are one-line errors here, before any model loads."""
-    from pipeline.eval.passkey import parse_lengths
-    from pipeline.eval.stage import parse_factors
-
-    if not (args.by_position or args.seq_len or args.passkey or args.passkey_lengths):
-        return None
-    if args.stage != "eval":
-        raise UsageError("--by-position, --seq-len and --passkey are options of the eval stage: "
-                         "python pipeline/run.py eval --resume RUN --by-position")
-    if args.passkey_lengths and not args.passkey:
-        raise UsageError("--passkey-lengths sets the passkey grid: add --passkey")
-    if args.passkey_trials < 1:
-        raise UsageError(f"--passkey-trials {args.passkey_trials}: give at least 1 key per grid cell")
-    return (parse_factors(args.seq_len) if args.seq_len else [],
-            parse_lengths(args.passkey_lengths) if args.passkey_lengths else None)
-
-
-def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Namespace, run_dir: Path | None = None):
-    """eval --by-position / --seq-len Kx / --passkey (pipeline/eval/stage.py), logged to the run that trained the
-    checkpoint; returns the LongContextReport."""
-    from pipeline.eval.stage import evaluate_long_context, log_long_context
-    from pipeline.storage import local_copy
-    from pipeline.tracking.tracker import TrackingError, check_tracking_uri
-    from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
-
-    factors, lengths = long_context_options(args)
-    asked = ["by position"] * args.by_position + [f"rows {k}x as long" for k in factors] + ["passkey"] * args.passkey
-    stage("eval", f"long context: {', '.join(asked)}")
-    with local_copy(checkpoint) as local:
-        report = evaluate_long_context(local, by_position=args.by_position, factors=factors, passkey=args.passkey,
-                                       passkey_lengths=lengths, passkey_trials=args.passkey_trials)
-    run_dir = run_dir or run_dir_of_checkpoint(checkpoint)
-    try:
-        run = tracked_run(run_dir, cfg.tracking.tracking_uri)
-        if run is None:
-            print("eval: long-context results not logged (no tracked run for this checkpoint)")
-        else:
-            check_tracking_uri(run[0])
-            files = log_long_context(report, run[0], run[1], title=run_dir.name if run_dir else None)
-            print(f"eval: long-context metrics and pictures logged to MLflow run {run[1]}")
-            for f in files:  # where to open them without the MLflow UI
-                print(f"eval: {f}")
-    except TrackingError as exc:  # the numbers are printed above
-        print(f"eval: long-context results not logged: {exc}")
-    return report
-
-
-def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
-    """validate TARGET: a dataset (its manifest), a checkpoint (its meta.json: every file against it, and that it
-    loads) or a run directory (its latest checkpoint); 0 when whole, 1 with the report's reasons."""
-    from pipeline.train.checkpoints.broken import is_checkpoint, offered_command
-    from pipeline.train.checkpoints.validate import validate_checkpoint
-
-    target, run_dir = args.target, run_dir_of(cfg, args.target)
-    if run_dir is not None:
-        target = recorded_checkpoint(run_dir)
-        if target is None:
-            raise UsageError(f"validate {args.target}: run {run_dir} has no checkpoint yet; validate a dataset "
-                             f"directory or a checkpoint")
-    elif "://" not in target and not Path(target).exists():
-        raise UsageError(f"validate {target}: no such path, and no run named {target} under run.root "
-                         f"({cfg.run.root}); validate takes a dataset directory, a checkpoint directory, a run "
-                         f"directory or a run's name (add --run.root=DIR for a run under another root)")
-    elif not is_checkpoint(target):
-        from pipeline.data.stages import validate_main
-
-        return validate_main(target)
-    return validate_checkpoint(target, lambda prev: offered_command(argv, prev, "validate", args.target))
-
-
-def stage_export(cfg: Config, args: argparse.Namespace) -> None:
-    from pipeline.train.evaluate import run_dir_of_checkpoint, tracked_run
-    from pipeline.train.checkpoints.broken import diagnosed
-    from pipeline.train.serve.export import export_checkpoint, register_export
-
-    if not args.out:
-        raise UsageError("export needs --out DIR: python pipeline/run.py export --resume RUN --out DIR")
-    checkpoint = latest_checkpoint(cfg, args)
-    run = None
-    if args.register:  # find the training run before writing anything
-        run_dir = find_run(cfg, args.resume) if args.resume else run_dir_of_checkpoint(checkpoint)
-        run = tracked_run(run_dir, cfg.tracking.tracking_uri)
-        if run is None:
-            raise UsageError(f"--register needs the MLflow run that trained {checkpoint}, and none was found (no "
-                             f"run.json above it, or tracking was off); export without --register")
-    stage("export", f"{checkpoint} -> {args.out} (Hugging Face LlamaForCausalLM)")
-    with diagnosed(checkpoint):  # a file that does not load: one line, the previous checkpoint offered
-        result = export_checkpoint(checkpoint, args.out, overwrite=args.overwrite)
-    print(f"exported {result.out_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained / AutoTokenizer")
-    if run is not None:
-        version = register_export(result, run[0], run[1], args.register)
-        print(f"registered {args.register} version {version.version} (run {run[1]}) in {run[0]}")
-
-
-def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: list[str]) -> list[str]:
-    """`prompts`: pipeline/train/serve/options.py generate_prompts (the flags checked before anything loads)."""
-    from pipeline.train.checkpoints.broken import diagnosed
-    from pipeline.train.serve.generate import generate_texts, load_for_generation
-
-    stage("generate", f"{len(prompts)} prompt(s), {args.max_new_tokens} new tokens, top-p {args.top_p}")
-    with diagnosed(checkpoint):  # the checkpoint's own files only: a file that does not load, the previous offered
-        decoder, tokenizer = load_for_generation(checkpoint)
-    out = generate_texts(decoder, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    for p, text in zip(prompts, out.texts):
-        print(f"--- {p!r}\n{text}")
-    t = out.timings
-    print(f"generate: batch {len(prompts)}, {out.new_tokens} new tokens; prefill {t.prefill_tokens_per_s:,.0f} "
-          f"tokens/s ({t.prefill_tokens} prompt tokens), decode {t.decode_tokens_per_s:,.0f} tokens/s "
-          f"({t.decode_tokens} tokens{', CUDA graph' if t.cuda_graph else ''}); first-step warm-up "
-          f"{t.warmup_s:.2f} s apart ({t.warmup_tokens} tokens: sampler compile, warm-up steps, graph capture)")
-    return out.texts
-
-
 def main(argv: list[str] | None = None) -> int:
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         # A job a shell script starts in the background (`cmd &`) begins with SIGINT ignored. Ray Train's stop
@@ -367,12 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     quiet_mlflow()
     plain_worker_prefixes()
     try:
-        long_context = long_context_options(args) is not None  # eval's options: checked before any stage runs
+        from pipeline.cli.eval import long_context_options
+
+        long_context_options(args)  # eval's options: checked before any stage runs
+        prompts = None
         if args.stage in ("all", "generate"):  # generate's flags and prompts file too
             from pipeline.train.serve.options import generate_prompts
 
             prompts = generate_prompts(args)
         if args.stage == "validate":
+            from pipeline.cli.validate import stage_validate
+
             if not args.target:
                 raise UsageError("validate needs a dataset directory, a checkpoint or a run: python pipeline/run.py "
                                  "validate DIR")
@@ -381,55 +179,35 @@ def main(argv: list[str] | None = None) -> int:
             return stage_validate(cfg, args, argv)
         cfg = build_config(args, rest)
         check_run_root(cfg.run.root)  # a file there: one line, before any stage writes under it
+        # one subcommand, one module
         if args.stage == "runs":
             from pipeline.cli.runs_list import runs_main
 
             return runs_main(cfg.run.root)
         if args.stage == "prepare":
-            print(f"dataset: {stage_prepare(cfg)}")
-            return 0
+            from pipeline.cli.prepare import prepare_command
+
+            return prepare_command(cfg)
         if args.stage == "tune":
             from pipeline.sweep.tune import tune_main
 
             return tune_main(cfg, args.space)
-        if args.stage in ("eval", "generate"):
-            from pipeline.train.checkpoints.broken import diagnosed
         if args.stage == "eval":
-            checkpoint = latest_checkpoint(cfg, args)
-            run_dir = (find_run(cfg, args.resume) if args.resume else  # the run to log to, also for a bucket's checkpoint
-                       run_dir_of(cfg, args.checkpoint) if args.checkpoint else None)
-            with diagnosed(checkpoint):  # a file that does not load: one line, the previous checkpoint offered
-                stage_eval(cfg, checkpoint, run_dir=run_dir)
-                if long_context:
-                    stage_long_context(cfg, checkpoint, args, run_dir)
-            return 0
+            from pipeline.cli.eval import eval_command
+
+            return eval_command(cfg, args)
         if args.stage == "generate":
-            stage_generate(latest_checkpoint(cfg, args), args, prompts)
-            return 0
+            from pipeline.cli.generate import generate_command
+
+            return generate_command(cfg, args, prompts)
         if args.stage == "export":
+            from pipeline.cli.export import stage_export
+
             stage_export(cfg, args)
             return 0
-        run_dir, result = stage_train(cfg, args)
-        if result is None:  # a finished run with nothing more asked of it: stage_train said so
-            return 0
-        if result.stopped:
-            from pipeline.train.session.resume import resume_command
+        from pipeline.cli.train import train_command  # train, and all: prepare, train, eval, generate
 
-            print(f"\nstopped after a checkpoint: {result.checkpoint}\n"
-                  f"continue with: {resume_command(run_dir, args.no_ray)}")
-            return 0
-        if args.stage == "all" and result.checkpoint is not None:
-            stage_eval(result.cfg, result.checkpoint, run_dir=run_dir)
-            stage_generate(result.checkpoint, args, prompts)
-        ui = (f"compare runs in the MLflow UI:\n  {result.ui_command}" if result.ui_command else
-              "MLflow: not tracked (tracking.enabled=false)")
-        print(f"\noutputs:    {run_dir}\ncheckpoint: {result.checkpoint}\n"
-              f"datasets:   {', '.join(result.dataset_dirs)}\n{ui}")
-        if result.epochs is not None and result.cfg.data.source == "builtin":
-            print(f"\nthe built-in corpus is small: this run passed over it {result.epochs:.1f} times. Train a real "
-                  f"corpus at 32k (FineWeb-Edu streamed from the Hugging Face Hub, 2,000 steps; preset fineweb-32k):\n"
-                  f"  {REAL_CORPUS_COMMAND}")
-        return 0
+        return train_command(cfg, args, prompts)
     except KeyboardInterrupt:
         from pipeline.cli.interrupted import what_was_kept
 
@@ -478,20 +256,6 @@ def _flush_worker_lines(ray_before: bool) -> None:
         ray.shutdown()
     except Exception:  # noqa: BLE001 -- the process is ending anyway; the line matters more
         pass
-
-
-def user_error(exc: BaseException) -> BaseException | None:
-    """The first of the project's own ValueError/RuntimeError subclasses in `exc`'s chain (Ray's wrappers
-    followed: pipeline/ray_runtime.py find_cause), or None."""
-    def ours(e: BaseException) -> bool:
-        return (isinstance(e, (ValueError, RuntimeError))
-                and type(e).__module__.split(".")[0] in ("pipeline", "model", "cuda_ops"))
-
-    if ours(exc):
-        return exc
-    from pipeline.ray_runtime import find_cause
-
-    return find_cause(exc, ours)
 
 
 if __name__ == "__main__":

@@ -1,2 +1,3 @@
-"""The command line's helpers: settings a command did not use, Ctrl+C, the `runs` list and `--help` of the
-config. `pipeline/run.py` dispatches to them."""
+"""The command line, one module per subcommand (prepare, train (and the default `all`), eval, generate, export,
+validate, runs_list) and what they share (checkpoint_arg, errors, unused_settings, interrupted, config_help).
+`pipeline/run.py` parses the command line and dispatches to them; nothing else in the project imports them."""

@@ -35,7 +35,7 @@ def _run_part(run_dir: Path, no_ray: bool, training: bool) -> str:
 
 def what_was_kept(stage: str, args: argparse.Namespace) -> str:
     """One line for a KeyboardInterrupt during `stage` (the last banner: pipeline/console.py current_stage) of the
-    command `args`; run.py's stage_train sets args.run_dir once the run has one."""
+    command `args`; pipeline/cli/train.py's stage_train sets args.run_dir once the run has one."""
     run_dir = getattr(args, "run_dir", None)
     no_ray = bool(getattr(args, "no_ray", False))
     if stage == "prepare":

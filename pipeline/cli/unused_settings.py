@@ -15,12 +15,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import PRESETS, Config, ConfigError
-from pipeline.mixture_spec import FIELD_SOURCE_KINDS
-
-
-class IgnoredSettingError(ConfigError):
-    """A flag or field the command would not use; the message names it and what to do instead."""
+from pipeline.config import PRESETS, Config
+# the rules a phase file and a resumed run are checked against too (pipeline/train/session/): beside the config
+from pipeline.config import IgnoredSettingError, unused_by_mixer, unused_by_source  # noqa: F401
 
 
 # argparse dest -> (how the user wrote it, the stages that use it)
@@ -109,8 +106,6 @@ _STAGE_FIELDS = {
 }
 # With --no-ray nothing starts Ray Train: only the Ray that prepare's Ray Data joins or starts is configured.
 _NO_RAY_FIELDS = ("ray.address", "ray.dashboard_host")
-# Fields only some data sources read: the config's table (pipeline/mixture_spec.py SOURCE_KIND_FIELDS).
-_SOURCE_FIELDS = {f"data.{field}": set(kinds) for field, kinds in FIELD_SOURCE_KINDS.items()}
 _DATA_STAGES = {"all", "prepare", "train", "tune"}
 # Fields another field's value turns off: (field, is it off?, why).
 _OFF_BY = [
@@ -122,28 +117,6 @@ _OFF_BY = [
     ("data.tokenizer_sample_bytes", lambda c: bool(c.data.tokenizer),
      "data.tokenizer is given, so no tokenizer is trained and nothing is sampled for one"),
 ]
-
-
-def unused_by_source(source: str, keys: Any, where: str = "") -> None:
-    """IgnoredSettingError for a data field in `keys` that data.source=`source` does not read (`where`: the phase
-    or file that set it, for the message)."""
-    for key in keys:
-        readers = _SOURCE_FIELDS.get(key)
-        if readers and source not in readers:
-            raise IgnoredSettingError(f"{where}{key} is set, but data.source={source} does not read it (it is for "
-                                      f"data.source={' or '.join(sorted(readers))}); set data.source, or drop {key}")
-
-
-def unused_by_mixer(mixer: str, keys: Any, where: str = "") -> None:
-    """IgnoredSettingError for a RoPE field (model.rope_*) in `keys` when model.mixer=`mixer` has no RoPE (the
-    resonance family: its kernel is its position code). `where`: the phase, run or file that set it."""
-    if mixer == "attention":
-        return
-    for key in keys:
-        if str(key).startswith("model.rope_"):
-            raise IgnoredSettingError(f"{where}{key} is set, but model.mixer={mixer} has no RoPE (its kernel is its "
-                                      f"position code), so no RoPE setting is used; drop {key}, or train "
-                                      f"model.mixer=attention")
 
 
 def settle_fields(stage: str, typed: dict[str, Any], cfg: Config, *, no_ray: bool = False,

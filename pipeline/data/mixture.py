@@ -243,11 +243,13 @@ def run_manifest(mix: Mixture, plan: list[SourcePlan], *, phase: int, steps: int
 
 
 # ---------------------------------------------------------------------------------------- opening
-def open_mixture(dataset_dir: str | Path, mixture: str, block_rows: int, seed: int) -> Mixture | None:
+def open_mixture(dataset_dir: str | Path, mixture: str, block_rows: int, seed: int,
+                 manifest: Manifest | None = None) -> Mixture | None:
     """The mixture of `dataset_dir` with the weights of `mixture` (data.mixture's text); None when the directory is
-    one dataset. DatasetError / MixtureError (one line) when they do not fit together."""
+    one dataset. DatasetError / MixtureError (one line) when they do not fit together. `manifest`: the directory's,
+    when the caller has read it already."""
     dataset_dir = absolute(dataset_dir)
-    manifest = load_manifest(dataset_dir)
+    manifest = manifest if manifest is not None else load_manifest(dataset_dir)
     if not is_mixture(manifest):
         return None
     prepared = {s["name"]: s for s in manifest.source["sources"]}
@@ -274,9 +276,9 @@ def inline_mixture(cfg: "Config") -> "Config":
     return cfg.replace({"data.mixture": mixture_json(parse_mixture(text))})
 
 
-def mixture_of(dataset_dir: str | Path, cfg: "Config") -> Mixture | None:
+def mixture_of(dataset_dir: str | Path, cfg: "Config", manifest: Manifest | None = None) -> Mixture | None:
     """open_mixture with the config's data.mixture, data.mixture_block_rows and train.seed."""
-    return open_mixture(dataset_dir, cfg.data.mixture, cfg.data.mixture_block_rows, cfg.train.seed)
+    return open_mixture(dataset_dir, cfg.data.mixture, cfg.data.mixture_block_rows, cfg.train.seed, manifest)
 
 
 def _sources(specs: list[SourceSpec], prepared: dict[str, dict], manifest: Manifest) -> list[MixedSource]:

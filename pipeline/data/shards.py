@@ -322,13 +322,18 @@ class ShardReader:
 
     def __init__(self, dataset_dir: Path | str, split: str = "train", batch_size: int = 8, seed: int = 0,
                  epoch: int = 0, start: int = 0, rank: int = 0, world_size: int = 1, *,
-                 cache_bytes: int = 128 << 20, drop_last: bool = True, retry_s: float | None = None):
+                 cache_bytes: int = 128 << 20, drop_last: bool = True, retry_s: float | None = None,
+                 manifest: Manifest | None = None):
+        # manifest: the dataset's, when the caller has read it already (one read per command, not one per reader)
         self.dataset_dir = absolute(dataset_dir)
         # Storage failures that pass (outage, stall, 5xx) are ridden out this long, in the reader's own threads too;
         # None: the window of the thread that makes the reader (pipeline/storage_faults.py).
         self.retry_s = faults.retry_window() if retry_s is None else retry_s
-        with faults.retry_window_of(self.retry_s):
-            self.manifest = load_manifest(self.dataset_dir)
+        if manifest is not None:
+            self.manifest = manifest
+        else:
+            with faults.retry_window_of(self.retry_s):
+                self.manifest = load_manifest(self.dataset_dir)
         if (self.manifest.source or {}).get("kind") == "mixture":
             raise DatasetError(f"{str(dataset_dir)!r} is a mixture of datasets (no shards of its own); read it with "
                                "pipeline/data/mixture.py's MixtureReader, or one of its sources' datasets")
@@ -494,11 +499,12 @@ class ShardReader:
 
 
 def eval_reader(dataset_dir: Path | str, batch_size: int, rank: int = 0, world_size: int = 1, *,
-                cache_bytes: int = 128 << 20) -> ShardReader:
+                cache_bytes: int = 128 << 20, manifest: Manifest | None = None) -> ShardReader:
     """Batches over the whole validation split in a fixed order, every row once across the ranks (module docstring:
-    a short last batch is padded, its `pad` rows not counted). Rank r of world_size reads its share."""
+    a short last batch is padded, its `pad` rows not counted). Rank r of world_size reads its share. `manifest`: the
+    dataset's, when the caller has read it already."""
     return ShardReader(dataset_dir, "val", batch_size, 0, 0, 0, rank, world_size, drop_last=False,
-                       cache_bytes=cache_bytes)
+                       cache_bytes=cache_bytes, manifest=manifest)
 
 
 EVAL_CACHE_BYTES = 256 << 20  # decoded validation rows an EvalSplit keeps between evaluations, per worker
@@ -514,14 +520,14 @@ class EvalSplit:
     from storage once per run instead of once per evaluation."""
 
     def __init__(self, dataset_dir: Path | str, batch_size: int, rank: int = 0, world_size: int = 1, *,
-                 cache_bytes: int = EVAL_CACHE_BYTES):
+                 cache_bytes: int = EVAL_CACHE_BYTES, manifest: Manifest | None = None):
         self.args = (dataset_dir, batch_size, rank, world_size)
-        self.cache_bytes = cache_bytes
+        self.cache_bytes, self.manifest = cache_bytes, manifest
         self.reader: ShardReader | None = None
 
     def __call__(self) -> ShardReader:
         if self.reader is None:
-            self.reader = eval_reader(*self.args, cache_bytes=self.cache_bytes)
+            self.reader = eval_reader(*self.args, cache_bytes=self.cache_bytes, manifest=self.manifest)
         self.reader.position = self.reader._start  # from the split's first batch again
         return self.reader
 

@@ -25,13 +25,14 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.data.shards import DatasetError, ShardReader, load_manifest
+from pipeline.data.shards import DatasetError, Manifest, ShardReader, load_manifest
 from pipeline.storage import join, open_input
 
 
-def seq_ids_of(dataset_dir: str | Path, split: str) -> np.ndarray:
-    """The seq_id of every row of `split`, in the split's row order (only that column is read)."""
-    manifest = load_manifest(dataset_dir)
+def seq_ids_of(dataset_dir: str | Path, split: str, manifest: Manifest | None = None) -> np.ndarray:
+    """The seq_id of every row of `split`, in the split's row order (only that column is read); `manifest`: the
+    dataset's, when the caller has read it already."""
+    manifest = manifest if manifest is not None else load_manifest(dataset_dir)
     parts = [pq.read_table(open_input(join(str(dataset_dir), s.file)), columns=["seq_id"]).column(0).to_numpy()
              for s in manifest.shards.get(split, [])]
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
@@ -47,26 +48,27 @@ def doc_ids_from_eos(tokens: np.ndarray, eos_id: int) -> np.ndarray:
 class LongRows:
     """Batches of validation windows, each with the factor - 1 stream windows before it (module docstring)."""
 
-    def __init__(self, dataset_dir: str | Path, factor: int, batch_size: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, dataset_dir: str | Path, factor: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                 manifest: Manifest | None = None):
         if factor < 1:
             raise ValueError(f"factor must be >= 1, got {factor}")
         self.dataset_dir, self.factor, self.batch_size = str(dataset_dir), factor, batch_size
         self.rank, self.world_size = rank, world_size
-        self.manifest = load_manifest(dataset_dir)
+        self.manifest = manifest if manifest is not None else load_manifest(dataset_dir)  # read once, handed on
         self.window = self.manifest.window
         self.row_len = factor * self.window - 1  # targets per long row
         self.score_from = (factor - 1) * self.window
-        self._readers = {split: ShardReader(dataset_dir, split, 1, drop_last=False)
+        self._readers = {split: ShardReader(dataset_dir, split, 1, drop_last=False, manifest=self.manifest)
                          for split in ("train", "val") if self.manifest.rows(split)}
         if "val" not in self._readers:
             raise DatasetError(f"dataset {self.dataset_dir!r} has no validation rows; prepare it with a larger "
                                "data.val_fraction")
         where: dict[int, tuple[str, int]] = {}
         for split in self._readers:
-            for row, sid in enumerate(seq_ids_of(dataset_dir, split).tolist()):
+            for row, sid in enumerate(seq_ids_of(dataset_dir, split, self.manifest).tolist()):
                 where[sid] = (split, row)
         self._where = where
-        val_ids = seq_ids_of(dataset_dir, "val")
+        val_ids = seq_ids_of(dataset_dir, "val", self.manifest)
         order = np.argsort(val_ids, kind="stable")
         keep = [int(r) for r in order if all(int(val_ids[r]) - j in where for j in range(1, factor))]
         self.rows = np.asarray(keep, np.int64)  # validation rows that have their context, in stream order

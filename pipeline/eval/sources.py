@@ -66,7 +66,7 @@ class SourceValidation:
         # One reader per source for the object's lifetime (a run: pipeline/train/local.py, ray_train.py), rewound at
         # each evaluation; the single dataset's bound on decoded rows kept, shared by the sources.
         cache = max(16 << 20, EVAL_CACHE_BYTES // max(1, len(mixture.sources)))
-        self.splits = [EvalSplit(s.dataset_dir, batch_size, rank, world_size, cache_bytes=cache)
+        self.splits = [EvalSplit(s.dataset_dir, batch_size, rank, world_size, cache_bytes=cache, manifest=s.manifest)
                        for s in mixture.sources]
         if mixture.manifest.tokenizer_file:
             self.size, self.lead = Tokenizer(join(mixture.dataset_dir, mixture.manifest.tokenizer_file)).utf8_bytes()

@@ -96,7 +96,7 @@ def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[
     command line's fields on top), the fields the user typed, --phases, --no-ray and --checkpoint (a checkpoint of
     the run to go back to: its step and phase, not the run's latest, are where it continues). ResumeError when it
     cannot."""
-    from pipeline.cli.unused_settings import unused_by_mixer
+    from pipeline.config import unused_by_mixer
 
     unused_by_mixer(cfg.model.mixer, typed, where=f"run {run_dir}: ")
     was_local = trained_without_ray(run_dir, record)

@@ -117,7 +117,7 @@ def load_phases(path: str | None, cfg: Config, preset: str | None = None) -> lis
 def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
     """A list of phase mappings ({steps, overrides, name, lr_warmup_steps, reset_optimizer}), each validated
     against cfg with one-line errors that name `where` and the phase."""
-    from pipeline.cli.unused_settings import unused_by_mixer, unused_by_source
+    from pipeline.config import unused_by_mixer, unused_by_source
 
     if not isinstance(doc, list) or not doc:
         raise ConfigError(f"{where}: expected a YAML list of phases like [{{steps: 100, overrides: {{...}}}}]")

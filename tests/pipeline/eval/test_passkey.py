@@ -158,7 +158,7 @@ def quiet(_: str) -> None:
 def grids(setup):
     """The passkey grid at the trained length, 8 keys per depth, for the trained and the untrained model, read
     through the eval stage (Engine + checkpoint load; haystacks from the validation split)."""
-    from pipeline.eval.stage import evaluate_long_context
+    from pipeline.cli.eval import evaluate_long_context
 
     return {name: evaluate_long_context(ckpt, passkey=True, passkey_lengths=[TRAINED_LEN], passkey_trials=8,
                                         echo=quiet).passkey
@@ -182,7 +182,7 @@ def test_the_grid_tells_a_model_that_retrieves_from_one_that_cannot(grids):
 @pytest.mark.system
 @pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_a_sharded_checkpoint_gives_the_same_answers(setup, grids):
-    from pipeline.eval.stage import evaluate_long_context
+    from pipeline.cli.eval import evaluate_long_context
     from pipeline.train.checkpoints.state import SHARDED, read_checkpoint_meta
     from pipeline.train.engine import Engine
     from pipeline.train.distributed.process_group import process_group
@@ -200,7 +200,7 @@ def test_a_sharded_checkpoint_gives_the_same_answers(setup, grids):
 
 
 def test_the_resonance_family_runs_every_measure(base):
-    from pipeline.eval.stage import evaluate_long_context
+    from pipeline.cli.eval import evaluate_long_context
     from pipeline.train.engine import Engine
 
     engine = Engine(config("resonance"), base.tokenizer.vocab_size, torch.device("cpu"))

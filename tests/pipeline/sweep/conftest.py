@@ -44,7 +44,7 @@ class MixerSweep:
     out: str  # what `python pipeline/run.py tune` printed
     runs: Path  # run.root
     checkpoints: dict[str, Path]  # model.mixer -> the trial's last checkpoint
-    reports: dict  # model.mixer -> pipeline/eval/stage.py LongContextReport
+    reports: dict  # model.mixer -> pipeline/eval/long_context.py LongContextReport
 
 
 @pytest.fixture(scope="package")
@@ -56,7 +56,8 @@ def mixer_sweep(ray_session, mlflow_server, sweep_files, tmp_path_factory) -> Mi
     import yaml
     from mlflow.tracking import MlflowClient
 
-    from pipeline.eval.stage import evaluate_long_context, log_long_context
+    from pipeline.cli.eval import evaluate_long_context
+    from pipeline.eval.long_context import log_long_context
     from pipeline.run import main
     from pipeline.train.checkpoints.state import read_checkpoint_meta
 

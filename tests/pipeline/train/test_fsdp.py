@@ -241,7 +241,7 @@ def test_a_damaged_or_foreign_sharded_checkpoint_is_one_clear_error(runs, tmp_pa
 def test_eval_reads_a_sharded_checkpoint_as_it_reads_a_full_one(runs):
     """`eval` on the two FSDP workers' step-4 shards (consolidated in this process, no process group) and on the
     one-process run's step-4 full checkpoint: the same validation loss, to the runs' tolerance."""
-    from pipeline.train.evaluate import evaluate_checkpoint
+    from pipeline.cli.eval import evaluate_checkpoint
 
     sharded = evaluate_checkpoint(runs["tmp"] / "fsdp2")
     full = evaluate_checkpoint(runs["tmp"] / "full1")

@@ -44,7 +44,7 @@ def test_both_families_train_evaluate_and_generate_on_the_builtin_corpus(test_ru
     generation from the checkpoint work, and the resonance run trains with its own FLOP count."""
     from pipeline.data.pack import prepare
     from pipeline.data.shards import ShardReader, load_manifest
-    from pipeline.train.evaluate import evaluate_checkpoint
+    from pipeline.cli.eval import evaluate_checkpoint
     from pipeline.train.serve.generate import generate_from_checkpoint
     from pipeline.train.local import train_local
 

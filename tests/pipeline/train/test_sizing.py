@@ -68,7 +68,8 @@ def test_the_gpu_preset_default_run_at_a_small_scale(ray_session, mlflow_server,
     from mlflow.tracking import MlflowClient
 
     from pipeline.data.shards import load_manifest
-    from pipeline.run import REAL_CORPUS_COMMAND, main
+    from pipeline.cli.train import REAL_CORPUS_COMMAND
+    from pipeline.run import main
 
     uri, _ = mlflow_server
     # (no --ray.use_gpu=false: with --no-ray nothing reads it, and the command line refuses it)

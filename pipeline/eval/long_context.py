@@ -1,11 +1,13 @@
-"""The eval stage's long-context measures on one checkpoint (any layout: a sharded FSDP checkpoint is consolidated
-on load), logged to the MLflow run that trained it.
+"""The eval stage's long-context measures over a loaded model (pipeline/cli/eval.py loads the checkpoint, any layout:
+a sharded FSDP checkpoint is consolidated on load, and hands the engine, the dataset's manifest and tokenizer down),
+logged to the MLflow run that trained it.
 
     python pipeline/run.py eval --resume runs/<run> --by-position             # loss by position, trained length
     python pipeline/run.py eval --resume runs/<run> --seq-len 2x,4x           # rows 2x and 4x as long
     python pipeline/run.py eval --resume runs/<run> --passkey                 # passkey grid, up to 2x the length
 
-    report = evaluate_long_context(checkpoint, by_position=True, factors=[2], passkey=True)
+    report = measure_long_context(engine, dataset_dir, seq_len, batch_size, step=step, by_position=True,
+                                  factors=[2], passkey=True, tokenizer=tokenizer)
     log_long_context(report, tracking_uri, run_id)     # metrics at the checkpoint's step + the two pictures
 
 The model is built and loaded by the engine (pipeline/train/engine.py Engine + load), as training built it: the
@@ -24,10 +26,13 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pipeline.eval.passkey import PasskeyGrid
 from pipeline.eval.positions import PositionResult
+
+if TYPE_CHECKING:
+    from pipeline.data.shards import Manifest
 
 
 class LongEvalError(ValueError):
@@ -55,23 +60,27 @@ class LongContextReport:
     passkey: PasskeyGrid | None = None
 
 
-def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None = None, *, by_position: bool = False,
-                          factors: list[int] = (), passkey: bool = False, passkey_lengths: list[int] | None = None,
-                          passkey_trials: int = 5, echo: Callable[[str], None] = print,
-                          show_progress: bool = True) -> LongContextReport:
-    """Run the asked measures on `checkpoint` over its dataset's validation split (or `dataset_dir`), printing each
-    as it finishes through `echo`, with progress while each runs (`show_progress`: pipeline/console.py progress, a
-    bar in a terminal, plain lines in a log); see the module docstring for what they log."""
+def measure_long_context(engine, dataset_dir: str | Path, seq_len: int, batch_size: int, *, step: int = 0,
+                         seed: int = 0, manifest: "Manifest | None" = None, tokenizer=None, by_position: bool = False,
+                         factors: list[int] = (), passkey: bool = False, passkey_lengths: list[int] | None = None,
+                         passkey_trials: int = 5, echo: Callable[[str], None] = print,
+                         show_progress: bool = True) -> LongContextReport:
+    """Run the asked measures with `engine` (a loaded model: pipeline/cli/eval.py load_for_eval) over the validation
+    split of `dataset_dir` (rows of `seq_len` tokens, its `manifest` when already read), `batch_size` rows per batch,
+    printing each as it finishes through `echo`, with progress while each runs (`show_progress`:
+    pipeline/console.py progress, a bar in a terminal, plain lines in a log); `step`: the checkpoint's, where the
+    metrics are logged; `seed`: the passkey keys'; `tokenizer`: the dataset's, needed by `passkey`. See the module
+    docstring for what they log."""
     from pipeline.data.shards import eval_reader
     from pipeline.eval.long_rows import LongRows
     from pipeline.eval.passkey import default_lengths, haystack_tokens, passkey_grid
     from pipeline.eval.positions import evaluate_by_position
     from pipeline.console import progress
-    from pipeline.train.evaluate import load_for_eval
 
-    engine, meta, cfg, dataset_dir, manifest = load_for_eval(checkpoint, dataset_dir)
-    T, batch = manifest.seq_len, cfg.train.batch_size
-    report = LongContextReport(meta.get("counters", {}).get("step", 0), T)
+    if passkey and tokenizer is None:
+        raise ValueError("measure_long_context(passkey=True) needs the dataset's tokenizer")
+    T, batch = seq_len, batch_size
+    report = LongContextReport(step, T)
     def counted(batches, desc: str):
         """`batches`, with progress per batch: a long row's forward can take minutes."""
         if not show_progress:
@@ -86,13 +95,14 @@ def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None
             bar.close()
 
     if by_position:
-        res = evaluate_by_position(engine, counted(eval_reader(dataset_dir, batch), "eval by position"), T)
+        res = evaluate_by_position(engine, counted(eval_reader(dataset_dir, batch, manifest=manifest),
+                                                   "eval by position"), T)
         report.positions["eval"] = res
         report.metrics.update(res.metrics("eval"))
         echo(f"eval by position (rows of {T} tokens; a bucket counts the documents that reach its end):\n"
              f"{res.table()}\n{_cumulative_line(res)}")
     for k in factors:
-        rows = LongRows(dataset_dir, k, max(1, batch // k))
+        rows = LongRows(dataset_dir, k, max(1, batch // k), manifest=manifest)
         res = evaluate_by_position(engine, counted(rows, f"eval {k}x"), rows.row_len, score_from=rows.score_from)
         prefix = f"eval_{k}x"
         report.positions[prefix] = res
@@ -103,11 +113,9 @@ def evaluate_long_context(checkpoint: str | Path, dataset_dir: str | Path | None
              f"{prefix}/loss={res.loss:.4f}  {prefix}/ppl={math.exp(min(res.loss, 700.0)):.2f}\n{res.table()}\n"
              f"{_cumulative_line(res)}")
     if passkey:
-        from pipeline.data.shards import dataset_tokenizer
-
         lengths = passkey_lengths or default_lengths(T)
-        grid = passkey_grid(engine.module.decoder, dataset_tokenizer(dataset_dir), haystack_tokens(dataset_dir),
-                            lengths, trials=passkey_trials, seed=cfg.train.seed,
+        grid = passkey_grid(engine.module.decoder, tokenizer, haystack_tokens(dataset_dir),
+                            lengths, trials=passkey_trials, seed=seed,
                             progress=(lambda total: progress("passkey", total)) if show_progress else None)
         report.passkey = grid
         report.metrics.update(grid.metrics())

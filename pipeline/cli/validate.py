@@ -1,0 +1,36 @@
+"""`python pipeline/run.py validate TARGET`: is a dataset, a checkpoint or a run's latest checkpoint whole?
+
+    python pipeline/run.py validate runs/datasets/<hash>     # or s3://bucket/longtrain/datasets/<hash>
+    python pipeline/run.py validate runs/<run>               # its latest checkpoint: every file, and that it loads
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipeline.cli.errors import UsageError
+from pipeline.config import Config
+from pipeline.train.session.run_dir import recorded_checkpoint, run_dir_of
+
+
+def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
+    """validate TARGET: a dataset (its manifest), a checkpoint (its meta.json: every file against it, and that it
+    loads) or a run directory (its latest checkpoint); 0 when whole, 1 with the report's reasons."""
+    from pipeline.train.checkpoints.broken import is_checkpoint, offered_command
+    from pipeline.train.checkpoints.validate import validate_checkpoint
+
+    target, run_dir = args.target, run_dir_of(cfg, args.target)
+    if run_dir is not None:
+        target = recorded_checkpoint(run_dir)
+        if target is None:
+            raise UsageError(f"validate {args.target}: run {run_dir} has no checkpoint yet; validate a dataset "
+                             f"directory or a checkpoint")
+    elif "://" not in target and not Path(target).exists():
+        raise UsageError(f"validate {target}: no such path, and no run named {target} under run.root "
+                         f"({cfg.run.root}); validate takes a dataset directory, a checkpoint directory, a run "
+                         f"directory or a run's name (add --run.root=DIR for a run under another root)")
+    elif not is_checkpoint(target):
+        from pipeline.data.stages import validate_main
+
+        return validate_main(target)
+    return validate_checkpoint(target, lambda prev: offered_command(argv, prev, "validate", args.target))
