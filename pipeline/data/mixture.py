@@ -354,12 +354,12 @@ class MixtureReader:
 
 
 def train_batches(dataset_dir: str, cfg: "Config", rank: int = 0, world_size: int = 1,
-                  use_ray: bool = False) -> Callable[[int, int], Any]:
+                  use_ray: bool = False, manifest: Manifest | None = None) -> Callable[[int, int], Any]:
     """`train_batches(epoch, start)` for pipeline/train/loop.py's fit over a mixture: this rank's endless stream
     from position `start` (the epoch is always 0: the stream has no end), read in this process or, with use_ray,
     by Ray Data read tasks (pipelines of RAY_CHUNK_BATCHES global micro-batches, one after another)."""
     t, d = cfg.train, cfg.data
-    mix = mixture_of(dataset_dir, cfg)
+    mix = mixture_of(dataset_dir, cfg, manifest)  # manifest: the mixture's, when the caller has read it already
     if mix is None:
         raise MixtureError(f"{dataset_dir!r} is one dataset, not a mixture")
 

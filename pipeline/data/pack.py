@@ -294,6 +294,12 @@ def dataset_location(cfg: "Config", key: str) -> str:
 def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
     """Build (or reuse) the packed dataset for cfg.data; returns the dataset directory: a Path on this machine,
     else its URI."""
+    return prepare_dataset(cfg, ray_address)[0]
+
+
+def prepare_dataset(cfg: "Config", ray_address: str | None = None) -> tuple[Path | str, Manifest]:
+    """prepare, returning the dataset directory and its manifest (the one read to reuse it, or the one just
+    written), for the caller to hand on."""
     t0 = time.time()
     settings = dataset_settings(cfg)
     key = settings_hash(settings)
@@ -301,14 +307,14 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
     if (m := reusable(out, key)) is not None:
         _check_manifest_bad_records(m, cfg)  # built with a laxer policy than this one?
         log.info("reusing dataset %s (settings hash %s)", out, key[:16])
-        return _returned(out)
+        return _returned(out), m
     check_first_records(cfg.data)  # empty files, a text column no record has: in seconds, before any Ray work
     check(out, what="the dataset store", write=True)  # bucket, credentials, endpoint: before any Ray work
     with _one_builder(out):
         if (m := reusable(out, key)) is not None:
             _check_manifest_bad_records(m, cfg)
             log.info("reusing dataset %s, built meanwhile by another process", out)
-            return _returned(out)
+            return _returned(out), m
         try:
             if load_manifest(out).settings_hash != key:  # this directory held other settings: retire them first
                 delete(join(out, MANIFEST_FILE))
@@ -322,7 +328,7 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
             if (m := reusable(out, key)) is not None:  # another prepare of this dataset got there first: use its
                 build.abandon()
                 _check_manifest_bad_records(m, cfg)
-                return _returned(out)
+                return _returned(out), m
             build.verify(manifest)
             write_manifest(out, manifest)  # last: from here on the directory is a dataset
             published = True
@@ -338,7 +344,7 @@ def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
             raise
         remove_stale(out)
     log.info("dataset ready: %s", out)
-    return _returned(out)
+    return _returned(out), manifest
 
 
 def _returned(out: str) -> Path | str:

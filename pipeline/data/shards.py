@@ -148,9 +148,10 @@ def write_manifest(dataset_dir: Path | str, manifest: Manifest) -> str:
     return location
 
 
-def tokenizer_location(dataset_dir: Path | str) -> str:
-    """Where the dataset's tokenizer is (the file its manifest names); DatasetError when it names none."""
-    m = load_manifest(dataset_dir)
+def tokenizer_location(dataset_dir: Path | str, manifest: Manifest | None = None) -> str:
+    """Where the dataset's tokenizer is (the file its manifest names); DatasetError when it names none. `manifest`:
+    the dataset's, when the caller has read it already."""
+    m = manifest if manifest is not None else load_manifest(dataset_dir)
     if not m.tokenizer_file:
         raise DatasetError(f"dataset {str(dataset_dir)!r} has no tokenizer (a synthetic dataset); use a prepared one")
     return join(str(dataset_dir), m.tokenizer_file)
@@ -160,17 +161,17 @@ class TokenizerMissing(DatasetError):
     """The dataset, or the tokenizer its manifest names, is not there (a checkpoint that names it may be whole)."""
 
 
-def dataset_tokenizer(dataset_dir: Path | str, checkpoint: Any = None):
+def dataset_tokenizer(dataset_dir: Path | str, checkpoint: Any = None, manifest: Manifest | None = None):
     """The Tokenizer the dataset was built with (the file its manifest names; local or on object storage), checked:
     TokenizerMissing when the dataset or the file is not there, DatasetError naming the file when it is not a
     SentencePiece model, and whether its sha256 is the one the manifest records. `checkpoint`: the checkpoint whose
     meta.json names the dataset, for the lines (every checkpoint of a run reads the same tokenizer, so no other
-    checkpoint is offered)."""
+    checkpoint is offered). `manifest`: the dataset's, when the caller has read it already."""
     from pipeline.data.tokenizer import Tokenizer, TokenizerError
     from pipeline.storage import first_line, sha256
 
     try:
-        path = tokenizer_location(dataset_dir)
+        path = tokenizer_location(dataset_dir, manifest)
     except (DatasetError, FileNotFoundError) as exc:
         if checkpoint is None:
             raise TokenizerMissing(str(exc)) from None
@@ -560,27 +561,33 @@ READ_TASKS = 2  # read tasks in flight per stream: one reading ahead while the o
 
 
 @functools.lru_cache(maxsize=8)
-def _worker_reader(args: tuple, retry_s: float = 0.0) -> ShardReader:
-    """One reader per argument set per Ray worker process, so open files and the row-group cache are reused."""
-    return ShardReader(*args, retry_s=retry_s)
+def _worker_reader(args: tuple, retry_s: float = 0.0, manifest: str | None = None) -> ShardReader:
+    """One reader per argument set per Ray worker process, so open files and the row-group cache are reused.
+    `manifest`: the dataset's as JSON text (hashable, for the cache), handed in with the task, so that no read task
+    reads manifest.json again."""
+    return ShardReader(*args, retry_s=retry_s, manifest=Manifest.from_dict(json.loads(manifest)) if manifest else None)
 
 
-def _read_batches(batch: dict[str, np.ndarray], reader_args: tuple, retry_s: float = 0.0) -> dict[str, np.ndarray]:
-    reader = _worker_reader(reader_args, retry_s)
+def _read_batches(batch: dict[str, np.ndarray], reader_args: tuple, retry_s: float = 0.0,
+                  manifest: str | None = None) -> dict[str, np.ndarray]:
+    reader = _worker_reader(reader_args, retry_s, manifest)
     rows = np.concatenate([reader.rows_of_batch(int(j)) for j in batch["id"]])
     return reader.read_rows(rows)
 
 
 def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int = 8, seed: int = 0, epoch: int = 0,
-                start: int = 0, rank: int = 0, world_size: int = 1, *, retry_s: float = 0.0) -> "ray.data.Dataset":
+                start: int = 0, rank: int = 0, world_size: int = 1, *, retry_s: float = 0.0,
+                manifest: Manifest | None = None) -> "ray.data.Dataset":
     """A Ray Data pipeline yielding exactly ShardReader's rows, in the same order, for the same arguments.
 
     Iterate with `.iter_torch_batches(batch_size=batch_size)` to get the same Batch dicts. `retry_s`: how long the
     read tasks ride out storage failures that pass (a setting handed to them, run.storage_retry_s in training).
+    `manifest`: the dataset's, when the caller has read it already; the read tasks are handed it too.
     """
     import ray.data
 
-    reader = ShardReader(dataset_dir, split, batch_size, seed, epoch, start, rank, world_size)  # validates args
+    reader = ShardReader(dataset_dir, split, batch_size, seed, epoch, start, rank, world_size,
+                         manifest=manifest)  # validates args
     n_batches = len(reader)
     args = (absolute(dataset_dir), split, batch_size, seed, epoch, start, rank, world_size)
     # A Ray task reads BATCHES_PER_TASK batches, at most READ_TASKS at a time: reading a batch takes
@@ -591,7 +598,9 @@ def ray_batches(dataset_dir: Path | str, split: str = "train", batch_size: int =
     blocks = max(1, min(-(-n_batches // BATCHES_PER_TASK), MAX_BLOCKS))
     ds = ray.data.range(n_batches, override_num_blocks=blocks, concurrency=READ_TASKS)
     ds.context.execution_options.preserve_order = True  # batch j must come j-th, as in ShardReader
-    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args, "retry_s": retry_s}, batch_size=None,
+    return ds.map_batches(_read_batches, fn_kwargs={"reader_args": args, "retry_s": retry_s,
+                                                    "manifest": json.dumps(reader.manifest.to_dict())},
+                          batch_size=None,
                           batch_format="numpy",
                           compute=ray.data.TaskPoolStrategy(size=READ_TASKS))
 

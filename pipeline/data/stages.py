@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline.console import quiet_ray_data, stage
-from pipeline.data.shards import load_manifest, tokenizer_location
+from pipeline.data.shards import Manifest, load_manifest, tokenizer_location
 from pipeline.data.validate import validate_dataset
 
 log = logging.getLogger("longtrain.data")
@@ -52,7 +52,13 @@ def prepare_main(cfg) -> Path:
     """Build (or reuse) the dataset for cfg.data and print a summary; returns the dataset directory.
 
     Raises DataSourceError / TokenizerError / DatasetError (all ValueError) with a one-line message."""
-    from pipeline.data.pack import prepare
+    return prepared(cfg)[0]
+
+
+def prepared(cfg) -> tuple[Path | str, Manifest]:
+    """prepare_main's work, returning the dataset directory and its manifest as read once here, for the command to
+    hand on (training reads no manifest.json of its own)."""
+    from pipeline.data.pack import prepare_dataset
 
     _quiet_logging()
     d = cfg.data
@@ -62,8 +68,7 @@ def prepare_main(cfg) -> Path:
         d.source, d.source)
     stage("prepare", f"{source}, seq_len {d.seq_len}, vocab {d.vocab_size}")
     t0 = time.time()
-    out = prepare(cfg)
-    m = load_manifest(out)
+    out, m = prepare_dataset(cfg)
     c = m.counts
     print(f"dataset {out}  ({time.time() - t0:.1f} s)\n"
           f"  {c['sequences']:,} sequences of {m.seq_len}+1 tokens: train {m.rows('train'):,}, val {m.rows('val'):,}"
@@ -74,10 +79,10 @@ def prepare_main(cfg) -> Path:
           f"{_bad_files_line(m)}\n"
           f"  tokenizer {m.tokenizer_file} vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}"
           f"{_skipped_line(d)}")
-    return out
+    return out, m
 
 
-def _prepare_mixture_main(cfg) -> Path | str:
+def _prepare_mixture_main(cfg) -> tuple[Path | str, Manifest]:
     """prepare_main for data.mixture: every source (cached each by its own hash), a summary line per source."""
     from pipeline.data.mixture_prepare import prepare_mixture, source_config
     from pipeline.mixture_spec import normalized, parse_mixture
@@ -100,10 +105,10 @@ def _prepare_mixture_main(cfg) -> Path | str:
               f"{_skipped_line(source_config(cfg, spec).data, '    ', _field(spec)) if not spec.dataset_dir else ''}")
     if m.tokenizer_file:
         print(f"  tokenizer vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}; to keep it (and every prepared "
-              f"source) when the weights change: --data.tokenizer={tokenizer_location(out)}")
+              f"source) when the weights change: --data.tokenizer={tokenizer_location(out, m)}")
     else:  # synthetic sources are token ids without a tokenizer file: there is none to keep
         print(f"  no tokenizer file (synthetic sources, vocab {m.vocab_size})")
-    return out
+    return out, m
 
 
 def _field(spec) -> str:

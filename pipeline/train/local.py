@@ -13,7 +13,7 @@ from pipeline.train.serve.generate import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.data.mixture import mixture_of
 from pipeline.data.mixture import train_batches as mixed_train_batches
-from pipeline.data.shards import EvalSplit, ShardReader, check_trainable, load_manifest
+from pipeline.data.shards import EvalSplit, Manifest, ShardReader, check_trainable, load_manifest
 from pipeline.eval.sources import SourceValidation
 from pipeline.storage import absolute, local_copy
 from pipeline.train.checkpoints.broken import diagnosed
@@ -25,14 +25,15 @@ from pipeline.train.session.run_dir import AUDIT_DIR
 def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, tracker=None, *,
                 init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
                 audit_data: bool = False, schedule: PhaseSchedule | None = None,
-                resume_from: str | Path | None = None):
+                resume_from: str | Path | None = None, manifest: Manifest | None = None):
     """Train to max_steps (default cfg.train.max_steps); resumes from `resume_from` when given (`--checkpoint`),
     else from this phase's newest complete checkpoint if there is one (an incomplete newer one is skipped, said in
     one line), else starts from `init_from` (the previous phase) or from scratch. `schedule`: the phase's place in
-    the one LR schedule, its re-warmup and optimizer reset (engine.py PhaseSchedule). Returns the latest checkpoint
+    the one LR schedule, its re-warmup and optimizer reset (engine.py PhaseSchedule). `manifest`: the dataset's, as
+    the session read it (read here otherwise); every reader below is handed it. Returns the latest checkpoint
     directory and whether a Ctrl+C stopped the run early: (checkpoint, stopped)."""
     run_dir, dataset_dir = Path(run_dir), str(dataset_dir)
-    manifest = load_manifest(dataset_dir)
+    manifest = manifest if manifest is not None else load_manifest(dataset_dir)
     check_trainable(manifest, dataset_dir, cfg.train.batch_size)
     engine = Engine(cfg, manifest.vocab_size)
     if cfg.train.parallel == "fsdp":
@@ -60,18 +61,21 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     t = cfg.train
 
     def train_batches(epoch: int, start: int):
-        return ShardReader(dataset_dir, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start)
+        return ShardReader(dataset_dir, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start,
+                           manifest=manifest)
 
-    val_batches = EvalSplit(dataset_dir, t.batch_size)  # read once, reused by every evaluation
+    val_batches = EvalSplit(dataset_dir, t.batch_size, manifest=manifest)  # read once, reused by every evaluation
 
     evaluate = None
-    if (mix := mixture_of(dataset_dir, cfg)) is not None:  # several sources: one mixed stream, a loss per source
-        train_batches, evaluate = mixed_train_batches(dataset_dir, cfg), SourceValidation(mix, t.batch_size)
+    if (mix := mixture_of(dataset_dir, cfg, manifest)) is not None:  # several sources: one mixed stream, a loss each
+        train_batches = mixed_train_batches(dataset_dir, cfg, manifest=manifest)
+        evaluate = SourceValidation(mix, t.batch_size)
 
     audit = AuditLog(run_dir / AUDIT_DIR / "rank_0.jsonl") if audit_data else None
     extra = {"dataset_dir": absolute(dataset_dir), "phase": phase}
     hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
-                           on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True))
+                           on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True,
+                                                           manifest=manifest))
     try:
         with StopRequest() as stop:
             res = fit(engine, train_batches, val_batches, hooks, max_steps=max_steps, stop=stop, evaluate=evaluate)

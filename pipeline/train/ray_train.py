@@ -92,7 +92,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.train.loop import AuditLog, StopRequest, evaluate_timed, fit, standard_hooks
     from pipeline.data.mixture import mixture_of
     from pipeline.data.mixture import train_batches as mixed_train_batches
-    from pipeline.data.shards import EvalSplit, ray_batches
+    from pipeline.data.shards import EvalSplit, Manifest, ray_batches
     from pipeline.eval.sources import SourceValidation
     from pipeline.tracking.tracker import open_tracker
     from pipeline.train.checkpoints.ray_upload import (load_chosen, load_restored, prune_unregistered, publish_for_ray,
@@ -141,21 +141,23 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         elastic.announce(resumes.start(engine, meta), tracker)
     t = cfg.train
     dataset_dir = lc["dataset_dir"]
+    # the driver's read of the dataset's manifest, handed on to every reader here: none reads manifest.json again
+    manifest = Manifest.from_dict(lc["manifest"])
 
     def train_batches(epoch: int, start: int):
         ds = ray_batches(dataset_dir, "train", t.batch_size, t.seed, epoch, start, rank, world,
-                         retry_s=cfg.run.storage_retry_s)
+                         retry_s=cfg.run.storage_retry_s, manifest=manifest)
         return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=2, drop_last=True)
 
     # Read in this process: an eval takes train.eval_batches batches of the small val split, and a Ray Data pipeline
     # per eval (a streaming executor, read tasks on other workers) cost more than the reads. Every row counts, a
     # short last batch included (padded to the batch's shape on every rank). One reader for the whole run: its
     # manifest, open files and row groups are reused by every evaluation (pipeline/data/shards.py EvalSplit).
-    val_batches = EvalSplit(dataset_dir, t.batch_size, rank, world)
+    val_batches = EvalSplit(dataset_dir, t.batch_size, rank, world, manifest=manifest)
 
     evaluate = None
-    if (mix := mixture_of(dataset_dir, cfg)) is not None:  # several sources: one mixed stream, a loss per source
-        train_batches = mixed_train_batches(dataset_dir, cfg, rank, world, use_ray=True)
+    if (mix := mixture_of(dataset_dir, cfg, manifest)) is not None:  # several sources: one mixed stream, a loss each
+        train_batches = mixed_train_batches(dataset_dir, cfg, rank, world, use_ray=True, manifest=manifest)
         evaluate = SourceValidation(mix, t.batch_size, rank, world)
 
     audit = None
@@ -194,7 +196,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
             else:
                 ray.train.report(report)
 
-    samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True) if rank == 0 else None
+    samples = (eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True, manifest=manifest)
+               if rank == 0 else None)
     if engine.sharded and lc.get("mlflow_run_id") and t.sample_tokens > 0:
         samples = _gathered(samples)  # every worker gathers the weights; rank 0 generates
 
@@ -271,8 +274,9 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                  init_from: str | Path | None = None, max_steps: int | None = None, phase: int = 0,
                  audit_data: bool = False, callbacks: list | None = None,
                  required_metric: str | None = None, schedule=None,
-                 resume_from: str | Path | None = None) -> TrainOutcome:
-    """Train with Ray Train. Checks inputs before any worker starts; returns the latest checkpoint.
+                 resume_from: str | Path | None = None, manifest=None) -> TrainOutcome:
+    """Train with Ray Train. Checks inputs before any worker starts; returns the latest checkpoint. `manifest`: the
+    dataset's, as the session read it (read here otherwise); the workers are handed it.
 
     `callbacks` go to Ray Train's RunConfig (a Tune trial passes TuneReportCallback: pipeline/sweep/tune.py).
     `required_metric`: every report must carry it, or the workers fail with MissingMetricError (a sweep's metric).
@@ -293,7 +297,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
 
     run_dir = Path(run_dir).resolve()
     dataset_dir = absolute(dataset_dir)
-    manifest = load_manifest(dataset_dir)
+    manifest = manifest if manifest is not None else load_manifest(dataset_dir)
     check_compatible(manifest, seq_len=cfg.data.seq_len)
     check_trainable(manifest, dataset_dir, cfg.train.batch_size, cfg.ray.num_workers)
     if init_from is not None:
@@ -313,7 +317,9 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     for what, where in (("ray.storage_path", storage), ("the run's storage", run_store)):
         check(where, what=what, write=True)  # endpoint, bucket, credentials: one line, before any worker
     run_name = f"phase{phase}"
-    lc = {"config": cfg.flat(), "dataset_dir": dataset_dir, "vocab_size": manifest.vocab_size,
+    # the manifest read once here, handed to every worker (and by them to their read tasks) as its dict
+    lc = {"config": cfg.flat(), "dataset_dir": dataset_dir, "manifest": manifest.to_dict(),
+          "vocab_size": manifest.vocab_size,
           "run_storage": run_store, "ray_storage": storage, "mlflow_run_id": mlflow_run_id, "init_from": init_from,
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
           "required_metric": required_metric, "interactive": interactive(),

@@ -56,7 +56,7 @@ def record_data(cfg: Config, dataset_dir: str | Path, manifest: Any, tracker, *,
     max_repetitions passes."""
     from pipeline.tracking.names import MIXTURE_SOURCE_TAG, MIXTURE_WEIGHT_TAG, TOKENIZER_TAG
 
-    mix = mixture_of(dataset_dir, cfg)
+    mix = mixture_of(dataset_dir, cfg, manifest)
     if mix is None:
         tracker.log_dataset_input(manifest, dataset_dir)
         return cfg

@@ -249,7 +249,7 @@ class TrainSession:
     def _run(self) -> SessionResult:
         from pipeline.data.mixture import inline_mixture
         from pipeline.data.shards import load_manifest
-        from pipeline.data.stages import prepare_main
+        from pipeline.data.stages import prepared
         from pipeline.tracking.tracker import (check_artifact_location, check_tracking_uri, open_tracker,
                                                resolve_tracking_uri)
         from pipeline.train.engine import PhaseSchedule
@@ -311,8 +311,11 @@ class TrainSession:
                 pcfg, batch_note = keep_tokens_per_step(pcfg if i == 0 else before, pcfg, phase.overrides)
                 if i < record.get("phases_done", 0):
                     continue
-                dataset = sized.dataset if sized is not None and i == 0 else prepare_main(pcfg)
-                manifest = load_manifest(dataset)
+                # the dataset's manifest read once for the phase, and handed on to the record, MLflow and training
+                if sized is not None and i == 0:
+                    dataset, manifest = sized.dataset, load_manifest(sized.dataset)
+                else:
+                    dataset, manifest = prepared(pcfg)
                 tokenizer = tokenizer or join(str(dataset), manifest.tokenizer_file)
                 datasets = (datasets + [str(dataset)])[: i + 1]
                 record = self._record(datasets=datasets, tokenizer=tokenizer, phase=i)
@@ -345,14 +348,15 @@ class TrainSession:
 
                     out = run_training(pcfg, dataset, self.run_dir, mlflow_run_id=tracker.run_id, init_from=init_from,
                                        max_steps=end_step, phase=i, audit_data=self.audit_data, schedule=schedule,
-                                       resume_from=resume_from)
+                                       resume_from=resume_from, manifest=manifest)
                     checkpoint, stopped = out.checkpoint, out.stopped
                 else:
                     from pipeline.train.local import train_local
 
                     checkpoint, stopped = train_local(pcfg, dataset, self.run_dir, tracker, init_from=init_from,
                                                       max_steps=end_step, phase=i, audit_data=self.audit_data,
-                                                      schedule=schedule, resume_from=resume_from)
+                                                      schedule=schedule, resume_from=resume_from,
+                                                      manifest=manifest)
                 if stopped:  # Ctrl+C: a checkpoint was written; `--resume` continues this phase
                     record = self._record(checkpoint=str(checkpoint) if checkpoint else None)
                     status = "KILLED"
