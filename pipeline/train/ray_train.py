@@ -183,13 +183,13 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
             audit.flush()
         report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics,
                   PLACEMENT_GROUP_KEY: ray.get_runtime_context().get_placement_group_id() or ""}
-        save = None
-        if rank == 0 or e.sharded:
-            def save(directory):
-                return e.save(directory, extra={**extra, "metrics": metrics, "fit_id": lc.get("fit_id")})
+
+        def save(directory):
+            return e.save(directory, extra={**extra, "metrics": metrics, "fit_id": lc.get("fit_id")})
+
         # Uploaded and verified by the project's storage layer before Ray registers it (publish_for_ray); in the
         # background unless ray.checkpoint_upload=sync (pipeline/train/checkpoints/ray_upload.py CheckpointUploads)
-        uploads.report(report, save)
+        uploads.report(report, save if rank == 0 or e.sharded else None)
 
     samples = eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True) if rank == 0 else None
     if engine.sharded and lc.get("mlflow_run_id") and t.sample_tokens > 0:
