@@ -4,7 +4,7 @@ proxy in front of the server (bench/fault_proxy.py), side by side in one run. Go
 without <= 1.2.
 
     python bench/storage_latency.py                     # 150 steps, +50 ms per request, each side once
-    python bench/storage_latency.py --checkpoint-every 50   # checkpoints (synchronous uploads) apart
+    python bench/storage_latency.py --checkpoint-every 50   # checkpoints apart
     python bench/storage_latency.py --repeat 2 --latency-ms 100
     python bench/storage_latency.py --smoke
 

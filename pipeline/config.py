@@ -129,6 +129,7 @@ class RayConfig:
     max_failures: int = 3  # restarts from the latest checkpoint after a worker fails
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one worker per node)
     storage_path: str = ""  # Ray Train checkpoints (path or URI); empty = <run.storage>/<run name>/ray
+    checkpoint_upload: str = "async"  # async (a checkpoint uploads while the next steps train) | sync (the step waits)
     dashboard_host: str = "127.0.0.1"  # the local Ray's dashboard binds here (0.0.0.0 exposes it to the network)
 
 
@@ -440,6 +441,7 @@ def validate(cfg: Config) -> None:
     _positive("ray.max_failures", r.max_failures, zero_ok=True)
     _one_of("ray.use_gpu", r.use_gpu, ("auto", "true", "false"))
     _one_of("ray.placement_strategy", r.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    _one_of("ray.checkpoint_upload", r.checkpoint_upload, ("async", "sync"))
     _positive("run.storage_retry_s", cfg.run.storage_retry_s, zero_ok=True)
     tr = cfg.tracking
     if not (math.isfinite(tr.system_metrics_interval_s) and tr.system_metrics_interval_s >= 1.0):

@@ -33,7 +33,6 @@ import dataclasses
 import math
 import os
 import signal
-import tempfile
 import threading
 import uuid
 from dataclasses import dataclass
@@ -95,8 +94,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.data.shards import EvalSplit, Manifest, ray_batches
     from pipeline.eval.sources import SourceValidation
     from pipeline.tracking.tracker import open_tracker
-    from pipeline.train.checkpoints.ray_upload import (load_chosen, load_restored, prune_unregistered, publish_for_ray,
-                                                wait_for_storage, written_by)
+    from pipeline.train.checkpoints.ray_upload import (CheckpointUploads, load_chosen, load_restored, wait_for_storage,
+                                                written_by)
 
     cfg: Config = from_flat(lc["config"])
     os.environ[INTERACTIVE_ENV] = "1" if lc.get("interactive") else "0"  # the driver's console, not this pipe
@@ -169,6 +168,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
                          extra={"node": node, "threads": torch.get_num_threads(), "world_size": world})
     extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
     required = lc.get("required_metric")
+    # ray.checkpoint_upload: async (the default) uploads in Ray Train's background thread while the next steps train
+    uploads = CheckpointUploads(lc["ray_storage"], cfg.ray.checkpoint_upload, rank)
 
     def on_checkpoint(e, metrics) -> None:
         # Every worker reports (Ray Train synchronises on it). Rank 0 attaches the one copy of a full checkpoint;
@@ -184,17 +185,13 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
             audit.flush()
         report = {"step": e.step, "epoch": e.epoch, "cursor": e.cursor, "phase": e.phase, **metrics,
                   PLACEMENT_GROUP_KEY: ray.get_runtime_context().get_placement_group_id() or ""}
-        with tempfile.TemporaryDirectory() as tmp:
-            if rank == 0 or e.sharded:
-                path = e.save(Path(tmp) / "state", extra={**extra, "metrics": metrics, "fit_id": lc.get("fit_id")})
-                # Uploaded and verified by the project's storage layer before Ray registers it (publish_for_ray).
-                published: dict[str, str] = {}
-                ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)),
-                                 checkpoint_upload_fn=publish_for_ray(lc["ray_storage"], published))
-                if rank == 0:
-                    prune_unregistered(published["location"])
-            else:
-                ray.train.report(report)
+
+        def save(directory):
+            return e.save(directory, extra={**extra, "metrics": metrics, "fit_id": lc.get("fit_id")})
+
+        # Uploaded and verified by the project's storage layer before Ray registers it (publish_for_ray); in the
+        # background unless ray.checkpoint_upload=sync (pipeline/train/checkpoints/ray_upload.py CheckpointUploads)
+        uploads.report(report, save if rank == 0 or e.sharded else None)
 
     samples = (eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True, manifest=manifest)
                if rank == 0 else None)
@@ -220,6 +217,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         raise
     finally:
         elastic.NOTICE.training = False
+    uploads.finish()  # the last checkpoint (a stop's, a preemption's too) uploaded and registered before the end
     if audit is not None:
         audit.close()
     if res.stopped_early and stop.preempted:  # checkpointed; the next attempt starts on the nodes that remain

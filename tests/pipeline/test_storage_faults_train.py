@@ -107,8 +107,17 @@ def faulty_ray_run(s3_dataset, fault_proxy, ray_address):
         if "checkpoint file train_state.pt could not be published" in line:
             refused.until = 0.0
 
+    snapshot = f"{s3_dataset.overrides[-1].split('=', 1)[1]}/storage-faults/ray/phase0/checkpoint_manager_snapshot.json"
+
+    def all_registered(step: int) -> bool:
+        # Ray's record of the checkpoints (read past the proxy) holds every one made by this step. Checkpoints upload
+        # in the background, so the step-10 one may still be on its way at step 18: the outage waits for it, since
+        # Ray Train's controller does not survive a write of its record that fails past the window (docs/cluster.md).
+        return storage.exists(snapshot) and len(json.loads(storage.read_text(snapshot))["checkpoint_results"]) >= \
+            step // 10
+
     def on_step(step: int) -> None:
-        if step >= 18 and "at" not in outage and refused.until == 0.0:  # just before the step-20 checkpoint
+        if step >= 18 and "at" not in outage and refused.until == 0.0 and all_registered(step):
             outage["at"] = step
             fault_proxy.down(OUTAGE_S)
 

@@ -4,13 +4,28 @@ one, and the folders Ray never registered are removed. The what-is-complete logi
 pipeline/train/checkpoints/index.py; this module hands it Ray's names and record. Imported inside Ray Train's workers
 (ray itself is imported in the functions: pipeline/train/ray_train.py stays light for Ray's controller).
 
-    report(metrics, checkpoint=Checkpoint.from_directory(d), checkpoint_upload_fn=publish_for_ray(storage, out))
+    uploads = CheckpointUploads(ray_storage, cfg.ray.checkpoint_upload, rank)
+    uploads.report(metrics, save=lambda d: engine.save(d))   # every worker, at every checkpoint (save: None where
+    uploads.finish()                                         # the worker attaches nothing), then once at the end
     meta = load_restored(engine, ray.train.get_checkpoint(), ray_storage)
-    prune_unregistered(out["location"])
+
+Uploads (ray.checkpoint_upload=async, the default) run in Ray Train's own background thread
+(`ray.train.report(..., checkpoint_upload_mode=CheckpointUploadMode.ASYNC)`): the steps after a checkpoint train while
+it uploads. Ray Train 2.60 runs them one at a time in a single thread per worker, calls the upload fn there, deletes
+the local copy only after the upload fn returned (delete_local_checkpoint_after_upload), and hands the reports to its
+controller in the order they were made (a report waits for every earlier one); an upload fn that raises ends the
+attempt (the error reaches the controller as the training function's), and the end of the training function waits
+for the uploads in flight. On top of that, CheckpointUploads keeps at most one upload in flight per worker (the next
+checkpoint waits for the previous one: one local copy waiting, and an upload that failed is known at the next
+checkpoint at the latest), and prunes (prune_unregistered) only once the previous checkpoint is registered.
 """
 from __future__ import annotations
 
-from typing import Any
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable
 
 from pipeline import storage_faults as faults
 from pipeline.console import worker_print
@@ -128,22 +143,150 @@ def publish_for_ray(ray_storage: str, published: dict[str, str]):
     return upload
 
 
-def prune_unregistered(location: str) -> None:
-    """Rank 0, after a checkpoint was registered: remove the run's checkpoint folders older than it that Ray's record
-    does not hold (uploaded but never registered, or incomplete); Ray removes the registered ones beyond
-    train.keep_checkpoints itself. Best effort: what fails now is removed at a later checkpoint."""
+def registered_names() -> set[str] | None:
+    """The checkpoint folder names Ray's record holds once it has registered every report this worker made so far
+    (Ray Train's COMMITTED read), or None when no record came in time (a controller busy elsewhere)."""
     import ray.train
-
-    from pipeline.train.checkpoints.index import prune, run_folder
 
     try:
         kept = ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED,
                                                       timeout_s=60)
-    except Exception:  # noqa: BLE001 -- no record now (a controller busy elsewhere): the next checkpoint prunes
+    except Exception:  # noqa: BLE001 -- no record now: the next checkpoint prunes
+        return None
+    return {c.checkpoint.path.rstrip("/").rsplit("/", 1)[-1] for c in kept}
+
+
+def prune_unregistered(location: str, names: set[str] | None = None) -> None:
+    """Rank 0, after the checkpoint at `location` was registered: remove the run's checkpoint folders older than it
+    that Ray's record (`names`, else read now: registered_names) does not hold (uploaded but never registered, or
+    incomplete); Ray removes the registered ones beyond train.keep_checkpoints itself. Best effort: what fails now is
+    removed at a later checkpoint."""
+    from pipeline.train.checkpoints.index import prune, run_folder
+
+    names = registered_names() if names is None else names
+    if names is None:
         return
-    names = {c.checkpoint.path.rstrip("/").rsplit("/", 1)[-1] for c in kept}
     with faults.retry_window_of(0):
         try:
             prune(run_folder(location), names, older_than=location.rstrip("/").rsplit("/", 1)[-1])
         except StorageError:
             pass
+
+
+
+class CheckpointUploadError(RuntimeError):
+    """A checkpoint's upload failed with an error that is not the store's (the store's is a StorageError)."""
+
+
+class CheckpointUploads:
+    """One Ray Train worker's checkpoint reports, uploaded by publish_for_ray (verified, then registered) either in
+    Ray Train's background upload thread while training goes on (mode "async") or inside the report ("sync"): the
+    module docstring says what each guarantees. A checkpoint is written into this worker's scratch folder under the
+    node's temp directory and removed once uploaded (by Ray after an upload, by the upload fn after a failed one);
+    finish() waits for the last upload and removes the folder."""
+
+    def __init__(self, ray_storage: str, mode: str, rank: int) -> None:
+        self.ray_storage, self.asynchronous, self.rank = ray_storage, mode == "async", rank
+        self._scratch: Path | None = None
+        self._count = 0
+        self._in_flight: tuple[threading.Event, dict[str, Any]] | None = None
+        # rank 0: (the location of the checkpoint last registered, Ray's record then), pruned after the next upload
+        self._prune: tuple[str, set[str]] | None = None
+        if self.asynchronous:
+            _quiet_async_upload_traceback()
+
+    def report(self, metrics: dict[str, Any], save: Callable[[Path], Path] | None) -> None:
+        """ray.train.report of `metrics` (every worker calls it at every checkpoint: Ray Train synchronises on it)
+        with the checkpoint `save(directory)` writes, or none when `save` is None. Waits first for this worker's
+        previous upload (raising its error)."""
+        import ray.train
+
+        self.settle()
+        if save is None:
+            ray.train.report(metrics)
+            return
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="longtrain-checkpoints-"))
+        self._count += 1
+        local = save(self._scratch / f"checkpoint-{self._count}")
+        done, outcome = threading.Event(), {}
+        upload = publish_for_ray(self.ray_storage, outcome)
+
+        def upload_then_prune(checkpoint, name: str):
+            # Ray Train's upload thread (async) or the training thread (sync)
+            try:
+                try:
+                    persisted = upload(checkpoint, name)
+                except BaseException as exc:
+                    outcome["error"] = exc
+                    shutil.rmtree(local, ignore_errors=True)  # Ray deletes the local copy only after an upload
+                    if isinstance(exc, StorageError):  # its one line; the frames of the upload say nothing more
+                        raise StorageError(str(exc)) from None
+                    raise
+                self._prune_previous()  # folders older than the one registered last that Ray does not hold
+                return persisted
+            finally:
+                done.set()
+
+        mode = ray.train.CheckpointUploadMode.ASYNC if self.asynchronous else ray.train.CheckpointUploadMode.SYNC
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(local)),
+                         checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
+                         checkpoint_upload_fn=upload_then_prune)
+        # Ray calls the upload fn for every report it does not skip, and it skips one only when it replaces a
+        # replica group (its fault-tolerant replica groups, which this project does not use).
+        self._in_flight = (done, outcome)
+        if not self.asynchronous:
+            self.settle()
+            self._prune_previous()
+
+    def settle(self) -> None:
+        """Wait for this worker's upload in flight, if any; raise its error (the attempt ends: Ray Train restarts
+        from the last registered checkpoint). Rank 0 then waits for Ray to register it and keeps Ray's record for
+        the pruning after the next upload (or finish())."""
+        if self._in_flight is None:
+            return
+        done, outcome = self._in_flight
+        done.wait()  # bounded by the upload's own retry window (run.storage_retry_s), as a synchronous one is
+        self._in_flight = None
+        exc = outcome.get("error")
+        if isinstance(exc, StorageError):
+            raise StorageError(str(exc)) from None
+        if exc is not None:
+            raise CheckpointUploadError(f"the checkpoint upload failed: {type(exc).__name__}: {exc}") from None
+        if self.rank == 0:
+            names = registered_names()  # Ray's record, once it registered this worker's last report
+            if names is not None:
+                self._prune = (outcome["location"], names)
+
+    def finish(self) -> None:
+        """After training (its end, a stop, a preemption): the last upload complete and registered, the folders
+        Ray does not hold pruned, this worker's scratch folder removed."""
+        self.settle()
+        self._prune_previous()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+    def _prune_previous(self) -> None:
+        pending, self._prune = self._prune, None
+        if pending is not None:
+            prune_unregistered(*pending)
+
+
+def _quiet_async_upload_traceback() -> None:
+    """In a Ray Train worker: Ray Train logs an upload fn's error twice, first from its upload thread (`checkpoint
+    upload failed in the background thread`, with a traceback), then as the error of the training function, which
+    the console already turns into one line for a storage error (pipeline/console.py `storage: … (this attempt
+    ends)`). The console drops the first when the error is the store's; Ray's log files keep it."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if "File" not in type(handler).__name__ and not any(isinstance(f, _DropAsyncStorageFailure)
+                                                             for f in handler.filters):
+            handler.addFilter(_DropAsyncStorageFailure())
+
+
+class _DropAsyncStorageFailure:
+    def filter(self, record) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], StorageError)
+                    and "upload failed in the background thread" in str(record.msg))
