@@ -129,7 +129,7 @@ class RayConfig:
     max_failures: int = 3  # restarts from the latest checkpoint after a worker fails
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one worker per node)
     storage_path: str = ""  # Ray Train checkpoints (path or URI); empty = <run.storage>/<run name>/ray
-    checkpoint_upload: str = "async"  # async (a checkpoint uploads while the next steps train) | sync (the step waits)
+    checkpoint_upload: str = "sync"  # sync (the step waits for the upload) | async (it uploads while the next steps train)
     dashboard_host: str = "127.0.0.1"  # the local Ray's dashboard binds here (0.0.0.0 exposes it to the network)
 
 

@@ -168,7 +168,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
                          extra={"node": node, "threads": torch.get_num_threads(), "world_size": world})
     extra = {"dataset_dir": dataset_dir, "phase": lc.get("phase", 0)}
     required = lc.get("required_metric")
-    # ray.checkpoint_upload: async (the default) uploads in Ray Train's background thread while the next steps train
+    # ray.checkpoint_upload: sync (the default) waits for each upload; async uploads in Ray Train's background thread
     uploads = CheckpointUploads(lc["ray_storage"], cfg.ray.checkpoint_upload, rank)
 
     def on_checkpoint(e, metrics) -> None:

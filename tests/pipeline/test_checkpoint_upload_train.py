@@ -1,4 +1,4 @@
-"""Checkpoint uploads in the background (ray.checkpoint_upload=async, the default), as a user sees them: `python
+"""Checkpoint uploads in the background (ray.checkpoint_upload=async; sync is the default), as a user sees them: `python
 pipeline/run.py train` on object storage through the session's fault proxy (tests/conftest.py `fault_proxy`,
 `proxy_env`), which holds the requests that write a checkpoint's files (a stall: no answer until released).
 
@@ -66,7 +66,7 @@ def assert_complete_and_registered(run: dict) -> None:
 
 @pytest.mark.system
 def test_steps_go_on_while_the_store_holds_a_checkpoint_upload(s3_dataset, fault_proxy, ray_address):
-    run = held_run(s3_dataset, fault_proxy, ray_address, "upload-held", 240)
+    run = held_run(s3_dataset, fault_proxy, ray_address, "upload-held", 240, "--ray.checkpoint_upload=async")
     assert run["code"] == 0, run["out"][-5000:]
     assert run["held"].hits > 0, "no checkpoint upload reached the store"
     assert max(run["during"], default=0) > EVERY, \

@@ -9,7 +9,7 @@ pipeline/train/checkpoints/index.py; this module hands it Ray's names and record
     uploads.finish()                                         # the worker attaches nothing), then once at the end
     meta = load_restored(engine, ray.train.get_checkpoint(), ray_storage)
 
-Uploads (ray.checkpoint_upload=async, the default) run in Ray Train's own background thread
+Uploads with ray.checkpoint_upload=async (sync, the default, makes the step wait: docs/cluster.md says why) run in Ray Train's own background thread
 (`ray.train.report(..., checkpoint_upload_mode=CheckpointUploadMode.ASYNC)`): the steps after a checkpoint train while
 it uploads. Ray Train 2.60 runs them one at a time in a single thread per worker, calls the upload fn there, deletes
 the local copy only after the upload fn returned (delete_local_checkpoint_after_upload), and hands the reports to its
