@@ -180,8 +180,8 @@ def dataset_tokenizer(dataset_dir: Path | str, checkpoint: Any = None, manifest:
     try:
         return Tokenizer(path)
     except TokenizerError as exc:
-        try:  # only on failure: a second read of the manifest, for the one line
-            recorded = load_manifest(dataset_dir).tokenizer_sha256
+        try:  # only on failure, and only when no manifest was handed in: a second read of it, for the one line
+            recorded = (manifest if manifest is not None else load_manifest(dataset_dir)).tokenizer_sha256
             sha = "; its sha256 is not the one the manifest records" if recorded and sha256(path) != recorded else ""
         except (FileNotFoundError, DatasetError):
             sha = ""
