@@ -6,6 +6,7 @@ without <= 1.2.
     python bench/storage_latency.py                     # 150 steps, +50 ms per request, each side once
     python bench/storage_latency.py --checkpoint-every 50   # checkpoints apart
     python bench/storage_latency.py --repeat 2 --latency-ms 100
+    python bench/storage_latency.py --upload async      # ray.checkpoint_upload=async (default: the run's default)
     python bench/storage_latency.py --smoke
 
 Training time: from the first to the last train/loss the run logged (MLflow's timestamps, local store), so Ray's
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=50.0, help="added to every S3 request by the proxy")
     p.add_argument("--log-every", type=int, default=2, help="train.log_every (the test preset's)")
     p.add_argument("--checkpoint-every", type=int, default=4, help="train.checkpoint_every (the test preset's: 4)")
+    p.add_argument("--upload", choices=("sync", "async"), default=None,
+                   help="ray.checkpoint_upload for both sides (default: the run's own default)")
     p.add_argument("--repeat", type=int, default=1, help="alternate the two sides this many times each")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=None)
@@ -96,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"prepare exited {prep.returncode}:\n{prep.stdout[-3000:]}\n{prep.stderr[-3000:]}")
             args = [*common, f"--train.max_steps={a.steps}", f"--train.log_every={a.log_every}",
                     f"--train.checkpoint_every={a.checkpoint_every}", "--train.sample_tokens=0"]
+            if a.upload:
+                args.append(f"--ray.checkpoint_upload={a.upload}")
             for i in range(a.repeat):
                 for side, latency in (("none", 0.0), ("latency", a.latency_ms / 1000)):
                     r = one_run(args, env, proxy, run_root, f"{side}-{i}", latency)
@@ -116,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                "goal_ratio": 1.2, "load_average": list(os.getloadavg()),
                "s3": "local SeaweedFS behind bench/fault_proxy.py (same machine)",
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}}
-    path = write_result(f"storage_latency_s{a.steps}_l{a.latency_ms:g}_c{a.checkpoint_every}", payload, a.out)
+    upload = f"_{a.upload}" if a.upload else ""
+    path = write_result(f"storage_latency_s{a.steps}_l{a.latency_ms:g}_c{a.checkpoint_every}{upload}", payload, a.out)
     print(f"wrote {path}")
     return 0
 

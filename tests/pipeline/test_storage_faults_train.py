@@ -40,7 +40,7 @@ RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
 STEPS = 40
 RETRY_S = 8  # run.storage_retry_s for these runs: short, so the faults below outlast it
 OUTAGE_S = 30
-REFUSE_TRAIN_STATE = r"^(POST|PUT) \S*/checkpoint_[^/ ]*/train_state\.pt\?(uploads|uploadId)"
+REFUSE_TRAIN_STATE = r"^(POST|PUT) \S*/checkpoint_[^/ ]*/train_state\.pt[? ]"  # a PutObject or a multipart upload
 
 
 def run_watching(args: list[str], env: dict, on_step=None, timeout_s: float = 420, on_line=None) -> tuple[int, str]:

@@ -18,12 +18,19 @@ attempt (the error reaches the controller as the training function's), and the e
 for the uploads in flight. On top of that, CheckpointUploads keeps at most one upload in flight per worker (the next
 checkpoint waits for the previous one: one local copy waiting, and an upload that failed is known at the next
 checkpoint at the latest), and prunes (prune_unregistered) only once the previous checkpoint is registered.
+
+With sync, rank 0 waits after the upload for Ray to register the checkpoint (Ray's controller does it at its next
+poll of the workers, every 2 s by default, then writes its record and removes the checkpoints beyond
+train.keep_checkpoints: ~1.5 s, and 10 storage requests), so every checkpoint is registered before the next step
+trains. With async nothing on the training thread waits for that. Either way the pruning (a listing, the removals)
+runs in a thread of rank 0's own, one checkpoint's turn after another; finish() waits for it.
 """
 from __future__ import annotations
 
 import shutil
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -190,8 +197,8 @@ class CheckpointUploads:
         self._scratch: Path | None = None
         self._count = 0
         self._in_flight: tuple[threading.Event, dict[str, Any]] | None = None
-        # rank 0: (the location of the checkpoint last registered, Ray's record then), pruned after the next upload
-        self._prune: tuple[str, set[str]] | None = None
+        # rank 0: reads Ray's record once it registered a checkpoint, then prunes; off the training thread
+        self._pruner: ThreadPoolExecutor | None = None
         if self.asynchronous:
             _quiet_async_upload_traceback()
 
@@ -212,7 +219,7 @@ class CheckpointUploads:
         done, outcome = threading.Event(), {}
         upload = publish_for_ray(self.ray_storage, outcome)
 
-        def upload_then_prune(checkpoint, name: str):
+        def upload_or_clean_up(checkpoint, name: str):
             # Ray Train's upload thread (async) or the training thread (sync)
             try:
                 try:
@@ -223,7 +230,6 @@ class CheckpointUploads:
                     if isinstance(exc, StorageError):  # its one line; the frames of the upload say nothing more
                         raise StorageError(str(exc)) from None
                     raise
-                self._prune_previous()  # folders older than the one registered last that Ray does not hold
                 return persisted
             finally:
                 done.set()
@@ -231,18 +237,17 @@ class CheckpointUploads:
         mode = ray.train.CheckpointUploadMode.ASYNC if self.asynchronous else ray.train.CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(local)),
                          checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
-                         checkpoint_upload_fn=upload_then_prune)
+                         checkpoint_upload_fn=upload_or_clean_up)
         # Ray calls the upload fn for every report it does not skip, and it skips one only when it replaces a
         # replica group (its fault-tolerant replica groups, which this project does not use).
         self._in_flight = (done, outcome)
         if not self.asynchronous:
             self.settle()
-            self._prune_previous()
 
     def settle(self) -> None:
         """Wait for this worker's upload in flight, if any; raise its error (the attempt ends: Ray Train restarts
-        from the last registered checkpoint). Rank 0 then waits for Ray to register it and keeps Ray's record for
-        the pruning after the next upload (or finish())."""
+        from the last registered checkpoint). Rank 0 then waits for Ray to register it (sync) and hands the pruning to
+        its pruning thread, which waits for the registration itself under async."""
         if self._in_flight is None:
             return
         done, outcome = self._in_flight
@@ -254,23 +259,25 @@ class CheckpointUploads:
         if exc is not None:
             raise CheckpointUploadError(f"the checkpoint upload failed: {type(exc).__name__}: {exc}") from None
         if self.rank == 0:
-            names = registered_names()  # Ray's record, once it registered this worker's last report
-            if names is not None:
-                self._prune = (outcome["location"], names)
+            if self._pruner is None:
+                self._pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
+            # sync: the step waits here for Ray to register the checkpoint (every checkpoint is registered before
+            # the next step trains); async: the pruning thread waits. Then, in that thread, the folders older than
+            # this one that Ray's record does not hold are removed (best effort: what fails is left for the next).
+            names = registered_names() if not self.asynchronous else None
+            if names is not None or self.asynchronous:
+                self._pruner.submit(prune_unregistered, outcome["location"], names)
 
     def finish(self) -> None:
         """After training (its end, a stop, a preemption): the last upload complete and registered, the folders
         Ray does not hold pruned, this worker's scratch folder removed."""
         self.settle()
-        self._prune_previous()
+        if self._pruner is not None:  # bounded: registered_names' timeout, and a prune that tries once
+            self._pruner.shutdown(wait=True)
+            self._pruner = None
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
-
-    def _prune_previous(self) -> None:
-        pending, self._prune = self._prune, None
-        if pending is not None:
-            prune_unregistered(*pending)
 
 
 def _quiet_async_upload_traceback() -> None:

@@ -20,7 +20,9 @@ from pipeline.train.checkpoints.index import (incomplete, list_checkpoints, prun
                                               newest_complete)
 from pipeline.train.engine import Engine
 
-REFUSE_MODEL_COMPLETION = r"^POST \S*/model\.safetensors\?uploadId="
+# the request that completes model.safetensors's upload: its one PutObject (a file under one part, as here), or the
+# "complete multipart upload" of a larger one
+REFUSE_MODEL_COMPLETION = r"^(PUT \S*/model\.safetensors |POST \S*/model\.safetensors\?uploadId=)"
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,23 @@ def test_a_refused_upload_completion_is_retried_and_the_checkpoint_verified(save
     assert len(through_proxy.requests(REFUSE_MODEL_COMPLETION)) >= 5  # four refused, then it went through
     assert [r.fault for r in through_proxy.requests(REFUSE_MODEL_COMPLETION)][:4] == ["refuse"] * 4
     assert incomplete(location) is None and incomplete(location, content=True) is None
+
+
+@pytest.mark.system
+def test_a_checkpoint_s_files_go_up_at_once_each_small_one_in_a_single_request(saved, s3_bucket, through_proxy):
+    """publish uploads a checkpoint's files side by side (one round trip to the store per checkpoint, not one per
+    file), and a file under one part goes up in one PutObject (pipeline/storage.py: allow_delayed_open), not a
+    multipart upload's three requests."""
+    location = f"{s3_bucket}/ckpt-index/at-once/checkpoint_2026-01-01_00-00-00.000001"
+    through_proxy.stall(r"^PUT \S*/model\.safetensors ", seconds=3)  # held, then closed: the client sends it again
+    publish(saved[0], location, window_s=60)
+    writes = [r for r in through_proxy.requests(r"^(PUT|POST) ") if "/ckpt-index/at-once/" in r.line]
+    model = [r for r in writes if "/model.safetensors" in r.line]
+    state = [r for r in writes if "/train_state.pt" in r.line]
+    assert model[0].fault == "stall" and model[-1].fault == "", writes
+    assert [r.line.split()[0] for r in state] == ["PUT"] and "?" not in state[0].line, writes  # one PutObject
+    assert state[0].time < model[-1].time, writes  # sent while model.safetensors' upload was held
+    assert incomplete(location, content=True) is None
 
 
 @pytest.mark.system
