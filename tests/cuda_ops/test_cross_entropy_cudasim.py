@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system  # docs/tests.md: over ~5 s (the simulator's run)
+
 pytest.importorskip("numba")
 
 SCRIPT = Path(__file__).with_name("cudasim_cross_entropy.py")

@@ -22,6 +22,8 @@ from cuda_ops.sampling import _sample_reference_rows
 from tests.cuda_ops.cudasim_sampling import PARAMS, cases
 from tests.cuda_ops.sampling_checks import filtered_probs, fragile_rows, kept_set
 
+pytestmark = pytest.mark.system  # docs/tests.md: over ~5 s (the simulator's run)
+
 pytest.importorskip("numba")
 
 SCRIPT = Path(__file__).with_name("cudasim_sampling.py")

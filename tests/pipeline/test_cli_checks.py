@@ -52,6 +52,7 @@ def test_generate_sampling_flags_are_checked_before_the_checkpoint_is_even_looke
     assert seconds < 120  # a bound on a hang: the issue's traceback came ~20 s in, after the model loaded
 
 
+@pytest.mark.system
 def test_a_prompts_file_that_is_not_text_gets_its_own_line_never_the_checkpoints(tmp_path):
     ckpt = "/nonexistent/run/checkpoints/phase0/step_000008"
     gz = tmp_path / "prompts.txt.gz"
@@ -73,6 +74,7 @@ def test_a_prompts_file_that_is_not_text_gets_its_own_line_never_the_checkpoints
                                    f"text file with one prompt per line")
 
 
+@pytest.mark.system
 def test_yaml_booleans_and_true_false_words_are_taken_for_yes_no_choices(tmp_path):
     """ray.use_gpu (auto | true | false) and model.compile (auto | on | off) from a YAML preset, from the command
     line in any case, and from a sweep file's resources_per_trial and fixed."""
@@ -120,6 +122,7 @@ def test_another_projects_name_for_a_field_gets_did_you_mean(field, meant):
                                                           "'max_concurrent')?"),
                                        ("train.lr", "'train.lr' is a config field: put it under params (searched) "
                                                     "or fixed;")])
+@pytest.mark.system
 def test_a_misspelled_sweep_key_gets_did_you_mean(tmp_path, key, hint):
     space = tmp_path / "space.yaml"
     space.write_text(f"{key}: 2\nparams: {{train.lr: {{grid: [0.001, 0.003]}}}}\n")
@@ -130,6 +133,7 @@ def test_a_misspelled_sweep_key_gets_did_you_mean(tmp_path, key, hint):
     assert not (tmp_path / "tune").exists()
 
 
+@pytest.mark.system
 def test_rope_settings_for_the_resonance_family_are_refused_not_ignored(tmp_path):
     """README: a setting the command would not use is refused in one line, never ignored (docs/long-context.md)."""
     res, _ = run_cli("train", "--model.mixer=resonance", "--model.rope_theta=10000", f"--run.root={tmp_path}")

@@ -45,6 +45,7 @@ def assert_one_clean_line(proc, pattern: str) -> None:
     assert proc.stderr.rstrip().splitlines()[-1] == errors[0]  # the last thing the user sees
 
 
+@pytest.mark.system
 def test_failing_prepare_prints_one_line_without_ray_tracebacks(ray_session, tok_path, tmp_path):
     corpus = hostile_jsonl(tmp_path / "a.jsonl", sample_docs(6, 400))
     strict = run_prepare(ray_session, tmp_path, tok_path, corpus, "--data.on_bad_record=error")

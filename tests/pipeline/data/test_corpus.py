@@ -185,6 +185,7 @@ def test_parquet_column_errors_name_file_and_column(ray_session, tmp_path):
         read_documents(cfg_for(source="files", path=str(tmp_path / "corrupt.parquet")))
 
 
+@pytest.mark.system
 def test_hugging_face_loaders_on_local_files(ray_session, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))

@@ -227,6 +227,7 @@ def test_same_settings_same_bytes_whatever_the_parallelism(ray_session, tok_path
                     for split, lst in b.shards.items()}  # change a byte (each build has a directory of its own)
 
 
+@pytest.mark.system
 def test_cache_reuses_and_changed_settings_rebuild(ray_session, tok_path, tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", sample_docs(20, 1500))
     cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(corpus))
@@ -263,6 +264,7 @@ def test_builtin_corpus_trains_its_tokenizer(test_runs_root):
     assert report.stats["round_trip"].startswith("ok on")
 
 
+@pytest.mark.system
 def test_user_errors_inside_ray_come_out_clear(ray_session, tok_path, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     cfg = data_cfg(tmp_path, tok_path, data__source="files", data__path=str(tmp_path / "bad.jsonl"))
@@ -281,6 +283,7 @@ def test_user_errors_inside_ray_come_out_clear(ray_session, tok_path, tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["parts", "shards"])
+@pytest.mark.system
 def test_sigkill_midway_leaves_no_manifest_and_the_rerun_validates(ray_session, tok_path, messy_corpus, tmp_path,
                                                                    stage):
     root, _ = messy_corpus

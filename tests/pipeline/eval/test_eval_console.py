@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.pipeline.eval.test_passkey import TRAINED_LEN, WINDOW, config, write_dataset
@@ -20,6 +21,7 @@ from tests.pipeline.eval.test_passkey import TRAINED_LEN, WINDOW, config, write_
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.system
 def test_long_eval_shows_progress_per_batch_and_prints_where_its_pictures_are(tmp_path):
     import pydoc_data.topics
 

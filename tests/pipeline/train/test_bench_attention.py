@@ -9,6 +9,7 @@ import pytest
 from bench import engine_throughput, train_speed
 
 
+@pytest.mark.system
 def test_train_speed_table_has_backend_distribution_and_both_mfu_columns(tmp_path, capsys):
     assert train_speed.main(["--smoke", "--out", str(tmp_path), "--attention", "varlen", "sdpa",
                              "--doc-lens", "16", "lognormal:8:0.5"]) == 0

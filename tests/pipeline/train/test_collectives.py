@@ -102,6 +102,7 @@ def dataset(tmp_path_factory) -> str:
     return ds
 
 
+@pytest.mark.system
 def test_eval_samples_under_fsdp_do_not_hang_either_family(dataset):
     from pipeline.train.distributed.process_group import run_workers
 
@@ -114,6 +115,7 @@ def test_eval_samples_under_fsdp_do_not_hang_either_family(dataset):
         assert r0["losses"] == pytest.approx(r1["losses"], rel=1e-6), mixer  # the ranks stayed in step
 
 
+@pytest.mark.system
 def test_a_rank_that_skips_collectives_ends_the_others_in_seconds_with_one_line(dataset):
     from pipeline.train.distributed.process_group import run_workers
 

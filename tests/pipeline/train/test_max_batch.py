@@ -138,6 +138,7 @@ def test_cli_matches_the_function(tmp_path, found_6mib):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the note of a search on a CPU")
+@pytest.mark.system
 def test_cli_shows_each_probe_as_it_starts_and_as_it_ends():
     """A probe is one training step, minutes long on a CPU for a large tier: each says when it starts."""
     cmd = [sys.executable, "-m", "pipeline.train.max_batch", "--preset", "test", "--tier", "nano", "--seq-len", str(SEQ),

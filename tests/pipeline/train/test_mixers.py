@@ -71,6 +71,7 @@ def test_both_families_train_evaluate_and_generate_on_the_builtin_corpus(test_ru
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.system
 def test_max_batch_finder_runs_both_families(mixer):
     from pipeline.train.max_batch import find_max_batch
 

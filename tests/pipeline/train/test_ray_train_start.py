@@ -16,6 +16,7 @@ def test_workers_that_ask_more_than_the_local_ray_has_fail_before_starting(ray_s
     check_fits_cluster(cfg.replace({"ray.num_workers": 2}))  # 8 of 8: fits
 
 
+@pytest.mark.system
 def test_train_that_cannot_start_exits_nonzero_with_one_line(ray_session, test_runs_root, monkeypatch, capsys):
     """Two workers STRICT_SPREAD (one per node) on the one-node session Ray: each attempt waits 2 s, two
     attempts (ray.max_failures=1), then `error: ...` and exit code 2 instead of retrying without end."""

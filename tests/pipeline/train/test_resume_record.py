@@ -97,6 +97,7 @@ def test_an_extended_run_records_its_new_max_steps_in_mlflow(finished_run, mlflo
     assert run.data.params["train.max_steps"] == str(first) and run.info.status == "FINISHED"
 
 
+@pytest.mark.system
 def test_a_run_root_that_is_a_file_gets_one_line(tmp_path):
     """--run.root naming a file raised NotADirectoryError with a traceback."""
     root = tmp_path / "runs"
