@@ -261,11 +261,11 @@ class CheckpointUploads:
         if self.rank == 0:
             if self._pruner is None:
                 self._pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-prune")
-            # sync: the step waits here for Ray to register the checkpoint (every checkpoint is registered before
-            # the next step trains); async: the pruning thread waits. Then, in that thread, the folders older than
-            # this one that Ray's record does not hold are removed (best effort: what fails is left for the next).
-            names = registered_names() if not self.asynchronous else None
-            if names is not None or self.asynchronous:
+            # In the pruning thread, the folders older than this one that Ray's record does not hold are removed
+            # (best effort: what fails is left for the next checkpoint's turn).
+            if self.asynchronous:  # that thread waits for Ray to register this checkpoint
+                self._pruner.submit(prune_unregistered, outcome["location"])
+            elif (names := registered_names()) is not None:  # the step waits: registered before the next step
                 self._pruner.submit(prune_unregistered, outcome["location"], names)
 
     def finish(self) -> None:
