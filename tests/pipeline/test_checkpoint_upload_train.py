@@ -77,7 +77,8 @@ def test_steps_go_on_while_the_store_holds_a_checkpoint_upload(s3_dataset, fault
 
 @pytest.mark.system
 def test_with_sync_uploads_the_step_waits_for_the_held_upload(s3_dataset, fault_proxy, ray_address):
-    run = held_run(s3_dataset, fault_proxy, ray_address, "upload-held-sync", 60, "--ray.checkpoint_upload=sync")
+    # held for 30 s from step 1: the async run above logs past step EVERY within seconds of its first held upload
+    run = held_run(s3_dataset, fault_proxy, ray_address, "upload-held-sync", 30, "--ray.checkpoint_upload=sync")
     assert run["code"] == 0, run["out"][-5000:]
     assert run["held"].hits > 0, "no checkpoint upload reached the store"
     assert max(run["during"], default=0) <= EVERY, run["during"]
