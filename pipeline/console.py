@@ -235,9 +235,13 @@ class _ForwardedLineFilter:
     """Wraps the emit of Ray's dispatcher of forwarded worker lines, ahead of its deduplicator (which, with several
     workers printing the same block, would otherwise cut blocks apart and print their lines later as "[repeated Nx
     across cluster]"). A block still open at the end of a batch waits for the rest of it from the same process, for
-    `hold_s` at most, and is then printed as it came."""
+    `hold_s` at most, and is then printed as it came; at the driver's exit, whatever is still held is printed.
 
-    def __init__(self, emit, hold_s: float = 3.0):
+    The hold is 10 s: a worker that Ray is ending runs at nice 15, and on a loaded machine (a sweep of 3 trials on 2
+    cores, load average ~10) one wrote the first half of its SIGTERM block, then the rest more than 3 s later, so
+    with a 3 s hold the block reached the console in two pieces."""
+
+    def __init__(self, emit, hold_s: float = 10.0):
         import threading
 
         self._emit = emit
@@ -245,6 +249,17 @@ class _ForwardedLineFilter:
         self._held: dict[tuple, tuple[dict, list[str], object]] = {}
         self._lock = threading.Lock()
         self.longtrain_quiet = True
+
+    def flush(self) -> None:
+        """Prints every block still held, as it came (at the driver's exit)."""
+        with self._lock:
+            sources = list(self._held)
+        for source in sources:
+            with self._lock:
+                held = self._held.get(source)
+            if held is not None:
+                held[2].cancel()
+            self._release(source)
 
     def _release(self, source: tuple) -> None:
         with self._lock:
@@ -286,7 +301,10 @@ def quiet_forwarded_ray_lines() -> None:
 
     if getattr(dispatcher.emit, "longtrain_quiet", False):
         return
+    import atexit
+
     dispatcher.emit = _ForwardedLineFilter(dispatcher.emit)
+    atexit.register(dispatcher.emit.flush)
 
 
 def quiet_ray_train_worker() -> None:

@@ -54,6 +54,28 @@ def test_a_block_split_without_the_traceback_line_in_the_same_batch_is_still_rec
     assert printed == []
 
 
+def test_a_block_whose_rest_comes_seconds_later_is_still_dropped():
+    """As a sweep's trial actor wrote it on a loaded machine: the first half of the block, then the rest more than
+    3 s later (the default hold is 10 s)."""
+    printed = []
+    emit = _ForwardedLineFilter(printed.append)
+    emit(batch(SIGTERM_BLOCK[:4]))
+    time.sleep(3.5)
+    emit(batch(SIGTERM_BLOCK[4:]))
+    assert printed == []
+
+
+def test_what_is_still_held_at_exit_is_printed_by_flush():
+    printed = []
+    emit = _ForwardedLineFilter(printed.append, hold_s=60)
+    emit(batch(REAL_BLOCK[:3]))
+    assert printed == []
+    emit.flush()
+    assert [b["lines"] for b in printed] == [REAL_BLOCK[:3]]
+    emit.flush()  # nothing held: nothing printed twice
+    assert len(printed) == 1
+
+
 def test_an_open_block_from_one_process_does_not_hold_another_processes_lines():
     printed = []
     emit = _ForwardedLineFilter(printed.append, hold_s=30)
