@@ -31,6 +31,11 @@ def test_the_sigterm_block_is_dropped_and_every_other_line_kept_in_order():
     assert kept == ["before"] + REAL_BLOCK + ["after"] and still_open == []
 
 
+def test_an_empty_line_inside_the_sigterm_block_does_not_end_it():
+    block = SIGTERM_BLOCK[:4] + [""] + SIGTERM_BLOCK[4:]  # as one CI run printed such a block
+    assert _drop_sigterm_exit_blocks(["before"] + block + ["after"]) == (["before", "after"], [])
+
+
 def test_a_systemexit_not_raised_by_rays_handler_is_kept():
     own = SIGTERM_BLOCK[:4] + SIGTERM_BLOCK[-1:]  # SystemExit: 1 from the user's own code
     assert _drop_sigterm_exit_blocks(own) == (own, [])
