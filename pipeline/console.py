@@ -255,13 +255,10 @@ class _ForwardedLineFilter:
     def flush(self) -> None:
         """Prints every block still held, as it came (at the driver's exit)."""
         with self._lock:
-            sources = list(self._held)
-        for source in sources:
-            with self._lock:
-                held = self._held.get(source)
-            if held is not None:
-                held[2].cancel()
-            self._release(source)
+            held, self._held = list(self._held.values()), {}
+        for data, lines, timer in held:
+            timer.cancel()
+            self._emit({**data, "lines": lines})
 
     def _release(self, source: tuple) -> None:
         with self._lock:
