@@ -6,8 +6,8 @@
 
 Why static. Decoding one token at a time with a cache that grows by one slot per step gives every step new
 shapes: a new cuDNN attention plan per key length (78% of the time in the first H100 run), a new allocation per
-step, and a recompile per step under torch.compile. Here the cache is (n_layers, B, n_kv_heads, slots, hd),
-allocated zeroed once (slots = max_len rounded up to SPAN_QUANTUM); a decode step writes its key/value at slot
+step, and a recompile per step under torch.compile. Here the cache is one (B, n_kv_heads, slots, hd) buffer per
+layer for keys and one for values, allocated zeroed once (slots = max_len rounded up to SPAN_QUANTUM); a decode step writes its key/value at slot
 `pos` (a device tensor) and attends over the first `span` slots with a mask (slot <= pos and slot >= the row's
 left pad). The step reads no Python state that changes, so it can be captured in a CUDA graph and replayed
 (model/generate.py does that on CUDA) and a torch.compile'd step does not recompile while its span stays
@@ -46,7 +46,7 @@ def span_bucket(n: int, limit: int) -> int:
 class KVCache:
     """Keys/values of every layer for incremental decoding, preallocated to max_len.
 
-    k, v: (n_layers, B, n_kv_heads, slots, head_dim) in `dtype` (the dtype the keys are computed in: the
+    k, v: lists of n_layers buffers (B, n_kv_heads, slots, head_dim) in `dtype` (the dtype the keys are computed in: the
     model's, or the autocast dtype), slots = max_len rounded up to SPAN_QUANTUM (the extra slots are never
     visible). left_pad: optional (B,) int64, the number of left-pad tokens at the start of each row's prompt.
     cos/sin: (slots, head_dim/2) RoPE tables in `dtype`, from `rope` (a RopeConfig, or a bare base).
@@ -64,8 +64,12 @@ class KVCache:
         self.length = 0
         # zeroed, not empty: masked slots get probability 0, and 0 * NaN garbage would still be NaN
         self.n_slots = -(-max_len // SPAN_QUANTUM) * SPAN_QUANTUM
-        self.k = torch.zeros(n_layers, batch_size, n_kv_heads, self.n_slots, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        # one buffer per layer, not one stacked (n_layers, ...) tensor: under torch.compile a decode step's write
+        # into a view of a stacked graph input is functionalised into a copy of the whole stack per layer (12 x the
+        # cache's bytes a step for tier B: 57 tokens/s after a 32k prompt on an H100); into a base it stays in place
+        shape = (batch_size, n_kv_heads, self.n_slots, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.left_pad = None if left_pad is None else left_pad.to(device=device, dtype=torch.int64)
         self.pad = self.left_pad if self.left_pad is not None else torch.zeros(batch_size, dtype=torch.int64,
                                                                                 device=device)  # (B,)
@@ -127,9 +131,9 @@ class KVCache:
         """Write k, v (B, n_kv_heads, T, head_dim) at slots [length, length+T); return the filled slots as views
         (B, n_kv_heads, length+T, head_dim) in k's dtype (no copy when it is the cache dtype)."""
         end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
-        return self.k[layer, :, :, :end].to(k.dtype), self.v[layer, :, :, :end].to(v.dtype)
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end].to(k.dtype), self.v[layer][:, :, :end].to(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,7 +156,7 @@ def _attend_one(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
     qk, v = attn.wqkv(x).split([(H + Hkv) * hd, Hkv * hd], dim=-1)  # (B, 1, *)
     qk = apply_rope(qk.view(B, 1, H + Hkv, hd), cos, sin)  # queries and keys rotated together: half the ops
     q, k = qk.split([H, Hkv], dim=2)  # (B, 1, H, hd), (B, 1, Hkv, hd)
-    keys, values = cache.k[layer], cache.v[layer]  # (B, Hkv, S, hd) views
+    keys, values = cache.k[layer], cache.v[layer]  # (B, Hkv, S, hd): the layer's own buffers (written in place)
     keys.index_copy_(2, cache.pos, k.transpose(1, 2).to(keys.dtype))
     values.index_copy_(2, cache.pos, v.view(B, 1, Hkv, hd).transpose(1, 2).to(values.dtype))
     keys, values = keys[:, :, :L], values[:, :, :L]  # (B, Hkv, L, hd): the span only

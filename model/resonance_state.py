@@ -34,8 +34,8 @@ class ResonanceState:
     """The resonance model's generation "cache": one (B, G, K, 2) fp32 state per layer, O(1) in the prompt length.
 
     Same constructor protocol as model/kv_cache.py's KVCache (max_len only bounds `length`: the state never grows).
-    state (n_layers, B, G, K, 2) fp32 (fp64 for an fp64 model); lam (n_layers, G, K, 2) (re, im) in the state's
-    dtype; w_in (n_layers, G, P, 2K) and w_out (n_layers, G, 2K, P) in `dtype`; pos (1,) int64; pad (B,) int64
+    state: a list of n_layers buffers (B, G, K, 2) fp32 (fp64 for an fp64 model); lam (n_layers, G, K, 2) (re, im)
+    in the state's dtype; w_in (n_layers, G, P, 2K) and w_out (n_layers, G, 2K, P) in `dtype`; pos (1,) int64; pad (B,) int64
     (zeros without left_pad)."""
 
     def __init__(self, model, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
@@ -52,7 +52,9 @@ class ResonanceState:
         mixers = [block.mixer for block in model.blocks]
         m = mixers[0]
         self.batch_size, self.max_len, self.dtype, self.length = batch_size, max_len, dtype, 0
-        self.state = torch.zeros(len(mixers), batch_size, m.G, m.K, 2, dtype=m.work_dtype, device=device)
+        # one buffer per layer (as model/kv_cache.py's): a compiled step's in-place write into a view of one stacked
+        # tensor would be functionalised into a copy of the whole stack per layer
+        self.state = [torch.zeros(batch_size, m.G, m.K, 2, dtype=m.work_dtype, device=device) for _ in mixers]
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # the next token's index, pads included
         self.left_pad = None if left_pad is None else left_pad.to(device=device, dtype=torch.int64)
         self.pad = self.left_pad if self.left_pad is not None else torch.zeros(batch_size, dtype=torch.int64,
@@ -67,7 +69,8 @@ class ResonanceState:
     def reset(self) -> None:
         self.length = 0
         self.pos.zero_()
-        self.state.zero_()
+        for s in self.state:
+            s.zero_()
 
     def check(self, B: int, T: int) -> None:
         """A clear error for a batch of the wrong size or a state without room for T more tokens (host-side)."""
@@ -99,12 +102,12 @@ def decode_compute(model, tok: torch.Tensor, cache: ResonanceState) -> torch.Ten
     B = tok.shape[0]
     mixer0 = model.blocks[0].mixer
     G, K, P = mixer0.G, mixer0.K, mixer0.P
-    keep = (cache.pos >= cache.pad).to(cache.state.dtype)[:, None, None, None]  # (B, 1, 1, 1): 0 on a left pad
+    keep = (cache.pos >= cache.pad).to(cache.state[0].dtype)[:, None, None, None]  # (B, 1, 1, 1): 0 on a left pad
     x = model.tok_emb(tok[:, None])  # (B, 1, D)
     for i, block in enumerate(model.blocks):
         u, gate = block.w_in(block.mix_norm(x)).chunk(2, dim=-1)  # (B, 1, D) each; the submodules, eager
         z = torch.bmm(u.view(B, G, P).transpose(0, 1).to(cache.w_in.dtype), cache.w_in[i])  # (G, B, 2K)
-        z = z.transpose(0, 1).unflatten(-1, (K, 2)).to(cache.state.dtype) * keep  # (B, G, K, 2)
+        z = z.transpose(0, 1).unflatten(-1, (K, 2)).to(cache.state[0].dtype) * keep  # (B, G, K, 2)
         s, lam = cache.state[i], cache.lam[i]  # (B, G, K, 2), (G, K, 2): real pairs, so torch.compile fuses it
         s_re = lam[..., 0] * s[..., 0] - lam[..., 1] * s[..., 1] + z[..., 0]  # s = lambda s + z
         s_im = lam[..., 0] * s[..., 1] + lam[..., 1] * s[..., 0] + z[..., 1]

@@ -195,7 +195,8 @@ def test_generation_with_the_recurrent_state_equals_the_full_forward():
             steps.append(model(tokens[:, t:t + 1], kv_cache=cache))  # recurrent, one token
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
     assert cache.length == 17 and int(cache.pos) == 17
-    assert cache.state.shape == (TINY.n_layers, 2, TINY.n_groups, TINY.n_eigen, 2)  # (re, im) per layer, row, channel
+    assert len(cache.state) == TINY.n_layers  # one state per layer: (re, im) per row and channel
+    assert all(s.shape == (2, TINY.n_groups, TINY.n_eigen, 2) for s in cache.state)
 
 
 def test_left_padded_rows_equal_each_prompt_alone():

@@ -9,19 +9,23 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from model.resonance_state import decode_compute
 from tests.model.test_resonance import TINY, VOCAB, tiny_model
+from tests.model.tiny import compiled_forward_ops
 
 
 def test_state_is_allocated_once_and_the_step_writes_in_place():
     model = tiny_model().float()
     tokens = torch.randint(0, VOCAB, (2, 12))
     cache = model.new_kv_cache(batch_size=2, max_len=12)
-    assert cache.state.shape == (TINY.n_layers, 2, TINY.n_groups, TINY.n_eigen, 2)
-    buffers = (cache.state.data_ptr(), cache.pos.data_ptr(), cache.w_in.data_ptr(), cache.lam.data_ptr())
+    assert len(cache.state) == TINY.n_layers  # one base buffer per layer
+    assert all(s.shape == (2, TINY.n_groups, TINY.n_eigen, 2) and s._base is None for s in cache.state)
+    buffers = ([s.data_ptr() for s in cache.state], cache.pos.data_ptr(), cache.w_in.data_ptr(),
+               cache.lam.data_ptr())
     with torch.no_grad():
         model(tokens[:, :5], kv_cache=cache)
         for t in range(5, 12):
             model.decode_step(tokens[:, t], cache)
-    assert (cache.state.data_ptr(), cache.pos.data_ptr(), cache.w_in.data_ptr(), cache.lam.data_ptr()) == buffers
+    assert ([s.data_ptr() for s in cache.state], cache.pos.data_ptr(), cache.w_in.data_ptr(),
+            cache.lam.data_ptr()) == buffers
     assert cache.length == int(cache.pos) == 12
     with pytest.raises(ValueError, match="full"):
         model.decode_step(tokens[:, 0], cache)
@@ -34,14 +38,27 @@ def test_projections_follow_autocast_and_the_state_stays_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cache = model.new_kv_cache(batch_size=1, max_len=8)
     assert cache.w_in.dtype == cache.w_out.dtype == torch.bfloat16  # read once per token: half the bytes
-    assert cache.state.dtype == cache.lam.dtype == torch.float32
+    assert cache.state[0].dtype == cache.lam.dtype == torch.float32
     tokens = torch.randint(0, VOCAB, (1, 8))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(tokens[:, :4], kv_cache=cache)
         steps = [model.decode_step(tokens[:, t], cache) for t in range(4, 8)]
         full = model(tokens)[0, 4:]
-    assert cache.state.dtype == torch.float32
+    assert all(s.dtype == torch.float32 for s in cache.state)
     torch.testing.assert_close(torch.stack(steps, 1)[0], full, rtol=0, atol=0.05)  # bf16 matmuls, one document
+
+
+def test_compiled_step_updates_each_layer_state_in_place_not_through_a_scatter_of_a_stack():
+    """The compiled step's state writes, read from its forward graph (tests/model/tiny.py): no scatter, which a
+    write into a view of one stacked (n_layers, ...) state becomes, and inductor runs as a copy of the whole
+    stack per layer."""
+    model = tiny_model().float()
+    cache = model.new_kv_cache(batch_size=2, max_len=8)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (2, 3)), kv_cache=cache)
+    ops = compiled_forward_ops(decode_compute, model, torch.tensor([1, 2]), cache)
+    assert ops.get("aten.bmm.default") == 2 * TINY.n_layers, ops  # the graph is the whole step: w_in, w_out per layer
+    assert not [op for op in ops if "scatter" in op], ops
 
 
 def test_one_compiled_step_serves_every_prompt_length_with_constant_flops():
@@ -81,7 +98,7 @@ def test_left_padded_decode_keeps_pad_states_at_zero():
     with torch.no_grad():
         cache = model.new_kv_cache(batch_size=2, max_len=9, left_pad=pad)
         model(idx[:, :3], kv_cache=cache)  # row 1 is all pads so far: its state must still be zero
-        assert torch.count_nonzero(cache.state[:, 1]) == 0 and torch.count_nonzero(cache.state[:, 0]) > 0
+        assert all(torch.count_nonzero(s[1]) == 0 and torch.count_nonzero(s[0]) > 0 for s in cache.state)
         out = [model(idx[:, 3:], kv_cache=cache)[:, -1]]
         tok = torch.tensor([7, 8])
         for _ in range(3):

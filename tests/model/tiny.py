@@ -25,6 +25,31 @@ def make_model(tier: Tier = TINY, **kw) -> Decoder:
     return model
 
 
+def compiled_forward_ops(fn, *args) -> dict[str, int]:
+    """Run torch.compile(fn)(*args) once (fullgraph, static shapes) and count the aten ops of the forward graph that
+    AOTAutograd hands the backend: what functionalisation made of fn's in-place writes. An in-place write into a
+    view of a stacked graph input shows up as a select_scatter/slice_scatter, which inductor runs as a copy of the
+    whole stack; a write into a base buffer stays one index_copy (reinplaced by inductor)."""
+    from collections import Counter
+
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops: Counter = Counter()
+
+    def forward_graph(gm, example_inputs):
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(fn, backend=aot_autograd(fw_compiler=forward_graph), fullgraph=True, dynamic=False)(*args)
+    finally:
+        torch._dynamo.reset()
+    return dict(ops)
+
+
 def packed_row(lengths: list[int], batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens (batch, sum(lengths)) int64 and doc_ids (batch, sum(lengths)) int32 for documents of these lengths."""
     g = torch.Generator().manual_seed(seed)
