@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import re
 import shlex
 import shutil
@@ -114,7 +115,7 @@ STEPS: list[Step] = [
          measures="fused CE vs eager and torch.compile (time, peak memory); top-p vs a torch sort; bytes per kernel"),
     Step("generate_short", "headline", 90, "python bench/generate.py --batch-sizes 1 8 64",
          "python bench/generate.py --smoke --batch-sizes 1 2", measures="tier B decode after 32-token prompts"),
-    Step("generate_long", "headline", 75, "python bench/generate.py --prompt-len 8192 32768 --batch-sizes 1",
+    Step("generate_long", "headline", 150, "python bench/generate.py --prompt-len 8192 32768 --batch-sizes 1",
          "python bench/generate.py --smoke --prompt-len 16 32 --batch-sizes 1",
          measures="attention decode after 8,192 and 32,768-token prompts"),
     Step("generate_resonance", "headline", 75,
@@ -468,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
         tarball = tarball if any("ray" in s.needs for s in steps) and tarball.is_file() else None
         site = make_site(Path(tmp) / "site", tarball)
         found = probe(step_env(site, REPO, args.commit))
+        setup_s = time.monotonic() - t_start  # the Ray site unpacked, the device probed: part of the budget
         now = _dt.datetime.now(_dt.timezone.utc)
         stem_tail = f"{found['slug']}-{now.strftime('%Y%m%d')}"
         check = {"benchmark": "gpu_check", "date": now.isoformat(timespec="seconds"),
@@ -484,16 +486,16 @@ def run(args: argparse.Namespace) -> int:
         path = write_check(out, check, records, GOALS, args.fold)  # from the start: a run killed early leaves a check
         dev = found["device"]
         print(f"gpu_check: {dev.get('gpu', dev.get('device'))}, {found['gpus']} GPU(s), commit {check['commit']}, "
-              f"budget {args.budget_min:g} min, {len(steps)} step(s){' at smoke size' if args.smoke else ''} -> {out}",
-              flush=True)
+              f"budget {args.budget_min:g} min ({setup_s:.0f} s of it to set up), {len(steps)} step(s)"
+              f"{' at smoke size' if args.smoke else ''} -> {out}", flush=True)
         for i, step in enumerate(steps, 1):
             cap, left = caps[step.name], args.budget_min * 60 - (time.monotonic() - t_start)
             shown = step.smoke if args.smoke and step.smoke else step.command
             res = {"name": step.name, "group": step.group, "status": "skipped", "reason": "", "seconds": 0.0,
                    "cap_s": cap, "command": shown + (" --out DIR" if step.kind == "bench" else ""), "files": []}
             why = (f"gpu_check was stopped ({interrupted})" if interrupted else skip_reason(step, found, args.smoke)
-                   or (f"budget: its cap of {cap:.0f} s does not fit the {max(left, 0):.0f} s left" if cap > left
-                       else None))
+                   or (f"budget: its cap of {cap:.0f} s does not fit the {max(left, 0):.0f} s left (set-up took "
+                       f"{setup_s:.0f} s)" if cap > left else None))
             print(f"[{i}/{len(steps)}] {step.name}: " + (f"{shown} (cap {cap:.0f} s)" if not why else ""), flush=True)
             if why:
                 res["reason"] = why
@@ -518,10 +520,13 @@ def run(args: argparse.Namespace) -> int:
     kept = sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
     print(f"wrote {path} and its .md: {len(kept)} file(s) in {out}"
           + (" (the bench JSONs folded into the check's JSON; --merge writes them out)" if check["folded"] else ""))
-    later = [s["name"] for s in check["steps"] if s["reason"].startswith("budget")]
+    later = [s for s in check["steps"] if s["reason"].startswith("budget")]
     if later:
-        print(f"not run for want of budget: {' '.join(later)}; to run them next (a lent GPU's second call):\n"
-              f"  python bench/gpu_check.py --steps {' '.join(later)} --budget-min MINUTES --out DIR")
+        # their caps, this run's set-up again and 5 s a step for starting it and moving its files
+        need_min = math.ceil((sum(s["cap_s"] for s in later) + setup_s + 5 * len(later)) / 6) / 10
+        names = " ".join(s["name"] for s in later)
+        print(f"not run for want of budget: {names}; to run them next (a lent GPU's second call):\n"
+              f"  python bench/gpu_check.py --steps {names} --budget-min {need_min:g} --out DIR")
     if interrupted:
         return 130
     return 1 if any(s["status"] in ("failed", "timeout") for s in check["steps"]) else 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,10 @@ def test_bench_files_are_named_after_their_step_and_their_figures_are_read(smoke
     for s in check["steps"]:
         assert f"| {s['name']} | {s['status']} | " in md
     assert "not run for want of budget: too_long" in proc.stdout
+    # the next call's budget is named: the step's cap and this run's set-up, in minutes rounded up
+    need = re.search(r"--steps too_long --budget-min ([0-9.]+) --out DIR", proc.stdout)
+    assert need and 100000 / 60 < float(need.group(1)) < 100000 / 60 + 2, proc.stdout[-600:]
+    assert "set-up took" in steps["too_long"]["reason"]
 
 
 @pytest.mark.system
