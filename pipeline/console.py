@@ -202,6 +202,12 @@ def quiet_safe_to_ignore() -> None:
 # prepare), the GCS kills the job's actors and reports those whose worker had already exited ("Failed to kill actor
 # ..., KillActor RPC failed ... Socket closed") as errors, after the command's last line.
 _HARMLESS_GCS_LINES = ("Failed to kill actor",)
+# Lines of Ray Train's placement-group cleaner (a detached actor) when Ray runs without its dashboard, and so without
+# the State API: one a second for the whole run, each saying it goes on (measured: 140 of the 211 console lines of
+# the default run on a GPU machine without the dashboard). The driver has already said once that the dashboard is
+# missing and how to install it; the cleaner's log file keeps them.
+_HARMLESS_WORKER_LINES = ("Failed to query Ray Train Controller actor state. State API may be temporarily "
+                          "unavailable. Continuing to monitor.",)
 
 
 def _drop_sigterm_exit_blocks(lines: list[str]) -> tuple[list[str], list[str]]:
@@ -276,8 +282,8 @@ class _ForwardedLineFilter:
         if held is not None:
             held[2].cancel()
             lines = held[1] + lines
-        if data.get("pid") == "gcs_server":
-            lines = [ln for ln in lines if not any(h in ln for h in _HARMLESS_GCS_LINES)]
+        harmless = _HARMLESS_GCS_LINES if data.get("pid") == "gcs_server" else _HARMLESS_WORKER_LINES
+        lines = [ln for ln in lines if not any(h in ln for h in harmless)]
         if any(ln.startswith("Exception ignored in") for ln in lines):
             lines, still_open = _drop_sigterm_exit_blocks(lines)
             if still_open:
@@ -291,9 +297,9 @@ class _ForwardedLineFilter:
 
 
 def quiet_forwarded_ray_lines() -> None:
-    """In the driver, before or once Ray is connected: the harmless GCS lines above, and a worker's SystemExit from
-    Ray's SIGTERM handler as it ends (_drop_sigterm_exit_blocks), stay in Ray's log files (gcs_server.err,
-    worker-*.err), off the console. Every batch of lines Ray forwards to the driver passes through its one
+    """In the driver, before or once Ray is connected: the harmless GCS and worker lines above, and a worker's
+    SystemExit from Ray's SIGTERM handler as it ends (_drop_sigterm_exit_blocks), stay in Ray's log files
+    (gcs_server.err, worker-*.err), off the console. Every batch of lines Ray forwards to the driver passes through its one
     dispatcher (ray._private.ray_logging.global_worker_stdstream_dispatcher) before its deduplicator and printer;
     the wrapper there drops those lines and passes everything else on unchanged."""
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher

@@ -106,3 +106,18 @@ def test_harmless_gcs_lines_are_dropped_and_its_other_lines_kept():
     emit({"pid": "gcs_server", "is_err": True, "lines": ["[x] Failed to kill actor 1, Socket closed"]})
     emit({"pid": "gcs_server", "is_err": True, "lines": ["[x] Failed to kill actor 2", "a real GCS error"]})
     assert [b["lines"] for b in printed] == [["a real GCS error"]]
+
+
+def test_the_placement_group_cleaners_lines_without_a_state_api_are_dropped_and_its_others_kept():
+    """Without Ray's dashboard the cleaner says once a second that it cannot query the controller (140 lines of a
+    GPU machine's default run); its other warnings, and the same words from the GCS, are passed on."""
+    printed = []
+    emit = _ForwardedLineFilter(printed.append)
+    line = ("Failed to query Ray Train Controller actor state. State API may be temporarily unavailable. "
+            "Continuing to monitor.")
+    emit({**batch([line, line]), "actor_name": "PlacementGroupCleaner"})
+    emit({**batch([line, "Failed to query placement group table: x. Continuing to monitor."]),
+          "actor_name": "PlacementGroupCleaner"})
+    emit({"pid": "gcs_server", "is_err": True, "lines": [line]})
+    assert [b["lines"] for b in printed] == [["Failed to query placement group table: x. Continuing to monitor."],
+                                             [line]]
