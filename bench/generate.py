@@ -110,6 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{'prompt':>6} | {'batch':>5} | {'sampler':>9} | {'prefill tok/s':>13} | {'decode tok/s':>12} | "
               f"{'decode tok/CPU-s':>16} | {'graph':>5} | {'first call s':>12}")
     print(header + "\n" + "-" * len(header))
+    family = "" if args.mixer == "attention" else f"{args.mixer}_"
+    result_name = f"generate_{family}{args.tier}" + ("" if on_cuda else f"_t{torch.get_num_threads()}")
+
+    def write(complete: bool) -> Path:
+        """The result so far, rewritten after every row: a run stopped midway (bench/gpu_check.py's cap) keeps the
+        rows it measured, with "complete": false."""
+        return write_result(result_name, {
+            "smoke": args.smoke, "complete": complete,
+            "shapes": {"mixer": args.mixer, "tier": args.tier, "vocab": args.vocab, "dtype": dtype,
+                       "prompt_lens": args.prompt_len, "new_tokens": args.new_tokens,
+                       "batch_sizes": args.batch_sizes, "top_p": args.top_p, "repeat": args.repeat,
+                       "compiled_step": args.compile},
+            "torch_threads": torch.get_num_threads(),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "command": "python bench/generate.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "rows": rows}, args.out)
+
     for prompt_len in args.prompt_len:
         for batch in args.batch_sizes:
             for name, backend in SAMPLERS.items():
@@ -118,23 +136,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{prompt_len:>6} | {batch:>5} | {name:>9} | {row['prefill_tokens_per_s']:>13,.0f} | "
                       f"{row['decode_tokens_per_s']:>12,.0f} | {row['decode_tokens_per_cpu_s']:>16,.0f} | "
                       f"{'yes' if row['cuda_graph'] else 'no':>5} | {row['first_call_s']:>12.2f}")
+                write(complete=False)
             k, r = rows[-2], rows[-1]
             print(f"{'':>6}   {'':>5}   ratio kernels / reference decode tokens/s: "
                   f"{k['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}")
-    load_after = os.getloadavg()
-    family = "" if args.mixer == "attention" else f"{args.mixer}_"
-    name = f"generate_{family}{args.tier}" + ("" if on_cuda else f"_t{torch.get_num_threads()}")
-    path = write_result(name, {
-        "smoke": args.smoke,
-        "shapes": {"mixer": args.mixer, "tier": args.tier, "vocab": args.vocab, "dtype": dtype,
-                   "prompt_lens": args.prompt_len, "new_tokens": args.new_tokens, "batch_sizes": args.batch_sizes,
-                   "top_p": args.top_p, "repeat": args.repeat, "compiled_step": args.compile},
-        "torch_threads": torch.get_num_threads(),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in load_after],
-        "command": "python bench/generate.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "rows": rows}, args.out)
-    print(f"load average after: {load_after[0]:.2f}\nwrote {path}")
+    path = write(complete=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}\nwrote {path}")
     return 0
 
 

@@ -132,7 +132,7 @@ STEPS: list[Step] = [
     Step("default_run", "headline", 330, "python pipeline/run.py", "python pipeline/run.py --preset test",
          kind="default_run", needs=("ray",), in_tmp=True, smoke_cap_s=600,
          measures="the default run in an empty directory: console lines, wall time, final eval loss"),
-    Step("sweep", "headline", 330, "python pipeline/run.py tune --space tune_spaces/one_gpu_bs.yaml --preset gpu",
+    Step("sweep", "headline", 420, "python pipeline/run.py tune --space tune_spaces/one_gpu_bs.yaml --preset gpu",
          "python pipeline/run.py tune --space smoke_space.yaml --preset test", kind="sweep", needs=("ray",),
          in_tmp=True, smoke_cap_s=600, smoke_files=(("smoke_space.yaml", SMOKE_SPACE),),
          measures="tier A x batch 1/2/4 with ASHA on one GPU: the trial table"),
@@ -381,7 +381,7 @@ def collect(step: Step, ran: dict, work: Path, out: Path, stem_tail: str) -> tup
     if step.kind == "pytest":
         junit = work / "junit.xml"
         return [], pytest_record(junit) if junit.exists() else None
-    if ran["status"] != "ok" and step.kind in ("default_run", "sweep"):
+    if ran["status"] != "ok" and step.kind == "default_run":
         return [], None
     if step.kind == "default_run":
         return [], default_run_record(tail(ran["stdout"]), tail(ran["stderr"]), ran["seconds"])
@@ -445,6 +445,9 @@ def summary(kind: str, record: dict) -> str:
     if kind == "default_run":
         return f"{record['console_lines']} console lines, final eval loss {record.get('final_eval_loss', 'none')}"
     if kind == "sweep":
+        if not record.get("complete", True):
+            return (f"stopped before its table: {sum(t['status'] == 'ok' for t in record['trials'])} trial(s) "
+                    f"finished, {len(record['trials'])} ended")
         return f"{len(record['trials'])} trial(s) in its table; best: {record.get('best', 'none')}"
     return ""
 

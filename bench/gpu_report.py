@@ -88,8 +88,13 @@ def default_run_record(stdout: str, stderr: str, seconds: float) -> dict:
     return rec
 
 
+_TRIAL_LINE = re.compile(r"^tune: trial (\S+) (finished|stopped early by the scheduler|failed): (.*?)  \[")
+
+
 def sweep_record(stdout: str, seconds: float) -> dict:
-    """The trial table `python pipeline/run.py tune` prints (markdown) as rows, and its `best:` line."""
+    """The trial table `python pipeline/run.py tune` prints (markdown) as rows, and its `best:` line. A sweep stopped
+    before its table (gpu_check's cap) gives the trials its `tune: trial ... finished|stopped early|failed` lines
+    said had ended, "complete": false and no wall time (the sweep's was not measured)."""
     lines = stdout.splitlines()
     trials: list[dict] = []
     head = None
@@ -104,9 +109,13 @@ def sweep_record(stdout: str, seconds: float) -> dict:
                 trials.append(row)
         elif head and not ln.startswith("|"):
             head = None
-    rec: dict[str, Any] = {"trials": trials, "wall_s": round(seconds, 1)}
-    rec.update({"best": ln[len("best: "):] for ln in lines if ln.startswith("best: ")})
-    return rec
+    best = [ln[len("best: "):] for ln in lines if ln.startswith("best: ")]
+    if trials or best:
+        return {"trials": trials, "wall_s": round(seconds, 1), "complete": True, **({"best": best[-1]} if best else {})}
+    ended = [m.groups() for m in map(_TRIAL_LINE.match, lines) if m]
+    status = {"finished": "ok", "stopped early by the scheduler": "stopped", "failed": "failed"}
+    return {"trials": [{"trial": t, "status": status[what], "result": rest} for t, what, rest in ended],
+            "wall_s": None, "complete": False}
 
 
 # ------------------------------------------------------------------------------------------------------ the report

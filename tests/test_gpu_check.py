@@ -251,3 +251,21 @@ def test_the_goals_read_the_h100_results_committed_in_their_formats():
     old = json.loads((res / "generate_B-nvidia-h100-80gb-hbm3-20261124.json").read_text())
     assert "prompt_len" not in old["rows"][0]
     assert measure_goal(goals["tier B decode tokens/s, batch 1, 32-token prompt"], old, exact=True) is None
+
+
+def test_a_sweep_stopped_before_its_table_counts_the_trials_its_lines_said_had_ended():
+    """The H100 sweep of 2026-11-27, stopped at its cap in its third trial (its stdout, committed): one trial
+    finished and one stopped early are read from the `tune: trial` lines; the sweep's wall time is not measured."""
+    from bench.gpu_report import sweep_record
+
+    log = REPO / "bench" / "results" / "logs-nvidia-h100-80gb-hbm3-20261127" / "sweep.stdout.log"
+    rec = sweep_record(log.read_text(), 266.0)
+    assert rec["complete"] is False and rec["wall_s"] is None
+    assert [(t["trial"], t["status"]) for t in rec["trials"]] == [("5ffa7_00000", "ok"), ("5ffa7_00001", "stopped")]
+    goals = {g.figure: g for g in gpu_check.GOALS}
+    assert measure_goal(goals["sweep trials that trained to the end"], rec, exact=True) == 1
+    assert measure_goal(goals["sweep wall time (s)"], rec, exact=True) is None
+    table = "| tier | batch | status |\n|---|---|---|\n| A | 1 | ok |\n| A | 2 | stopped (asha) |\n\nbest: x\n"
+    whole = sweep_record(table, 300.0)
+    assert whole["complete"] is True and whole["wall_s"] == 300.0 and whole["best"] == "x"
+    assert [t["status"] for t in whole["trials"]] == ["ok", "stopped"]

@@ -47,3 +47,30 @@ def test_generate_bench_takes_prompt_lengths_and_the_resonance_family(tmp_path):
     for row in rec["rows"]:
         assert row["decode_tokens"] == 6 - 2 and row["decode_tokens_per_s"] > 0
         assert row["prefill_tokens_per_s"] > 0 and row["compiled"] is False
+
+
+def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """The JSON is rewritten after every row, so a run stopped at bench/gpu_check.py's cap (SIGINT there: a
+    KeyboardInterrupt here, after two rows) leaves those rows, marked "complete": false; a whole run says true."""
+    import pytest
+
+    from bench import generate as bench_generate
+
+    real, calls = bench_generate.measure, []
+
+    def measure_twice(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_generate, "measure", measure_twice)
+    with pytest.raises(KeyboardInterrupt):
+        bench_generate.main(["--smoke", "--batch-sizes", "1", "--prompt-len", "4", "8", "--out", str(tmp_path)])
+    rec = json.loads(next(tmp_path.glob("generate_nano_t*-*.json")).read_text())
+    assert rec["complete"] is False
+    assert [(r["prompt_len"], r["sampler"]) for r in rec["rows"]] == [(4, "kernels"), (4, "reference")]
+    assert not list(tmp_path.glob(".tmp-*"))  # written atomically: no temporary file left behind
+    monkeypatch.setattr(bench_generate, "measure", real)
+    assert bench_generate.main(["--smoke", "--batch-sizes", "1", "--out", str(tmp_path)]) == 0
+    assert json.loads(next(tmp_path.glob("generate_nano_t*-*.json")).read_text())["complete"] is True
