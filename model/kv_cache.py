@@ -7,11 +7,11 @@
 Why static. Decoding one token at a time with a cache that grows by one slot per step gives every step new
 shapes: a new cuDNN attention plan per key length (78% of the time in the first H100 run), a new allocation per
 step, and a recompile per step under torch.compile. Here the cache is one (B, n_kv_heads, slots, hd) buffer per
-layer for keys and one for values, allocated zeroed once (slots = max_len rounded up to SPAN_QUANTUM); a decode step writes its key/value at slot
-`pos` (a device tensor) and attends over the first `span` slots with a mask (slot <= pos and slot >= the row's
-left pad). The step reads no Python state that changes, so it can be captured in a CUDA graph and replayed
-(model/generate.py does that on CUDA) and a torch.compile'd step does not recompile while its span stays
-(tests/model/test_kv_cache.py checks that on CPU).
+layer for keys and one for values, allocated zeroed once (slots = max_len rounded up to SPAN_QUANTUM); a decode
+step writes its key/value at slot `pos` (a device tensor) and attends over the first `span` slots with a mask
+(slot <= pos and slot >= the row's left pad). The step reads no Python state that changes, so it can be captured
+in a CUDA graph and replayed (model/generate.py does that on CUDA) and a torch.compile'd step does not recompile
+while its span stays (tests/model/test_kv_cache.py checks that on CPU).
 
 Span buckets (flash-decoding over the filled slots). `cache.decode_span()` is the number of slots the next step
 reads: the filled length + 1 rounded up to a bucket (a multiple of max(SPAN_QUANTUM, 2**(floor(log2 n) - 3))), so a
@@ -46,8 +46,8 @@ def span_bucket(n: int, limit: int) -> int:
 class KVCache:
     """Keys/values of every layer for incremental decoding, preallocated to max_len.
 
-    k, v: lists of n_layers buffers (B, n_kv_heads, slots, head_dim) in `dtype` (the dtype the keys are computed in: the
-    model's, or the autocast dtype), slots = max_len rounded up to SPAN_QUANTUM (the extra slots are never
+    k, v: lists of n_layers buffers (B, n_kv_heads, slots, head_dim) in `dtype` (the dtype the keys are computed
+    in: the model's, or the autocast dtype), slots = max_len rounded up to SPAN_QUANTUM (the extra slots are never
     visible). left_pad: optional (B,) int64, the number of left-pad tokens at the start of each row's prompt.
     cos/sin: (slots, head_dim/2) RoPE tables in `dtype`, from `rope` (a RopeConfig, or a bare base).
     """

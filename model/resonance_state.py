@@ -35,8 +35,8 @@ class ResonanceState:
 
     Same constructor protocol as model/kv_cache.py's KVCache (max_len only bounds `length`: the state never grows).
     state: a list of n_layers buffers (B, G, K, 2) fp32 (fp64 for an fp64 model); lam (n_layers, G, K, 2) (re, im)
-    in the state's dtype; w_in (n_layers, G, P, 2K) and w_out (n_layers, G, 2K, P) in `dtype`; pos (1,) int64; pad (B,) int64
-    (zeros without left_pad)."""
+    in the state's dtype; w_in (n_layers, G, P, 2K) and w_out (n_layers, G, 2K, P) in `dtype`; pos (1,) int64;
+    pad (B,) int64 (zeros without left_pad)."""
 
     def __init__(self, model, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
                  dtype: torch.dtype | None = None):

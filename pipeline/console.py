@@ -299,9 +299,9 @@ class _ForwardedLineFilter:
 def quiet_forwarded_ray_lines() -> None:
     """In the driver, before or once Ray is connected: the harmless GCS and worker lines above, and a worker's
     SystemExit from Ray's SIGTERM handler as it ends (_drop_sigterm_exit_blocks), stay in Ray's log files
-    (gcs_server.err, worker-*.err), off the console. Every batch of lines Ray forwards to the driver passes through its one
-    dispatcher (ray._private.ray_logging.global_worker_stdstream_dispatcher) before its deduplicator and printer;
-    the wrapper there drops those lines and passes everything else on unchanged."""
+    (gcs_server.err, worker-*.err), off the console. Every batch of lines Ray forwards to the driver passes through
+    its one dispatcher (ray._private.ray_logging.global_worker_stdstream_dispatcher) before its deduplicator and
+    printer; the wrapper there drops those lines and passes everything else on unchanged."""
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     if getattr(dispatcher.emit, "longtrain_quiet", False):
