@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -52,8 +54,6 @@ def test_generate_bench_takes_prompt_lengths_and_the_resonance_family(tmp_path):
 def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     """The JSON is rewritten after every row, so a run stopped at bench/gpu_check.py's cap (SIGINT there: a
     KeyboardInterrupt here, after two rows) leaves those rows, marked "complete": false; a whole run says true."""
-    import pytest
-
     from bench import generate as bench_generate
 
     real, calls = bench_generate.measure, []
@@ -71,6 +71,6 @@ def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     assert rec["complete"] is False
     assert [(r["prompt_len"], r["sampler"]) for r in rec["rows"]] == [(4, "kernels"), (4, "reference")]
     assert not list(tmp_path.glob(".tmp-*"))  # written atomically: no temporary file left behind
-    monkeypatch.setattr(bench_generate, "measure", real)
+    monkeypatch.undo()  # the real measure again
     assert bench_generate.main(["--smoke", "--batch-sizes", "1", "--out", str(tmp_path)]) == 0
     assert json.loads(next(tmp_path.glob("generate_nano_t*-*.json")).read_text())["complete"] is True
