@@ -1,0 +1,32 @@
+"""bench/command_cpu.py: the CPU seconds of one pipeline/run.py command, by process (without Ray here: the command's
+own process; the Ray case is what docs/tests.md reports)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import command_cpu
+
+
+def test_counts_the_command_process_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    assert command_cpu.main(["--no-ray", "--run-root", str(tmp_path / "runs"), "--out", str(out), "--settle-s", "0",
+                             "--", "runs"]) == 0
+    (row,) = json.loads(out.read_text())["runs"]  # one counted run after the uncounted one
+    assert row["run"] == 1 and row["wall_s"] > 0 and row["processes_started"] >= 1
+    # the command's own interpreter start and imports (~2 CPU-s on 2 cores), sampled as it ran
+    assert row["by_kind"]["other:python"] > 0.3 and row["cpu_s"] >= row["by_kind"]["other:python"]
+    printed = capsys.readouterr().out
+    assert printed.startswith("run 1: wall ") and "other:python" in printed
+
+
+def test_a_failing_command_is_one_error_naming_its_exit_code(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: the command exited with 2: "):
+        command_cpu.measure(["no-such-command"], root=tmp_path, ray=False, settle_s=0)
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        command_cpu.main(["--no-ray"])
+    assert "give the command after --" in capsys.readouterr().err
