@@ -29,8 +29,12 @@ from pipeline.eval import passkey as pk
 
 ROW = 96  # training rows: a TRAINED_LEN-token prompt and its answer
 TRAINED_LEN = ROW - 6  # the prompt length trained on (the answer, a space and 5 digits, fills the row)
-STEPS, BATCH, LR = 1500, 8, 2e-3  # the copy is learned around step 1,100 (loss ~0 by 1,200 in a run with this
-HORIZON = 2000  # schedule: warmup 30 steps, cosine towards 0.1 x LR over HORIZON steps, stopped at STEPS)
+# The copy is learned around step 1,100 (mean loss over each 100 steps: 0.12 at 1,100, 0.018 at 1,200, 0.004 at
+# 1,500, on a 2-core VM on 2026-11-28). At LR 2e-3 the same run there was still at 0.10 by step 1,500 and
+# retrieved 70 % of the keys (the test asks 80 %), while an earlier machine had reached ~0 by 1,200: the float
+# order of another CPU's kernels moves when the copy is found, so the LR leaves a margin on both sides.
+STEPS, BATCH, LR = 1500, 8, 4e-3
+HORIZON = 2000  # schedule: warmup 30 steps, cosine towards 0.1 x LR over HORIZON steps, stopped at STEPS
 WINDOW = 128  # the dataset's seq_len
 # the bound on a hang of a test that reads the trained model: its first one pays the training, ~100 s on 2 idle
 # cores and past 600 s on a loaded machine
