@@ -77,6 +77,31 @@ class TrainOutcome:
     stopped: bool = False  # a Ctrl+C stopped it (after a checkpoint) before max_steps
 
 
+def _without_dataset_manager(base: type) -> type:
+    """`base` (a TorchTrainer class) that starts no DatasetManager actor when it is given no datasets.
+
+    Ray Train starts that actor for every run (its DatasetsCallback), to split the trainer's `datasets` among the
+    workers. These workers read their own rows (`ray_batches`, for exact resume) and the trainer gets no datasets,
+    so the actor only cost a process: ~2.7 CPU-s to start on 2 cores, of the ~25 of a short run
+    (bench/command_cpu.py). The callback's other work, handing the driver's Ray Data settings (DataContext) to the
+    workers, is done by the workers themselves (quiet_ray_data)."""
+    if base not in _no_dataset_manager:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+        def _create_default_callbacks(self):
+            callbacks = base._create_default_callbacks(self)
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+        _no_dataset_manager[base] = type(base.__name__, (base,), {
+            "_create_default_callbacks": _create_default_callbacks, "__module__": __name__})
+    return _no_dataset_manager[base]
+
+
+_no_dataset_manager: dict[type, type] = {}
+
+
 # ------------------------------------------------------------------------------------------ worker
 def train_loop_per_worker(lc: dict[str, Any]) -> None:
     """Runs in every Ray Train worker. `lc` is built by `run_training`; see its keys there."""
@@ -324,7 +349,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
           "schedule": dataclasses.asdict(schedule) if schedule is not None else {},
           "resume_from": resume_from, "fit_id": uuid.uuid4().hex}  # fit_id: in meta.json of what this fit writes
     # An error that the next attempt would raise again (a broken checkpoint, a refused config) spends no retry
-    trainer = trainer_class(TorchTrainer)(
+    trainer = _without_dataset_manager(trainer_class(TorchTrainer))(
         train_loop_per_worker,
         train_loop_config=lc,
         # A range MIN-MAX runs elastic (pipeline/train/distributed/elastic.py); the backend sets each worker up before its

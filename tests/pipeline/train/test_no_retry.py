@@ -35,13 +35,14 @@ def test_the_policy_raises_at_once_only_what_would_repeat(error, decision):
     assert policy.make_decision(WorkerGroupError(str(error), {0: error})).value == decision
 
 
-def _train_workers_started() -> int:
-    """Ray Train workers the session's Ray has started so far (ended ones too), by its state API."""
+def _train_workers_started(class_name: str = "RayTrainWorker") -> int:
+    """Ray Train workers (or actors of another class) the session's Ray has started so far (ended ones too), by its
+    state API."""
     import ray
     from ray.util.state import list_actors
 
     api = f"http://{ray._private.worker.get_dashboard_url()}"  # this Ray's: others may run on the machine
-    return len(list_actors(address=api, filters=[("class_name", "=", "RayTrainWorker")], limit=10_000,
+    return len(list_actors(address=api, filters=[("class_name", "=", class_name)], limit=10_000,
                            raise_on_missing_output=False))
 
 
@@ -50,10 +51,13 @@ def test_a_corrupt_train_state_under_ray_train_is_one_attempt_and_one_line(test_
     from pipeline.train.session.run_dir import recorded_checkpoint
 
     common = ["--preset", "test", f"--run.root={test_runs_root}", "--address", ray_address, "--tracking.enabled=false"]
+    managers = _train_workers_started("DatasetManager")
     res = subprocess.run([*RUN, "train", *common, "--run.name=no-retry", "--train.max_steps=4",
                           "--train.checkpoint_every=2", "--train.eval_every=2", "--train.sample_tokens=0"],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
+    # the workers read their own rows: Ray Train started no DatasetManager actor for the run (ray_train.py)
+    assert _train_workers_started("DatasetManager") == managers
     run = test_runs_root / "no-retry"
     state = Path(recorded_checkpoint(run)) / "train_state.pt"
     state.write_bytes(b"\x5a" * state.stat().st_size)  # whole by its listing; its bytes are wrong
