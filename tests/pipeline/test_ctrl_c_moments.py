@@ -2,7 +2,7 @@
 (SIGINT ignored: a SIGINT sent before training began used to be lost, and the run trained to its end), interrupted
 before Ray is up and during prepare. Each ends at once with exit code 130 and one line of what was kept; nothing
 half-built is left. The moments are held with prepare's test hook (LONGTRAIN_PREPARE_HOLD: a marker file in the
-build directory), not timed with sleeps. During training: tests/pipeline/test_run_cli.py (Ray) and
+build directory), not timed with sleeps. During training: tests/pipeline/test_object_storage.py (Ray) and
 tests/pipeline/train/test_resume_extend.py (--no-ray, and during eval)."""
 from __future__ import annotations
 

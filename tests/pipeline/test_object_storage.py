@@ -35,9 +35,10 @@ def _record(run_dir: Path) -> dict:
 
 
 def test_the_whole_pipeline_on_object_storage(s3_bucket, s3_dataset, ray_address, capsys, tmp_path):
-    """prepare (s3 corpus -> s3 store) -> validate -> train, stopped by Ctrl+C -> --resume -> eval -> generate ->
-    export, with every dataset, checkpoint, audit and MLflow artifact in the bucket and none of them on the driver's
-    disk."""
+    """prepare (s3 corpus -> s3 store) -> validate -> train, started as a script's background job and stopped by
+    Ctrl+C -> --resume, every sequence seen exactly once -> a larger train.max_steps extending the finished run -> eval
+    -> generate -> export, with every dataset, checkpoint, audit and MLflow artifact in the bucket and none of them on
+    the driver's disk."""
     dataset, overrides, run_root = s3_dataset.dataset, ["--preset", "test", *s3_dataset.overrides], s3_dataset.run_root
     assert dataset.startswith(f"{s3_bucket}/store/datasets/")
     m = load_manifest(dataset)
@@ -48,12 +49,14 @@ def test_the_whole_pipeline_on_object_storage(s3_bucket, s3_dataset, ray_address
     assert "OK" in capsys.readouterr().out
 
     # train in a subprocess and stop it with Ctrl+C after a few steps: the driver writes the stop request into
-    # <run.storage>/<run>/STOP in the bucket, the workers checkpoint there and stop at the same step
+    # <run.storage>/<run>/STOP in the bucket, the workers checkpoint there and stop at the same step. Started as a
+    # shell script's background job (`cmd &`) starts it: with SIGINT ignored, which the command undoes.
     steps = 120
     args = [*overrides, "--run.name=s3run", "--train.sample_tokens=4", "--audit-data", f"--train.max_steps={steps}",
             "--train.log_every=1", "--train.checkpoint_every=40", "--train.eval_every=40", "--address", ray_address]
     proc = subprocess.Popen([sys.executable, str(ROOT / "pipeline" / "run.py"), "train", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     watchdog = threading.Timer(300, proc.kill)
     watchdog.start()
     lines = []
@@ -68,30 +71,57 @@ def test_the_whole_pipeline_on_object_storage(s3_bucket, s3_dataset, ray_address
     finally:
         watchdog.cancel()
     assert proc.returncode == 0, out[-4000:]
-    assert "stop requested" in out and "--resume" in out, out[-4000:]
     run_dir = run_root / "s3run"
+    assert "stop requested" in out and "stopped after a checkpoint" in out, out[-4000:]
+    assert f"continue with: python pipeline/run.py train --resume {run_dir}\n" in out, out[-4000:]
     record = _record(run_dir)
     first = record["checkpoint"]
-    assert record["status"] == "stopped", record
+    assert record["status"] == "stopped" and record.get("phases_done", 0) == 0, record
     assert first.startswith(f"{s3_bucket}/store/s3run/ray/phase0/checkpoint_") and record["datasets"] == [dataset]
     assert not (run_dir / "ray").exists() and not (run_dir / "data_audit").exists()
     assert not storage.exists(f"{s3_bucket}/store/s3run/STOP"), "the stop request outlived the run"
     with storage.local_copy(first) as local:
         stopped_at = json.loads((local / "meta.json").read_text())["counters"]["step"]
     assert 3 <= stopped_at < steps
+    audit_file = f"{s3_bucket}/store/s3run/data_audit/rank_0.jsonl"
+
+    def audit() -> list[dict]:
+        return [json.loads(line) for line in storage.read_text(audit_file).splitlines() if line.strip()]
+
+    assert max(r["step"] for r in audit()) == stopped_at, "the checkpoint is not at the step the run stopped"
 
     # --resume: Ray Train restores the checkpoint from the bucket and the workers go on at the next step,
     # reading the same dataset, to the end
+    capsys.readouterr()
     assert main(["train", "--resume", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"==> train: tier nano, steps {stopped_at}..{steps} (resumed at step {stopped_at}), 1 Ray Train" in out
     record = _record(run_dir)
-    assert record["status"] == "finished" and record["checkpoint"] != first
+    assert record["status"] == "finished" and record["phases_done"] == 1 and record["checkpoint"] != first
+    assert record["datasets"] == [dataset], "the resumed run prepared its dataset again instead of reusing it"
     with storage.local_copy(record["checkpoint"]) as local:
         meta = json.loads((local / "meta.json").read_text())
     assert meta["counters"]["step"] == steps and meta["dataset_dir"] == dataset
-    audit = [json.loads(line) for line in storage.read_text(f"{s3_bucket}/store/s3run/data_audit/rank_0.jsonl")
-             .splitlines()]
-    assert [r["step"] for r in audit] == list(range(1, steps + 1))  # before the stop, then after it: none twice
-    assert {r["pid"] for r in audit[:stopped_at]}.isdisjoint({r["pid"] for r in audit[stopped_at:]})
+    rows = audit()
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # before the stop, then after it: none twice
+    assert {r["pid"] for r in rows[:stopped_at]}.isdisjoint({r["pid"] for r in rows[stopped_at:]})
+    ids = [i for r in rows for i in r["seq_ids"]]
+    assert len(ids) == len(set(ids)) == steps * 4  # every sequence exactly once
+
+    # The finished run, extended: Ray Train restores its last checkpoint and trains on, on a stretched schedule
+    longer = steps + 4
+    assert main(["train", "--resume", str(run_dir), f"--train.max_steps={longer}"]) == 0
+    out = capsys.readouterr().out
+    assert f"==> train: tier nano, steps {steps}..{longer} (resumed at step {steps}; train.max_steps {steps} -> " \
+           f"{longer}: " in out, out[-3000:]
+    record = _record(run_dir)
+    with storage.local_copy(record["checkpoint"]) as local:
+        assert record["status"] == "finished" and \
+            json.loads((local / "meta.json").read_text())["counters"]["step"] == longer
+    last = {r["step"]: r for r in audit()}  # the latest row of each step
+    assert sorted(last) == list(range(1, longer + 1))
+    ids = [i for r in last.values() for i in r["seq_ids"]]
+    assert len(ids) == len(set(ids)) == longer * 4  # the data cursor went on from where the run had finished
 
     out = capsys.readouterr().out
     assert main(["eval", "--resume", str(run_dir)]) == 0

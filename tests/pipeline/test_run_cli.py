@@ -1,10 +1,9 @@
-"""`python pipeline/run.py` as a user runs it: Ctrl+C stops after a checkpoint, --resume finishes the run with every
-sequence seen exactly once, and a larger train.max_steps extends the finished run; phases carry the model from one
-dataset to the next; bad command lines get one clear line."""
+"""`python pipeline/run.py` as a user runs it: phases carry the model from one dataset to the next; bad command lines
+get one clear line. Ctrl+C during a Ray Train run, --resume finishing it with every sequence seen exactly once and a
+larger train.max_steps extending it: tests/pipeline/test_object_storage.py (the whole pipeline, in the bucket)."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -18,66 +17,6 @@ RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
 
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
-def audit(run_dir: Path) -> list[dict]:
-    f = run_dir / "data_audit" / "rank_0.jsonl"
-    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
-
-
-@pytest.mark.system
-def test_ctrl_c_checkpoints_then_resume_finishes_exactly_once(test_runs_root, ray_address):
-    # The session's Ray and its prepared `test` dataset: this test is about stopping and resuming.
-    run_dir = test_runs_root / "ctrlc"
-    args = ["train", "--preset", "test", f"--run.root={test_runs_root}", "--run.name=ctrlc", "--address", ray_address,
-            "--train.max_steps=30", "--train.log_every=1", "--train.checkpoint_every=10", "--train.eval_every=10",
-            "--train.sample_tokens=0", "--audit-data"]
-    # started as a shell script's background job (`cmd &`) starts it: with SIGINT ignored
-    proc = subprocess.Popen([*RUN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if any(r["step"] >= 4 for r in audit(run_dir)):
-            proc.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.02)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    assert "stopped after a checkpoint" in out
-    assert f"continue with: python pipeline/run.py train --resume {run_dir}\n" in out
-    record = json.loads((run_dir / "run.json").read_text())
-    assert record["status"] == "stopped" and record.get("phases_done", 0) == 0
-    stopped_at = max(r["step"] for r in audit(run_dir))
-    assert 4 <= stopped_at < 30
-    meta = json.loads((Path(record["checkpoint"]) / "meta.json").read_text())
-    assert meta["counters"]["step"] == stopped_at, "the checkpoint is not at the step the run stopped"
-
-    datasets = record["datasets"]
-    res = run_cli("train", "--resume", str(run_dir), "--address", ray_address)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"==> train: tier nano, steps {stopped_at}..30 (resumed at step {stopped_at}), 1 Ray Train" in res.stdout
-    record = json.loads((run_dir / "run.json").read_text())
-    assert record["status"] == "finished" and record["phases_done"] == 1
-    assert record["datasets"] == datasets, "the resumed run prepared its dataset again instead of reusing it"
-    last = {}
-    for r in audit(run_dir):
-        last[r["step"]] = r
-    assert sorted(last) == list(range(1, 31))
-    ids = [i for r in last.values() for i in r["seq_ids"]]
-    assert len(ids) == len(set(ids)) == 30 * 4
-
-    # The finished run, extended: Ray Train restores its last checkpoint and trains on, on a stretched schedule
-    res = run_cli("train", "--resume", str(run_dir), "--address", ray_address, "--train.max_steps=34")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "==> train: tier nano, steps 30..34 (resumed at step 30; train.max_steps 30 -> 34: " in res.stdout
-    record = json.loads((run_dir / "run.json").read_text())
-    assert record["status"] == "finished" and json.loads(
-        (Path(record["checkpoint"]) / "meta.json").read_text())["counters"]["step"] == 34
-    for r in audit(run_dir):
-        last[r["step"]] = r
-    assert sorted(last) == list(range(1, 35))
-    ids = [i for r in last.values() for i in r["seq_ids"]]
-    assert len(ids) == len(set(ids)) == 34 * 4  # the data cursor went on from where the run had finished
 
 
 @pytest.mark.system

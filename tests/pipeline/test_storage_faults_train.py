@@ -6,9 +6,10 @@ of SeaweedFS (tests/conftest.py `fault_proxy`, `proxy_env`).
   registered, the folder left behind is removed once a newer checkpoint is), then a 30 s outage mid-run (workers ride
   it out as far as run.storage_retry_s goes, restarts wait for the store); the run finishes with the losses of a
   clean run, and the bucket holds only complete checkpoints.
-- Ray Train, `--resume RUN --checkpoint PATH` from an earlier checkpoint of that run, then 403 AccessDenied mid-run:
-  the resumed steps have the clean run's losses, and the driver ends with one line (the 403 waited out for
-  run.storage_retry_s, then the credentials named), no boto3 or Ray traceback.
+- Ray Train, `--resume RUN --checkpoint PATH` from an earlier checkpoint of that run, then 403 AccessDenied mid-run
+  for good (credentials revoked): the resumed steps have the clean run's losses, and the driver ends with one line
+  (the 403 waited out for the whole of run.storage_retry_s, then the credentials named), no boto3 or Ray traceback
+  from the driver or its workers.
 - Ray-free, 20 ms of latency on every request and an evaluation every 2 steps: the validation split is read once,
   not once per evaluation, and eval/data_wait is logged; then `--resume RUN --checkpoint PATH` back to step 20.
 - prepare, its shard writes refused (connections reset): one line; the rerun exits 0 and the dataset validates.
@@ -212,10 +213,15 @@ def test_resume_from_a_chosen_checkpoint_then_403_mid_run_ends_in_one_line(fault
     last = out.strip().splitlines()[-1]
     assert last.startswith("error: ") and "was denied (ACCESS_DENIED)" in last, out[-5000:]
     assert re.search(r"answered 403 for \d+ s \(run.storage_retry_s\), waited out .* give credentials", last), last
+    # the 403 was waited out for the whole of run.storage_retry_s before the line, and the line says it may be the
+    # credentials (credentials revoked for good)
+    waited = re.search(r"answered 403 for (\d+) s \(run\.storage_retry_s\), waited out .* may be the credentials", last)
+    assert waited and int(waited.group(1)) >= RETRY_S, last
     assert "/STOP" not in last and "training_curves" not in last  # the first cause, not the cleanup's
     # the driver's own lines (Ray prefixes its workers' with "(RayTrainWorker pid=...)", "(pid=...)")
     driver = [ln for ln in out.splitlines() if not ln.startswith("(")]
     assert not [ln for ln in driver if re.search(r"Traceback|botocore|RayTaskError|TrainingFailedError", ln)], driver
+    assert "Traceback" not in out and "RayTaskError" not in out, out[-8000:]  # nor in the workers' lines
     record = json.loads((faulty_ray_run["run_dir"] / "run.json").read_text())
     assert record["status"] == "failed"
     # the steps after the chosen checkpoint, as this resume logged them, are the clean run's
