@@ -82,8 +82,8 @@ def _without_dataset_manager(base: type) -> type:
 
     Ray Train starts that actor for every run (its DatasetsCallback), to split the trainer's `datasets` among the
     workers. These workers read their own rows (`ray_batches`, for exact resume) and the trainer gets no datasets,
-    so the actor only cost a process: ~2.7 CPU-s to start on 2 cores, of the ~25 of a short run
-    (bench/command_cpu.py). The callback's other work, handing the driver's Ray Data settings (DataContext) to the
+    so the actor only cost a process: a 4-step run went from 9 processes and 30.5-30.8 CPU-s to 8 and 29.2-30.1 on
+    2 cores, its wall time within run-to-run noise (bench/command_cpu.py, side by side). The callback's other work, handing the driver's Ray Data settings (DataContext) to the
     workers, is done by the workers themselves (quiet_ray_data)."""
     if base not in _no_dataset_manager:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
