@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -77,29 +78,24 @@ class TrainOutcome:
     stopped: bool = False  # a Ctrl+C stopped it (after a checkpoint) before max_steps
 
 
+@functools.cache  # one class per base, as trainer_class
 def _without_dataset_manager(base: type) -> type:
     """`base` (a TorchTrainer class) that starts no DatasetManager actor when it is given no datasets.
 
     Ray Train starts that actor for every run (its DatasetsCallback), to split the trainer's `datasets` among the
     workers. These workers read their own rows (`ray_batches`, for exact resume) and the trainer gets no datasets,
     so the actor only cost a process: a 4-step run went from 9 processes and 30.5-30.8 CPU-s to 8 and 29.2-30.1 on
-    2 cores, its wall time within run-to-run noise (bench/command_cpu.py, side by side). The callback's other work, handing the driver's Ray Data settings (DataContext) to the
-    workers, is done by the workers themselves (quiet_ray_data)."""
-    if base not in _no_dataset_manager:
-        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    2 cores, its wall time within run-to-run noise (bench/command_cpu.py, side by side). The callback's other work,
+    handing the driver's Ray Data settings (DataContext) to the workers, is done by the workers themselves
+    (quiet_ray_data)."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
-        def _create_default_callbacks(self):
-            callbacks = base._create_default_callbacks(self)
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+    def _create_default_callbacks(self):
+        callbacks = base._create_default_callbacks(self)
+        return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
-        _no_dataset_manager[base] = type(base.__name__, (base,), {
-            "_create_default_callbacks": _create_default_callbacks, "__module__": __name__})
-    return _no_dataset_manager[base]
-
-
-_no_dataset_manager: dict[type, type] = {}
+    return type(base.__name__, (base,), {"_create_default_callbacks": _create_default_callbacks,
+                                         "__module__": __name__})
 
 
 # ------------------------------------------------------------------------------------------ worker
