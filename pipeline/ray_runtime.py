@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Iterator
 
@@ -149,6 +151,29 @@ def start_local_ray(num_cpus: int, dashboard_host: str = "127.0.0.1") -> str:
     any job that joins it, is told where its state API is (RAY_API_SERVER_ADDRESS, inherited from the raylet)."""
     import ray
 
+    with _sigint_for_ray_processes():
+        return _start_local_ray(ray, num_cpus, dashboard_host)
+
+
+@contextlib.contextmanager
+def _sigint_for_ray_processes() -> Iterator[None]:
+    """While Ray starts its processes: SIGINT handled, not ignored, in this process, so that they do not inherit it
+    ignored. A job a shell script starts in the background (`cmd &`, `nohup cmd &`) begins with SIGINT ignored; the
+    raylet would pass that on to every worker process it starts, and Ray's task cancellation (Ray Data cancels the
+    tasks a `limit` no longer needs) then calls the ignored handler: an "Unhandled error ... TypeError: 'Handlers'
+    object is not callable" on the console of a run that worked. This process's own handler is put back after."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if threading.current_thread() is not threading.main_thread() or not ignored:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # an exec'd child starts with it at SIG_DFL
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_local_ray(ray, num_cpus: int, dashboard_host: str) -> str:
     wait_s = max(30.0, start_wait_s())
     try:
         import ray.dashboard.optional_deps  # noqa: F401  (what ray[default] adds; Ray checks the same import)

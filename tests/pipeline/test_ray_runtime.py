@@ -79,6 +79,31 @@ def test_the_local_ray_serves_its_state_api_and_prestarts_no_idle_workers(monkey
     assert f"dashboard at {api}" in capsys.readouterr().out
 
 
+def test_a_local_ray_started_with_sigint_ignored_gives_its_processes_sigint_handled(monkeypatch, capsys):
+    """A command a script starts in the background (`cmd &`) begins with SIGINT ignored, and the processes of a local
+    Ray would inherit that: while ray.init starts them, SIGINT is handled in the starting process (so an exec'd Ray
+    process starts at SIG_DFL), and ignored again afterwards, as the caller had it."""
+    import signal
+
+    import ray
+
+    from pipeline import ray_runtime
+
+    seen = []
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append(signal.getsignal(signal.SIGINT)))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ray_runtime.start_local_ray(3)
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == [signal.default_int_handler] and after is signal.SIG_IGN
+    seen.clear()
+    ray_runtime.start_local_ray(3)  # a handler the caller set is left alone
+    assert seen == [before] and signal.getsignal(signal.SIGINT) is before
+    assert "3 logical CPUs" in capsys.readouterr().out
+
+
 def test_workers_of_every_job_find_the_local_rays_state_api(ray_session, ray_address):
     """The session's Ray is started as the CLI starts it (tests/conftest.py): a worker process of this job, and
     one of a job that joins it from another process, know where the dashboard's state API is, with no job
