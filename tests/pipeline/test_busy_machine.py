@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.system  # docs/tests.md: the system tier
+# docs/tests.md: the system tier; `exclusive`: the hogs would starve a test running beside them (pytest -n 2), so the
+# README's test command runs these after the parallel run, by themselves
+pytestmark = [pytest.mark.system, pytest.mark.exclusive]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
