@@ -6,6 +6,7 @@ Ray Train worker with hooks that report to Ray, and `train_local` runs it in a p
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -264,10 +265,18 @@ HOLD_ENV = "LONGTRAIN_TRAIN_HOLD"
 def _hold() -> None:
     """Test hook: with LONGTRAIN_TRAIN_HOLD=<path> in a worker's environment, wait at each step boundary while that
     file exists, so a test of restarts and resizes can act between steps whatever the machine's speed (a test
-    creates the file, does what it must, removes it)."""
+    creates the file, does what it must, removes it). While it waits, `<path>.held` exists: the test knows the
+    process is there, however long a loaded machine took to get there."""
     path = os.environ.get(HOLD_ENV)
-    while path and os.path.exists(path):
+    if not (path and os.path.exists(path)):
+        return
+    held = f"{path}.held"
+    with contextlib.suppress(OSError):
+        open(held, "w").close()
+    while os.path.exists(path):
         time.sleep(0.2)
+    with contextlib.suppress(OSError):
+        os.remove(held)
 
 
 def _progress_bar(engine: Engine, total: int, enabled: bool):
