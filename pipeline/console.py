@@ -44,40 +44,129 @@ def plain_worker_prefixes() -> None:
 PLAIN_PROGRESS_EVERY_S = 30.0  # in a log file, a progress line at least this often (besides each tenth of the work)
 
 
-class _ProgressLines:
-    """A progress bar's interface (update, close) printing plain lines: `eval 4x  batch 3/12  elapsed 0m41s  eta
-    2m03s`, at the first unit, at each tenth of the total, at least every PLAIN_PROGRESS_EVERY_S and at the end."""
+def now() -> float:
+    """The one clock of every progress line: seconds, monotonic. Tests replace it (monkeypatch) to drive time."""
+    return time.monotonic()
 
-    def __init__(self, desc: str, total: int, unit: str):
-        self.desc, self.total, self.unit, self.n = desc, max(1, total), unit, 0
-        self.t0 = self.last = time.monotonic()
-        self.next_at = 1
+
+class ProgressLines:
+    """Progress as plain lines, for a log file or a pipe (a bar written to a file is one line per redraw):
+
+        train nano  step 50/200  loss 5.892  ppl 362.1  tok_s 41210  lr 2.9e-03  elapsed 0m41s  eta 2m03s
+        eval 4x  batch 3/12  elapsed 0m41s  eta 2m03s
+
+    `update(n)` counts units done; `set_postfix(**fields)` prints a line with the fields now (training, at its log
+    steps); with `tenths`, `update` itself prints at the first unit, at each tenth of the total, at least every
+    PLAIN_PROGRESS_EVERY_S and at the end (evaluation). `begin()` says a unit starts (training calls it before each
+    step; optional).
+
+    The eta is the mean time of the units after the first, times the units left: the first unit also compiles,
+    allocates and warms up (several times a step's time on a GPU), and whatever follows it before the next unit
+    starts (training's first metrics logged to MLflow, the first evaluation) is not a step's time either. So the mean
+    is taken from when the second unit begins (`begin()`), or, for a caller that never calls it, from when the first
+    unit ended. Until a unit after the first is done the eta is `?`; at the end it is 0m00s. Time comes from `now()`
+    above."""
+
+    def __init__(self, desc: str, total: int, unit: str = "batch", *, initial: int = 0, tenths: bool = True):
+        self.desc, self.total, self.unit, self.tenths = desc, max(1, total), unit, tenths
+        self.n = self.start_n = initial
+        self.t0 = self.last = now()
+        self.first_done: float | None = None  # when the first unit ended
+        self.second_began: float | None = None  # when the unit after the first began (begin())
+        self.next_at = initial + 1
+
+    def begin(self) -> None:
+        if self.second_began is None and self.n - self.start_n == 1:
+            self.second_began = now()
 
     def update(self, n: int = 1) -> None:
         self.n += n
-        now = time.monotonic()
-        if self.n < self.next_at and self.n < self.total and now - self.last < PLAIN_PROGRESS_EVERY_S:
+        t = now()
+        if self.first_done is None:
+            self.first_done = t
+        if not self.tenths:
             return
-        self.last = now
+        if self.n < self.next_at and self.n < self.total and t - self.last < PLAIN_PROGRESS_EVERY_S:
+            return
         self.next_at = (self.n * 10 // self.total + 1) * self.total / 10  # the next tenth
-        elapsed = now - self.t0
-        eta = elapsed / self.n * (self.total - self.n)
-        out = sys.__stdout__ or sys.stdout  # as training's lines: the process's own stdout
-        out.write(f"{self.desc}  {self.unit} {self.n}/{self.total}  elapsed {clock(elapsed)}  eta {clock(eta)}\n")
+        self._print(t, "")
+
+    def set_postfix(self, refresh: bool = False, **fields: str) -> None:
+        self._print(now(), "  ".join(f"{k} {v}" for k, v in fields.items()))
+
+    def eta(self, t: float) -> str:
+        """The eta at time `t` as printed: `1m05s`, `?` before a unit after the first is done, 0m00s at the end."""
+        if self.n >= self.total:
+            return clock(0)
+        after_first = self.n - self.start_n - 1
+        since = self.second_began if self.second_began is not None else self.first_done
+        if after_first <= 0 or since is None:
+            return "?"
+        return clock((t - since) / after_first * (self.total - self.n))
+
+    def _print(self, t: float, shown: str) -> None:
+        self.last = t
+        counted = f"{self.unit} {self.n}/{self.total}"
+        line = "  ".join(p for p in (self.desc, counted, shown, f"elapsed {clock(t - self.t0)}", f"eta {self.eta(t)}")
+                         if p)
+        # The process's own stdout, not print(): Ray Train patches print() in its workers to log each line twice.
+        out = sys.__stdout__ or sys.stdout
+        out.write(line + "\n")
         out.flush()
 
     def close(self) -> None:
         pass
 
 
-def progress(desc: str, total: int, unit: str = "batch"):
-    """Progress of `total` units of work, as training shows its steps (pipeline/train/loop.py): a live tqdm bar (on
-    stderr) in a terminal, plain lines (_ProgressLines) in a log file or a pipe. Call .update(n) and .close()."""
-    if interactive():
+class _Bar:
+    """A live tqdm bar (on stderr) for a person at a terminal, with ProgressLines' interface."""
+
+    def __init__(self, desc: str, total: int, unit: str, initial: int, enabled: bool):
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False)
-    return _ProgressLines(desc, total, unit)
+        self._bar = tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit=unit, dynamic_ncols=True,
+                         leave=False)
+
+    def begin(self) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        self._bar.update(n)
+
+    def set_postfix(self, refresh: bool = False, **fields: str) -> None:
+        self._bar.set_postfix(refresh=refresh, **fields)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class _Silent:
+    """Progress that shows nothing (the ranks other than 0)."""
+
+    def begin(self) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, refresh: bool = False, **fields: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(desc: str, total: int, unit: str = "batch", *, initial: int = 0, tenths: bool = True,
+             enabled: bool = True):
+    """Progress of `total` units of work (the training steps, an evaluation's batches): a live tqdm bar in a
+    terminal, plain lines (ProgressLines) in a log file or a pipe, nothing when not `enabled`. Call .begin() as a
+    unit starts (optional), .update(n) as units end, .set_postfix(**fields) to show figures, .close() at the end.
+    `tenths`: plain lines at each tenth of the work by themselves; else only at set_postfix (training's log steps)."""
+    if not enabled:
+        return _Silent()
+    if interactive():
+        return _Bar(desc, total, unit, initial, enabled)
+    return ProgressLines(desc, total, unit, initial=initial, tenths=tenths)
 
 
 def clock(seconds: float) -> str:
@@ -249,11 +338,12 @@ class _ForwardedLineFilter:
     inside it. Either its end came more than 3 s after its start, or that empty line ended the block early
     (_drop_sigterm_exit_blocks now reads past one); both are handled."""
 
-    def __init__(self, emit, hold_s: float = 10.0):
+    def __init__(self, emit, hold_s: float = 10.0, timer=None):
         import threading
 
         self._emit = emit
         self._hold_s = hold_s
+        self._timer = timer or threading.Timer  # (seconds, function, args=...) -> a started-later timer; tests inject
         self._held: dict[tuple, tuple[dict, list[str], object]] = {}
         self._lock = threading.Lock()
         self.longtrain_quiet = True
@@ -273,8 +363,6 @@ class _ForwardedLineFilter:
             self._emit({**held[0], "lines": held[1]})
 
     def __call__(self, data: dict) -> None:
-        import threading
-
         source = (data.get("ip"), data.get("pid"), data.get("is_err"))
         lines = list(data.get("lines") or [])
         with self._lock:
@@ -287,7 +375,7 @@ class _ForwardedLineFilter:
         if any(ln.startswith("Exception ignored in") for ln in lines):
             lines, still_open = _drop_sigterm_exit_blocks(lines)
             if still_open:
-                timer = threading.Timer(self._hold_s, self._release, args=(source,))
+                timer = self._timer(self._hold_s, self._release, args=(source,))
                 timer.daemon = True
                 with self._lock:
                     self._held[source] = (data, still_open, timer)

@@ -231,3 +231,49 @@ def test_one_checkpoint_layout_is_shared_by_run_py_the_hints_and_the_docs(tmp_pa
     follows = re.compile(r"(run\.json|ray(/phase(<i>|\d)(/checkpoint_(<time>|…)/?)?)?/?|"
                          r"checkpoints/phase(<i>|\d)/step_(<NNNNNN>|\d{6})/?|data_audit/?|hf_model|)")
     assert sorted(p for p in paths if not follows.fullmatch(p)) == []
+
+
+# Files named in docstrings that live outside this repository, with where they are: an external name is listed here on
+# purpose, so that a module of ours that is renamed or removed cannot pass as someone else's file.
+EXTERNAL_FILES = {
+    "sitecustomize.py": "Python's site module imports it at start-up",
+    "setup_worker.py": "Ray's ray/_private/workers/setup_worker.py",
+    "generate/base.py": "litgpt's generate/base.py",
+    "modeling_rope_utils.py": "transformers' models' RoPE utilities",
+    "/pipeline/run.py": "<a checkout>/pipeline/run.py, of this repository",
+}
+_PY_NAME = re.compile(r"(?<![\w./-])([\w./-]*\w\.py)\b")
+
+
+def _docstrings(path: Path):
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc:
+                yield node, doc
+
+
+def test_every_module_a_docstring_names_exists():
+    """A docstring that names a file of ours (`pipeline/train/checkpoints/index.py`, or a bare `loop.py`) names one
+    that exists: by its path from the repository's root or from its room, or, bare, by its file name. A file of
+    another project is named in EXTERNAL_FILES or found in an installed package."""
+    import sysconfig
+
+    ours = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
+            if not {".venv", ".git", ".tmp"} & set(p.relative_to(ROOT).parts)}
+    names = {Path(p).name for p in ours}
+    site = Path(sysconfig.get_paths()["purelib"])
+    stale = []
+    for path in sorted(ROOT.joinpath(d) for d in ("pipeline", "model", "cuda_ops", "bench", "tests")):
+        for source in sorted(path.rglob("*.py")):
+            for node, doc in _docstrings(source):
+                for name in _PY_NAME.findall(doc):
+                    if name in EXTERNAL_FILES or (site / name).exists():
+                        continue
+                    if ("/" in name and not any(p == name or p.endswith("/" + name) for p in ours)) or \
+                            ("/" not in name and name not in names):
+                        where = getattr(node, "name", "the module")
+                        stale.append(f"{source.relative_to(ROOT)} ({where}): {name}")
+    assert not stale, "docstrings name modules that do not exist:\n" + "\n".join(stale)

@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from pipeline.console import progress as console_progress
 from pipeline.train.distributed.collectives import CollectiveWatch
 from pipeline.eval.positions import evaluate_by_position
 from pipeline.tracking.names import EVAL_DATA_WAIT, TRAIN_DATA_WAIT
@@ -182,7 +182,9 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
     window_start = time.perf_counter()
     it = iter(train_batches(engine.epoch, engine.cursor))
     waited = time.perf_counter() - window_start  # seconds of this logging window spent waiting for data
-    bar = _progress_bar(engine, max_steps, enabled=progress and engine.rank == 0)
+    # rank 0's progress (pipeline/console.py): a live bar in a terminal, a plain line at each log step in a log file
+    bar = console_progress(f"train {engine.cfg.model.tier}", max_steps, "step", initial=engine.step, tenths=False,
+                           enabled=progress and engine.rank == 0)
     clock = CheckpointClock(t.checkpoint_every_s, engine.rank)
     # Every rank decides at the same steps: at log steps, or at every step when a time-based checkpoint or a
     # preemption notice must be caught at the next step boundary (one tiny all-reduce per step under DDP/FSDP).
@@ -191,6 +193,7 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
     try:
         while engine.step < max_steps:
             _hold()
+            bar.begin()
             micro = []
             while len(micro) < t.grad_accum:
                 w0 = time.perf_counter()
@@ -277,61 +280,6 @@ def _hold() -> None:
         time.sleep(0.2)
     with contextlib.suppress(OSError):
         os.remove(held)
-
-
-def _progress_bar(engine: Engine, total: int, enabled: bool):
-    """A live tqdm bar in a terminal; in a log file or pipe, one plain line per log step instead of a
-    redrawn bar (a bar written to a file is one line per refresh)."""
-    from tqdm.auto import tqdm
-
-    from pipeline.console import interactive
-
-    desc = f"train {engine.cfg.model.tier}"
-    if enabled and not interactive():
-        return _LogLines(desc, total, engine.step)
-    return tqdm(total=total, initial=engine.step, disable=not enabled, desc=desc, unit="step", dynamic_ncols=True)
-
-
-class _LogLines:
-    """The progress bar's interface, printing `train nano  step 50/200  loss 5.892 ...  eta 1m10s` lines.
-
-    The eta is the mean time of the steps after this process's first one, times the steps left: the first step
-    also compiles, allocates and warms up (several times a step's time on a GPU), so it says nothing of the rest.
-    Until a second step is done the eta is `?`."""
-
-    def __init__(self, desc: str, total: int, initial: int):
-        self.desc, self.total, self.n, self.start_n, self.t0 = desc, total, initial, initial, time.monotonic()
-        self.t_first: float | None = None  # when the first step ended (time.monotonic(), seconds)
-
-    def update(self, n: int = 1) -> None:
-        if self.t_first is None:
-            self.t_first = time.monotonic()
-        self.n += n
-
-    def set_postfix(self, refresh: bool = False, **fields: str) -> None:
-        now = time.monotonic()
-        elapsed = now - self.t0
-        after_first = self.n - self.start_n - 1  # steps done after the first
-        if self.n >= self.total:
-            eta = "0m00s"
-        elif after_first > 0 and self.t_first is not None:
-            eta = _clock((now - self.t_first) / after_first * (self.total - self.n))
-        else:
-            eta = "?"
-        shown = "  ".join(f"{k} {v}" for k, v in fields.items())
-        # The process's own stdout, not print(): Ray Train workers patch print to log each line twice.
-        out = sys.__stdout__ or sys.stdout
-        out.write(f"{self.desc}  step {self.n}/{self.total}  {shown}  elapsed {_clock(elapsed)}  eta {eta}\n")
-        out.flush()
-
-    def close(self) -> None:
-        pass
-
-
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
 class LocalCheckpoints:

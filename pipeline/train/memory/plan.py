@@ -13,7 +13,8 @@ tokens of the micro-batch; d, d_ff, q = heads x head_dim, kv = kv_heads x head_d
   state        fp32 master weights 4 P_w and AdamW's two moments 8 P_w; gradients 4 P_w from backward to the
                optimizer step (DDP keeps them in its buckets, gradient_as_bucket_view: 4 P for the whole run).
   activations  what backward needs, per token and block (the saved-tensor lists of one block, traced with
-               torch.autograd.graph.saved_tensors_hooks: `python bench/activation_bytes.py` prints them):
+               torch.autograd.graph.saved_tensors_hooks: bench/common.py saved_tensor_bytes; `python bench/mixer.py`
+               prints them per tier):
                  fp32, eager (CPU)            24 d + 12 q + 12 kv + 16 d_ff + 4 heads + 8
                  bf16 autocast, eager         20 d +  6 q +  6 kv +  8 d_ff + 4 heads + 8
                  bf16 autocast, compiled       8 d +  8 q +  6 kv +  6 d_ff + 4 heads + 8   (inductor recomputes

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -127,51 +124,3 @@ def test_validate_finds_a_run_by_its_name_under_run_root_and_names_a_missing_pat
         f"a run under another root)")
     assert one_error_line(run_cli("validate", finished_run.name, "--train.lr=1")).startswith(
         "error: --train.lr=1 is not used by `validate`")
-
-
-_LINE = re.compile(r"step (\d+)/(\d+) .* elapsed (\d+)m(\d\d)s  eta (\S+)$")
-
-
-def _seconds(clock: str) -> int:
-    m, s = clock[:-1].split("m")
-    return int(m) * 60 + int(s)
-
-
-@pytest.mark.system
-def test_the_eta_leaves_out_the_first_step(common, tmp_path):  # noqa: F811
-    """The first eta was 3-4x too long: it divided the elapsed time, the first step's compile and warm-up included,
-    by the steps done. Here the first step is held (LONGTRAIN_TRAIN_HOLD, the loop's test hook, waits before it
-    while a file exists): the eta after it comes from the steps after the first alone."""
-    hold = tmp_path / "hold"
-    hold.write_text("")
-    proc = subprocess.Popen([*RUN, "train", "--no-ray", *common, "--run.name=eta", "--train.max_steps=6",
-                             "--train.log_every=1", "--train.eval_every=100"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, "LONGTRAIN_TRAIN_HOLD": str(hold)})
-    lines: list[str] = []
-
-    def read() -> None:
-        for ln in proc.stdout:
-            lines.append(ln.rstrip("\n"))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 300
-    held = Path(f"{hold}.held")  # the loop waits on the file before step 1 (pipeline/train/loop.py _hold)
-    while time.monotonic() < deadline and proc.poll() is None and not held.exists():
-        time.sleep(0.1)
-    time.sleep(8)  # held there: the first step takes these seconds too, however long the start took
-    hold.unlink()
-    assert proc.wait(timeout=300) == 0, "\n".join(lines[-40:])
-    reader.join(timeout=10)
-    found = {int(m[1]): m for m in map(_LINE.search, lines) if m}
-    assert sorted(found) == [1, 2, 3, 4, 5, 6], "\n".join(lines)
-    assert found[1][5] == "?" and found[6][5] == "0m00s"  # nothing to go on after one step; none left at the end
-    first = _seconds(f"{found[1][3]}m{found[1][4]}s")
-    assert first >= 5, "the hold did not delay the first step: " + found[1][0]
-    for n in (2, 3, 4, 5):
-        elapsed, eta = int(found[n][3]) * 60 + int(found[n][4]), _seconds(found[n][5])
-        # the mean of steps 2..n times the steps left, from the printed (whole-second) clocks
-        after_first = (elapsed - first + 1) / (n - 1) * (6 - n)
-        assert eta <= after_first + 1, found[n][0]
-        assert eta < elapsed / n * (6 - n), found[n][0]  # what the first step's hold made it before
