@@ -169,6 +169,14 @@ def progress(desc: str, total: int, unit: str = "batch", *, initial: int = 0, te
     return ProgressLines(desc, total, unit, initial=initial, tenths=tenths)
 
 
+def size_text(nbytes: float) -> str:
+    """'812.0 KiB', '1.7 MiB', '2.41 GiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}" if unit == "GiB" else f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
 def clock(seconds: float) -> str:
     """'1m05s', '2h03m00s'."""
     m, s = divmod(int(seconds), 60)
@@ -246,13 +254,14 @@ class _StorageErrorInOneLine(logging.Filter):
     storage.py StorageError, whose message names the object, what happened and the fix) the frames add nothing:
     the record becomes its one line."""
 
-    PREFIX = "pipeline.storage.StorageError: "
+    PREFIXES = ("pipeline.storage.StorageError: ", "pipeline.disk_space.DiskFullError: ")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR and str(record.msg).startswith("Error in training function:"):
             last = record.getMessage().strip().splitlines()[-1]
-            if last.startswith(self.PREFIX):
-                record.msg, record.args = f"storage: {last[len(self.PREFIX):]} (this attempt ends)", ()
+            prefix = next((p for p in self.PREFIXES if last.startswith(p)), None)
+            if prefix is not None:
+                record.msg, record.args = f"storage: {last[len(prefix):]} (this attempt ends)", ()
                 record.exc_info = record.exc_text = None
         return True
 

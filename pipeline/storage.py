@@ -238,6 +238,9 @@ def explain(exc: BaseException, location: str, what: str = "") -> StorageError:
     retried = getattr(exc, "retried", None)
     waited = f"; retried for {retried[1]:.0f} s (run.storage_retry_s)" if retried else ""
     found = faults.kind(exc)
+    if found == "full":  # the writers that know what they write say more (pipeline/disk_space.py one_line_when_full)
+        return StorageError(f"no room for {named} ({detail}); free space there or point the setting that names it at "
+                            f"a larger disk")
     if found == "stalled":
         limit = faults.stall_seconds(exc)
         timeout = (f"no byte for {limit:g} s, the S3 client's stall timeout" if limit is not None
@@ -249,7 +252,8 @@ def explain(exc: BaseException, location: str, what: str = "") -> StorageError:
                "(http://host:port)" if sch == "s3" else "check the network")
         if found == "server":
             return StorageError(f"{where} failed on {named} with a server error ({detail}){waited}; check the "
-                                f"object store's health")
+                                f"object store's health, its free space and the bucket's quota (SeaweedFS, for one, "
+                                f"refuses writes over quota with a bare 500)")
         return StorageError(f"cannot reach {where} for {named} ({detail}){waited}; is it running and reachable from "
                             f"this machine? {fix}")
     if found == "no_bucket":
@@ -395,11 +399,23 @@ def write_bytes(location: str | os.PathLike, data: bytes) -> None:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        with _removed_on_failure(tmp):  # a full disk leaves no partial temp file behind
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(tmp: Path) -> Iterator[None]:
+    """The block writes `tmp`; when it fails, `tmp` is removed (on a full disk a partial temp file keeps the space)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def upload_file(local: str | os.PathLike, location: str) -> None:
@@ -413,8 +429,9 @@ def upload_file(local: str | os.PathLike, location: str) -> None:
             target = Path(path)
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-            shutil.copyfile(local, tmp)
-            os.replace(tmp, target)
+            with _removed_on_failure(tmp):
+                shutil.copyfile(local, tmp)
+                os.replace(tmp, target)
         return
 
     def put() -> None:

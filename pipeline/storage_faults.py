@@ -20,6 +20,7 @@ retry, and pipeline/train/ray_train.py's storage filesystem for Ray Train (Retry
 from __future__ import annotations
 
 import contextlib
+import errno
 import re
 import threading
 import time
@@ -48,6 +49,9 @@ _DENIED = ("ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID", "InvalidAcc
            "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "EXPIRED_TOKEN", "ExpiredToken", "Forbidden",
            "HTTP 403", "HTTP status 403", "Permission denied", "PermissionDenied", "Unable to find credentials",
            "No credentials", "NoCredentialsError", "(403)")
+# A full disk or a quota: never waited for (a store that refuses for quota may answer 403 or 5xx with these words).
+FULL = re.compile(r"No space left on device|os error 28\b|Disk quota exceeded|database or disk is full|"
+                  r"QuotaExceeded|XMinioStorageFull|InsufficientStorage|quota exceeded", re.IGNORECASE)
 TRANSIENT = ("unreachable", "stalled", "server")
 
 _window_s = 0.0
@@ -56,13 +60,18 @@ _local = threading.local()
 
 # ------------------------------------------------------------------------------------------ classifying
 def kind(exc: BaseException | str) -> str:
-    """"denied", "no_bucket", "stalled", "unreachable", "server" (a 5xx answer) or "" (anything else: a missing
-    object, a bad request, corrupt data, a bug) for an error a storage client raised, from its message."""
+    """"full" (no space or quota left), "denied", "no_bucket", "stalled", "unreachable", "server" (a 5xx answer) or ""
+    (anything else: a missing object, a bad request, corrupt data, a bug) for an error a storage client raised, from
+    its message."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "full"
     if isinstance(exc, PermissionError):
         return "denied"
     if isinstance(exc, (ConnectionError, TimeoutError)) and not isinstance(exc, PermissionError):
         return "stalled" if isinstance(exc, TimeoutError) else "unreachable"
     msg = str(exc) if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    if FULL.search(msg):
+        return "full"
     for name, marks in (("denied", _DENIED), ("no_bucket", _NO_BUCKET), ("stalled", _STALLED),
                         ("unreachable", _UNREACHABLE), ("server", _SERVER)):
         if any(m in msg for m in marks):

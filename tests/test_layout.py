@@ -31,6 +31,9 @@ FORBIDDEN = {
     "pipeline.config": ("pipeline.data", "pipeline.eval", "pipeline.train", "pipeline.sweep", "pipeline.tracking",
                         "pipeline.cli"),
     "pipeline.mixture_spec": ("pipeline", "model", "ray", "mlflow", "torch"),
+    # a full disk's one line: below every stage (the engine's checkpoints, prepare, export and tracking all use it)
+    "pipeline.disk_space": ("pipeline.data", "pipeline.eval", "pipeline.train", "pipeline.sweep", "pipeline.tracking",
+                            "pipeline.cli", "ray", "mlflow", "torch", "model"),
     "pipeline.tracking.names": ("pipeline", "model", "ray", "mlflow", "torch"),
 }
 

@@ -77,6 +77,7 @@ from pipeline.data.shards import (MANIFEST_FILE, SCHEMA_VERSION, TOKENIZER_FILE,
                                   load_manifest, token_numpy_type, write_manifest)
 from pipeline.data.tokenizer import Tokenizer, TokenizerError, file_sha256, train_tokenizer
 from pipeline.ray_runtime import ensure_ray, find_cause, require_shared
+from pipeline.disk_space import DATASET_FIX, disk_full_error, is_disk_full
 from pipeline.storage import (StorageError, absolute, check, dataset_store, delete, exists, is_local, is_uri, join,
                               listdir, makedirs, read_bytes, resolve, write_bytes)
 
@@ -338,6 +339,8 @@ def prepare_dataset(cfg: "Config", ray_address: str | None = None) -> tuple[Path
                 build.stop()
             else:
                 build.abandon()
+            if is_disk_full(exc):  # any write of the build (parts, shards, tokenizer, manifest): one line, and a
+                raise disk_full_error(out, "the dataset", DATASET_FIX, exc=exc) from None  # rerun starts clean
             err = _user_error(exc)
             if err is not None and err is not exc:  # first line: Ray appends its retry advice to the message
                 raise type(err)(str(err).splitlines()[0]) from None

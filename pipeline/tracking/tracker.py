@@ -25,6 +25,7 @@ column by column by them) are in pipeline/tracking/names.py.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -35,7 +36,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from pipeline.storage import artifact_location, check, is_uri, scheme
 from pipeline.tracking.names import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, GIT_COMMIT_TAG, NONFINITE_TAG,
@@ -214,19 +215,21 @@ class Tracker:
         # (samples, curves) are logged from a background thread (pipeline/tracking/deferred.py).
         self.storage_retry_s = cfg.run.storage_retry_s
         self._deferred = None
+        self._run_id = run_id
         if run_id:
             run = self.client.get_run(run_id)  # raises MlflowException naming the id when it does not exist
-            self.client.update_run(run_id, status="RUNNING")
+            with self._room("run record"):
+                self.client.update_run(run_id, status="RUNNING")
             self.experiment_id = run.info.experiment_id
-            self._run_id = run_id
             return
-        self.experiment_id = self._experiment_id(cfg.tracking.experiment)
         tags = {TIER_TAG: cfg.model.tier}
         if self.git_commit:
             tags[GIT_COMMIT_TAG] = self.git_commit
         if parent_run_id:
             tags[PARENT_RUN_TAG] = parent_run_id
-        run = self.client.create_run(self.experiment_id, tags=tags, run_name=run_name or cfg.run.name or None)
+        with self._room("run record"):
+            self.experiment_id = self._experiment_id(cfg.tracking.experiment)
+            run = self.client.create_run(self.experiment_id, tags=tags, run_name=run_name or cfg.run.name or None)
         self._run_id = run.info.run_id
 
     def _experiment_id(self, name: str) -> str:
@@ -265,6 +268,24 @@ class Tracker:
     def run_id(self) -> str:
         return self._run_id
 
+    @contextlib.contextmanager
+    def _room(self, what: str, artifact: bool = False) -> Iterator[None]:
+        """A write to the store (its database, or with `artifact` its artifact folder) that fails for lack of space
+        ends in pipeline/disk_space.py's one line naming where; any other failure passes unchanged."""
+        from pipeline.disk_space import TRACKING_FIX, disk_full_error, is_disk_full
+
+        try:
+            yield
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            try:
+                where = (self.client.get_run(self._run_id).info.artifact_uri if artifact
+                         else str(local_store_path(self.tracking_uri) or self.tracking_uri))
+            except Exception:  # noqa: BLE001 -- the store cannot say: name the tracking URI
+                where = self.tracking_uri
+            raise disk_full_error(where.removeprefix("file://"), f"MLflow's {what}", TRACKING_FIX, exc=exc) from None
+
     # -- params, metrics, tags ----------------------------------------------------------------
     def log_params(self, params: Mapping[str, Any], keep_logged: tuple[str, ...] = ()) -> None:
         """Log params as strings (MLflow's value limit: 6,000 chars, longer values are cut with '...').
@@ -284,8 +305,9 @@ class Tracker:
                             "new value %r not recorded", key, existing[key], self._run_id, values[key])
             del values[key]
         items = [Param(k, v) for k, v in values.items()]
-        for chunk in _chunks(items, _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self._run_id, params=chunk)
+        with self._room("params"):
+            for chunk in _chunks(items, _MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(self._run_id, params=chunk)
 
     def log_config(self, extra: Mapping[str, Any] | None = None, keep_logged: tuple[str, ...] = ()) -> None:
         """Every config field path (cfg.flat()) plus extras, e.g. {PARAM_WORLD_SIZE: 2, PARAM_MODEL_PARAMS: n}.
@@ -319,16 +341,18 @@ class Tracker:
                                 "see tag %s)", key, number, step, NONFINITE_TAG)
                 continue
             items.append(Metric(str(key), number, now, int(step)))
-        for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self._run_id, metrics=chunk)
+        with self._room("metrics"):
+            for chunk in _chunks(items, _MAX_METRICS_PER_BATCH):
+                self.client.log_batch(self._run_id, metrics=chunk)
         return len(items)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
         items = [RunTag(str(k), str(v)) for k, v in tags.items()]
-        for chunk in _chunks(items, _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self._run_id, tags=chunk)
+        with self._room("tags"):
+            for chunk in _chunks(items, _MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(self._run_id, tags=chunk)
 
     # -- artifacts ----------------------------------------------------------------------------
     # Each upload rides out storage failures that pass (outage, stall, 5xx) for run.storage_retry_s; after that, or at
@@ -340,18 +364,20 @@ class Tracker:
         path = Path(path)
         if not path.exists():
             raise TrackingError(f"artifact {path} does not exist; write it before logging it")
-        if path.is_dir():
-            upload_retrying(path.name, lambda: self.client.log_artifacts(self._run_id, str(path), artifact_path),
-                            self.storage_retry_s)
-        else:
-            upload_retrying(path.name, lambda: self.client.log_artifact(self._run_id, str(path), artifact_path),
-                            self.storage_retry_s)
+        with self._room(f"artifact {path.name}", artifact=True):
+            if path.is_dir():
+                upload_retrying(path.name, lambda: self.client.log_artifacts(self._run_id, str(path), artifact_path),
+                                self.storage_retry_s)
+            else:
+                upload_retrying(path.name, lambda: self.client.log_artifact(self._run_id, str(path), artifact_path),
+                                self.storage_retry_s)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         from pipeline.tracking.deferred import upload_retrying
 
-        upload_retrying(artifact_file, lambda: self.client.log_text(self._run_id, text, artifact_file),
-                        self.storage_retry_s)
+        with self._room(f"artifact {artifact_file}", artifact=True):
+            upload_retrying(artifact_file, lambda: self.client.log_text(self._run_id, text, artifact_file),
+                            self.storage_retry_s)
 
     def log_position_plot(self, title: str | None = None) -> bool:
         """Redraw position_loss.png from this run's val/pos_loss/* history (pipeline/tracking/long_context.py)."""
@@ -363,8 +389,9 @@ class Tracker:
         """A .json / .yaml / .yml artifact (format from the file name)."""
         from pipeline.tracking.deferred import upload_retrying
 
-        upload_retrying(artifact_file, lambda: self.client.log_dict(self._run_id, dict(dictionary), artifact_file),
-                        self.storage_retry_s)
+        with self._room(f"artifact {artifact_file}", artifact=True):
+            upload_retrying(artifact_file, lambda: self.client.log_dict(self._run_id, dict(dictionary),
+                                                                        artifact_file), self.storage_retry_s)
 
     def log_later(self, artifact_file: str, text: str | None = None, path: str | Path | None = None,
                   artifact_path: str | None = None) -> None:

@@ -17,7 +17,7 @@ from pipeline.data.shards import EvalSplit, Manifest, ShardReader, check_trainab
 from pipeline.eval.sources import SourceValidation
 from pipeline.storage import absolute, local_copy
 from pipeline.train.checkpoints.broken import diagnosed
-from pipeline.train.checkpoints.state import CheckpointError
+from pipeline.train.checkpoints.state import CheckpointError, warn_if_no_room_for_checkpoints
 from pipeline.train.checkpoints.index import resume_point
 from pipeline.train.session.run_dir import AUDIT_DIR
 
@@ -40,6 +40,7 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
         print(f"parallel: none ({engine.parallel_reason})", flush=True)
     announce_kernels(engine, tracker)
     ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
+    warn_if_no_room_for_checkpoints(cfg, manifest.vocab_size, str(ckpts.directory))
     resume, note = resume_point(str(ckpts.directory)) if ckpts.directory.is_dir() else (None, None)
     if resume_from is not None:
         with diagnosed(resume_from), local_copy(resume_from) as d:  # a chosen one, here or on object storage

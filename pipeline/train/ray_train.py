@@ -233,8 +233,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
             with faults.retry_window_of(0), contextlib.suppress(Exception):
                 audit.close()
         found = storage_error_in(exc)  # bare, or inside Ray Data's RayTaskError(UserCodeException) from a read task
-        if found is not None:  # its line says it all (pipeline/console.py logs it as one line, no frames)
-            raise StorageError(str(found)) from None
+        if found is not None:  # its line says it all (pipeline/console.py logs it as one line, no frames); its kind
+            raise type(found)(str(found)) from None  # kept: a full disk is not retried (failure_policy.py)
         raise
     finally:
         elastic.NOTICE.training = False
@@ -310,6 +310,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     from ray.train.torch import TorchTrainer
 
     from pipeline.train.distributed import elastic
+    from pipeline.train.checkpoints.state import warn_if_no_room_for_checkpoints
     from pipeline.train.engine import check_checkpoint_fits, read_checkpoint_meta
     from pipeline.train.distributed.failure_policy import QuietController, trainer_class
     from pipeline.data.shards import check_compatible, check_trainable, load_manifest
@@ -335,6 +336,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
                                    "--checkpoint": resume_from or ""})
     for what, where in (("ray.storage_path", storage), ("the run's storage", run_store)):
         check(where, what=what, write=True)  # endpoint, bucket, credentials: one line, before any worker
+    warn_if_no_room_for_checkpoints(cfg, manifest.vocab_size, storage)
     run_name = f"phase{phase}"
     # the manifest read once here, handed to every worker (and by them to their read tasks) as its dict
     lc = {"config": cfg.flat(), "dataset_dir": dataset_dir, "manifest": manifest.to_dict(),
@@ -383,7 +385,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
 
         storage_error = find_cause(exc, lambda e: isinstance(e, StorageError))
         if storage_error is not None:  # the store (also when the workers could not start for it): its own line
-            raise StorageError(str(storage_error).strip().splitlines()[0]) from None
+            raise type(storage_error)(str(storage_error).strip().splitlines()[0]) from None
         raw = find_cause(exc, lambda e: isinstance(e, OSError) and "AWS Error" in str(e) and bool(faults.kind(e)))
         if raw is not None:  # Ray's own storage call (its storage check at a worker's start, its snapshot)
             raise explain(raw, storage, "ray.storage_path") from None

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Iterator
 from pyarrow.fs import FileType
 
 from pipeline import storage_faults as faults
+from pipeline.disk_space import DiskFullError
 from pipeline.storage import (StorageError, basename, delete, join, listdir, read_text, resolve, sha256,
                               upload_file)
 
@@ -201,12 +202,12 @@ def publish(local_dir: str | os.PathLike, location: str, window_s: float | None 
         return StorageError(f"checkpoint file {name} could not be published to {location} ({why}); the checkpoint "
                             f"is not registered")
 
-    def put_one(name: str) -> str | None:
+    def put_one(name: str) -> StorageError | None:
         try:  # the retry window is per thread: each upload's thread gets what is left of it
             with faults.retry_window_of(max(0.0, deadline - time.monotonic())):
                 upload_file(local / name, join(location, name))
         except StorageError as exc:
-            return str(exc)
+            return exc
         return None
 
     def put(batch: list[str]) -> dict[str, int]:
@@ -219,8 +220,10 @@ def publish(local_dir: str | os.PathLike, location: str, window_s: float | None 
         else:
             errors = [put_one(name) for name in batch]
         for name, error in zip(batch, errors):
+            if isinstance(error, DiskFullError):  # its own line: where, how much, what to do
+                raise error
             if error is not None:
-                raise failed(name, error)
+                raise failed(name, str(error))
         with faults.retry_window_of(max(0.0, deadline - time.monotonic())):
             return _listed(location)
 

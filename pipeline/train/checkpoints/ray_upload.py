@@ -27,6 +27,7 @@ runs in a thread of rank 0's own, one checkpoint's turn after another; finish() 
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -140,10 +141,19 @@ def publish_for_ray(ray_storage: str, published: dict[str, str]):
 
         from pipeline.train.checkpoints.index import publish
 
+        from pipeline.disk_space import CHECKPOINT_FIX, DiskFullError, one_line_when_full
+        from pipeline.storage import delete
+
         storage = ray.train.get_context().get_storage()
         path = storage.build_checkpoint_path_from_name(name)
         location = location_of(storage.storage_filesystem, path, ray_storage)
-        publish(checkpoint.path, location)
+        try:
+            with one_line_when_full(location, "checkpoint", CHECKPOINT_FIX):  # a full disk or quota: that line
+                publish(checkpoint.path, location)
+        except DiskFullError:  # what was written of it holds space the user is about to free: removed (best effort)
+            with faults.retry_window_of(0), contextlib.suppress(Exception):
+                delete(location)
+            raise
         published["location"] = location
         return ray.train.Checkpoint(path=path, filesystem=storage.storage_filesystem)
 
@@ -212,10 +222,14 @@ class CheckpointUploads:
         if save is None:
             ray.train.report(metrics)
             return
+        from pipeline.disk_space import SCRATCH_FIX, one_line_when_full
+
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix="longtrain-checkpoints-"))
         self._count += 1
-        local = save(self._scratch / f"checkpoint-{self._count}")
+        with one_line_when_full(self._scratch, "the checkpoint's local copy (written before its upload)",
+                                SCRATCH_FIX):
+            local = save(self._scratch / f"checkpoint-{self._count}")
         done, outcome = threading.Event(), {}
         upload = publish_for_ray(self.ray_storage, outcome)
 
@@ -227,8 +241,8 @@ class CheckpointUploads:
                 except BaseException as exc:
                     outcome["error"] = exc
                     shutil.rmtree(local, ignore_errors=True)  # Ray deletes the local copy only after an upload
-                    if isinstance(exc, StorageError):  # its one line; the frames of the upload say nothing more
-                        raise StorageError(str(exc)) from None
+                    if isinstance(exc, StorageError):  # its one line (and kind); the upload's frames say no more
+                        raise type(exc)(str(exc)) from None
                     raise
                 return persisted
             finally:
@@ -254,8 +268,8 @@ class CheckpointUploads:
         done.wait()  # bounded by the upload's own retry window (run.storage_retry_s), as a synchronous one is
         self._in_flight = None
         exc = outcome.get("error")
-        if isinstance(exc, StorageError):
-            raise StorageError(str(exc)) from None
+        if isinstance(exc, StorageError):  # its kind kept: a full disk is not retried (failure_policy.py)
+            raise type(exc)(str(exc)) from None
         if exc is not None:
             raise CheckpointUploadError(f"the checkpoint upload failed: {type(exc).__name__}: {exc}") from None
         if self.rank == 0:

@@ -294,13 +294,46 @@ def _publish(tmp: Path, directory: Path) -> None:
     os.replace(tmp, directory)
 
 
+def checkpoint_bytes(cfg, vocab_size: int) -> int:
+    """About what one checkpoint of this model takes in storage, either layout: the fp32 weights (4 B a parameter),
+    AdamW's two moments (8 B), and 64 KiB for headers, the RNG state and meta.json (nano: 1.74 MB against 1.70 MB
+    written)."""
+    from model.flops import param_count
+    from model.tiers import get_mixer_tier
+
+    tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
+    return 12 * param_count(tier, vocab_size, cfg.model.tie_embeddings) + (64 << 10)
+
+
+def warn_if_no_room_for_checkpoints(cfg, vocab_size: int, location: str) -> str | None:
+    """Before a run's first step: one warning line when the disk under `location` (where its checkpoints go) cannot
+    hold train.keep_checkpoints + 1 of them (the new one is written before the oldest is removed), rather than the
+    run finding out at step 5,000. Nothing on object storage (no free figure there)."""
+    from pipeline.disk_space import CHECKPOINT_FIX, warn_if_no_room
+
+    keep = cfg.train.keep_checkpoints
+    return warn_if_no_room(location, checkpoint_bytes(cfg, vocab_size), keep + 1,
+                           f"{keep} checkpoint(s) kept (train.keep_checkpoints) and the one being written",
+                           CHECKPOINT_FIX)
+
+
 def save(engine, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
     """Write the training state of `engine` (pipeline/train/engine.py's Engine) to `directory` atomically (module
-    docstring): sharded under FSDP, where every worker must call it, else full (callers have rank 0 call it)."""
+    docstring): sharded under FSDP, where every worker must call it, else full (callers have rank 0 call it). A full
+    disk ends it with pipeline/disk_space.py's one line (DiskFullError), the temporary directory removed: the
+    checkpoints before it stay the newest complete ones."""
+    from pipeline.disk_space import CHECKPOINT_FIX, one_line_when_full
+
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    if engine.sharded:
-        return _save_sharded(engine, directory, extra)
+    with one_line_when_full(directory, "checkpoint", CHECKPOINT_FIX,
+                            needed=checkpoint_bytes(engine.cfg, engine.vocab_size)):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        if engine.sharded:
+            return _save_sharded(engine, directory, extra)
+        return _save_full(engine, directory, extra)
+
+
+def _save_full(engine, directory: Path, extra: dict[str, Any] | None) -> Path:
     from safetensors.torch import save_model
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))

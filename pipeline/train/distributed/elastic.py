@@ -292,6 +292,7 @@ class ResumeReport:
         from pipeline.tracking.deferred import DeferredArtifacts
 
         self._writer = DeferredArtifacts(0.0)  # _write_json rides out storage failures itself, and swallows them
+        self.full: BaseException | None = None  # a write that found the disk full: raised at the next log step
 
     def start(self, engine, meta: dict[str, Any] | None) -> list[str]:
         """At the attempt's start, after the checkpoint (if any) was loaded: the lines to print."""
@@ -321,6 +322,8 @@ class ResumeReport:
     def logged(self, engine, metrics: dict[str, float]) -> dict[str, float]:
         """At a log step: the progress record, and the metrics to log (train/world_size; after a resume, once, the
         steps redone and the seconds from the last logged step before it to this one)."""
+        if self.full is not None:  # the run's storage is full: the run ends here with that line, not at a checkpoint
+            raise self.full
         now = time.time()
         extra = {WORLD_SIZE: float(engine.world_size)}
         if self._pending_resume and self.last is not None:
@@ -334,8 +337,18 @@ class ResumeReport:
         # with 50 ms per request (bench/storage_latency.py). A resume that finds the record one write behind reports
         # the lost work from that step instead: nothing else reads it.
         record = {"step": engine.step, "time": now, "world_size": engine.world_size, "phase": self.phase}
-        self._writer.submit(PROGRESS_FILE, lambda: _write_json(self.path, record), latest=True)
+        self._writer.submit(PROGRESS_FILE, lambda: self._write(record), latest=True)
         return {**metrics, **extra}
+
+    def _write(self, record: dict[str, Any]) -> None:
+        from pipeline.disk_space import RUN_RECORD_FIX, disk_full_error, is_disk_full
+
+        try:
+            _write_json(self.path, record)
+        except Exception as exc:  # noqa: BLE001 -- only a full disk gets here (_write_json swallows the rest)
+            if not is_disk_full(exc):
+                raise
+            self.full = disk_full_error(self.path, "the run's progress record", RUN_RECORD_FIX, exc=exc)
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait up to timeout_s for the last progress record to be written (at the end of an attempt that finished
@@ -370,10 +383,13 @@ def _read_json(path: str) -> dict[str, Any] | None:
 
 
 def _write_json(path: str, record: dict[str, Any]) -> None:
-    """Best effort: a lost progress record costs the lost-work figures, never the run."""
+    """Best effort: a lost progress record costs the lost-work figures, never the run; a full disk is raised (the
+    run's checkpoints would not fit either: ResumeReport ends the run with that line)."""
+    from pipeline.disk_space import is_disk_full
     from pipeline.storage import StorageError, write_text
 
     try:
         write_text(path, json.dumps(record))
-    except (StorageError, OSError):
-        pass
+    except (StorageError, OSError) as exc:
+        if is_disk_full(exc):
+            raise

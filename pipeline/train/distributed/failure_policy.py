@@ -2,9 +2,9 @@
 
 Ray Train's default policy restarts the worker group after any worker error, up to ray.max_failures times. An error
 the next attempt raises again (a truncated checkpoint to resume from, a config or dataset refusal, a sweep metric no
-report carries) then costs every retry, each with its own worker start-up and traceback, before its one line. Those
-are the project's own ValueError subclasses (bad input: its files, config, data) and MissingMetricError; they end
-the run at once. The rest keep Ray Train's retries: a storage outage, a collective timeout or a lost node, a
+report carries, a full disk) then costs every retry, each with its own worker start-up and traceback, before its one
+line. Those are the project's own ValueError subclasses (bad input: its files, config, data), MissingMetricError and
+the errors that say so (`repeats_on_retry = True`: pipeline/disk_space.py DiskFullError); they end the run at once. The rest keep Ray Train's retries: a storage outage, a collective timeout or a lost node, a
 preemption, a non-finite loss, an MLflow server that did not answer, and any error that is not the project's (a bug,
 an out-of-memory, a dead worker).
 
@@ -32,7 +32,7 @@ def repeats_on_retry(exc: BaseException | type) -> bool:
     cls = exc if isinstance(exc, type) else type(exc)
     if cls.__module__.split(".")[0] not in OWN_PACKAGES:
         return False
-    if cls.__name__ == "MissingMetricError":
+    if cls.__name__ == "MissingMetricError" or getattr(cls, "repeats_on_retry", False):  # a full disk, say
         return True
     from pipeline.tracking.tracker import TrackingError
 

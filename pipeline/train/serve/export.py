@@ -330,10 +330,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     """Write the Hugging Face directory for `checkpoint` to `out_dir` (temp dir, then rename).
 
     Raises ExportError (or CheckpointError) with one line: not a checkpoint, a model without a Hugging Face
-    equivalent, `out_dir` exists without overwrite, tokenizer missing."""
-    from safetensors.torch import save_file
-
+    equivalent, `out_dir` exists without overwrite, tokenizer missing; DiskFullError (pipeline/disk_space.py) when the
+    disk fills, with nothing of the export left."""
     from model.tiers import get_tier
+    from pipeline.disk_space import EXPORT_FIX, one_line_when_full
     from pipeline.config import from_dict
     from pipeline.data.shards import DatasetError, dataset_tokenizer, load_manifest, tokenizer_location
     from pipeline.train.engine import model_rope
@@ -370,7 +370,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
 
     weights = hf_state_dict(state, tier, tie)
     dtype = state["tok_emb.weight"].dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
+    needed = sum(t.numel() * t.element_size() for t in weights.values()) + (4 << 20)  # + the tokenizer's files
+    with one_line_when_full(out, "the export", EXPORT_FIX, needed=needed):  # the temp dir removed: nothing half
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_export(out, overwrite, weights, result, manifest, sp_location, tier, vocab, tie, special, dtype, rope)
+    return result
+
+
+def _write_export(out: Path, overwrite: bool, weights, result, manifest, sp_location, tier, vocab, tie, special,
+                  dtype, rope) -> None:
+    from safetensors.torch import save_file
+
+    from pipeline.storage import local_copy
+
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -386,7 +398,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return result
 
 
 def register_export(result: ExportResult, tracking_uri: str, run_id: str, name: str):

@@ -104,8 +104,11 @@ def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[
         how = "with --no-ray (its checkpoints are under checkpoints/)" if was_local else \
             "on Ray Train (its checkpoints are under its Ray storage, ray/)"
         raise ResumeError(f"run {run_dir} trained {how}; resume it the same way: {resume_command(run_dir, was_local)}")
-    meta = checkpoint_meta(checkpoint or record.get("checkpoint"))
-    check_kept_settings(run_dir, record, cfg, typed, meta, checkpoint or record.get("checkpoint"))
+    from pipeline.train.session.run_dir import recorded_checkpoint
+
+    latest = checkpoint or recorded_checkpoint(run_dir)  # the newest complete one, also of a run that crashed
+    meta = checkpoint_meta(latest)
+    check_kept_settings(run_dir, record, cfg, typed, meta, latest)
     recorded = [Phase(**p) for p in record["phases"]] if record.get("phases") else load_phases(None, cfg)
     done = int(record.get("phases_done", 0))
     counters = dict(meta.get("counters") or {})

@@ -66,9 +66,18 @@ def find_run(cfg: Config, resume: str) -> Path:
 
 
 def write_run_file(run_dir: Path, record: dict) -> None:
+    """run.json replaced atomically: a temp file renamed over it. On a full disk the temp file is removed and the
+    record stays as it was (pipeline/disk_space.py's one line)."""
+    from pipeline.disk_space import RUN_RECORD_FIX, one_line_when_full
+
     tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
-    os.replace(tmp, run_dir / RUN_FILE)
+    with one_line_when_full(run_dir / RUN_FILE, "the run's record", RUN_RECORD_FIX):
+        try:
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+            os.replace(tmp, run_dir / RUN_FILE)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def read_run_file(run_dir: Path) -> dict:
@@ -86,8 +95,29 @@ def run_dir_of(cfg: Config, value: str) -> Path | None:
 
 
 def recorded_checkpoint(run_dir: Path) -> str | None:
-    """The run's latest checkpoint as run.json records it (a local path or a URI), or None before its first.
+    """The run's latest complete checkpoint (a local path or a URI), the one `train --resume RUN` continues from,
+    whether the run finished, crashed (a full disk at its third checkpoint) or was killed: the newest complete
+    checkpoint of the phase in progress (run.json's `phase`), in the run's folder of them (<run>/checkpoints/phase<i>
+    for a --no-ray run, Ray Train's <ray storage>/phase<i> otherwise; complete as pipeline/train/checkpoints/index.py
+    says: meta.json and every file it records); else the one run.json records (the previous phase's last); None
+    before the first.
 
-    The one place `--checkpoint RUN` is turned into a checkpoint: choosing among a run's checkpoints (the newest
-    complete one) belongs here when that exists."""
-    return read_run_file(run_dir).get("checkpoint") or None
+    The one place `--checkpoint RUN`, `--resume RUN` (eval, generate, export) and `validate RUN` turn a run into a
+    checkpoint. run.json's own `checkpoint` is written when a phase ends or stops: a run that crashed has newer
+    complete checkpoints than it records."""
+    from pipeline.config import ConfigError, from_flat
+    from pipeline.storage import StorageError, join, ray_storage
+    from pipeline.train.checkpoints.index import newest_complete
+
+    record = read_run_file(run_dir)
+    if record.get("phase") is not None and record.get("config"):
+        phase = f"phase{record['phase']}"
+        try:
+            folder = (str(run_dir / "checkpoints" / phase) if record.get("no_ray")
+                      else join(ray_storage(from_flat(record["config"]), run_dir), phase))
+            found = newest_complete(folder)
+        except (ConfigError, StorageError, FileNotFoundError, NotADirectoryError):
+            found = None  # the folder is not there (no checkpoint yet) or cannot be listed: run.json's says the rest
+        if found is not None:
+            return found.location
+    return record.get("checkpoint") or None

@@ -406,7 +406,11 @@ class TrainSession:
         from pipeline.tracking.curves import plot_training_curves
         from pipeline.tracking.names import METRICS
 
-        self._record(status={"FINISHED": "finished", "KILLED": "stopped", "FAILED": "failed"}[status])
+        try:
+            self._record(status={"FINISHED": "finished", "KILLED": "stopped", "FAILED": "failed"}[status])
+        except Exception:  # noqa: BLE001 -- a run that failed (a full disk, say) keeps its own error, not this one
+            if status != "FAILED":
+                raise
         if tracker.run_id is None:
             return
         try:
