@@ -261,7 +261,8 @@ class _StorageErrorInOneLine(logging.Filter):
             last = record.getMessage().strip().splitlines()[-1]
             prefix = next((p for p in self.PREFIXES if last.startswith(p)), None)
             if prefix is not None:
-                record.msg, record.args = f"storage: {last[len(prefix):]} (this attempt ends)", ()
+                ends = "the run ends: another attempt would fill it again" if "DiskFull" in prefix else "this attempt ends"
+                record.msg, record.args = f"storage: {last[len(prefix):]} ({ends})", ()
                 record.exc_info = record.exc_text = None
         return True
 

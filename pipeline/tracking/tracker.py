@@ -206,7 +206,15 @@ class Tracker:
         self.cfg = cfg
         self.tracking_uri = resolve_tracking_uri(cfg)
         check_tracking_uri(self.tracking_uri)
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        store = local_store_path(self.tracking_uri)
+        new_store = store is not None and not store.exists()
+        try:
+            with self._room("store"):  # a new local store creates its tables here
+                self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        except Exception:
+            if new_store and store is not None:  # half its tables: gone, so that a rerun creates it whole
+                store.unlink(missing_ok=True)
+            raise
         self.nonfinite_skipped = 0  # metric values dropped because they were NaN/inf
         self.git_commit = git_commit()
         self._finished = False

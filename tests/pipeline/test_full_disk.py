@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -63,11 +64,11 @@ def common(files_dataset, mlflow_server) -> list[str]:
             "--tracking.system_metrics=false"]
 
 
-def _main(args: list[str], capsys) -> tuple[int, str, str]:
+def _main(args: list[str], capfd) -> tuple[int, str, str]:
     from pipeline.run import main
 
     code = main(args)
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     assert "Traceback" not in out + err, out + err
     return code, out, err
 
@@ -80,35 +81,38 @@ def _losses(mlflow_uri: str, run_dir: Path) -> dict[int, float]:
 
 
 def test_a_run_whose_disk_fills_at_its_third_checkpoint_says_so_keeps_the_two_and_resumes_exactly(
-        common, small_disk, mlflow_server, tmp_path, capsys):
+        common, small_disk, mlflow_server, tmp_path, capfd):
     disk = small_disk("disk", "4600k")  # two checkpoints of ~1.7 MB, and the run's record; not a third
     root = disk.path / "runs"
-    code, out, err = _main(["train", "--no-ray", *common, f"--run.root={root}", "--run.name=full"], capsys)
+    code, out, err = _main(["train", "--no-ray", *common, f"--run.root={root}", "--run.name=full"], capfd)
     ckpts = root / "full" / "checkpoints" / "phase0"
     assert code == 2, out + err
     line = err.strip().splitlines()[-1]
-    assert line.startswith(f"error: no space left on {disk.path} for checkpoint {ckpts / 'step_000012'} (needs ~1.7 "
-                           f"MiB, ") and " free of 4.5 MiB); free space there, or point run.root (or " \
-        "ray.storage_path) at a larger disk, or lower train.keep_checkpoints; then continue with --resume" in line, err
+    assert re.fullmatch(rf"error: no space left on {disk.path} for checkpoint {ckpts / 'step_000012'} \(needs ~1\.\d "
+                        rf"MiB, \d+\.\d KiB free of 4\.5 MiB\); free space there, or point run\.root \(or "
+                        rf"ray\.storage_path\) at a larger disk, or lower train\.keep_checkpoints; then continue with "
+                        rf"--resume", line), err
     warning = next(ln for ln in out.splitlines() if ln.startswith("warning: "))
     assert out.index(warning) < out.index("train nano  step 1/16")  # before the first step
-    assert f"warning: {disk.path} has " in warning and " need room for 3 of ~1.7 MiB" in warning, warning
+    assert re.match(rf"warning: {disk.path} has \d\.\d MiB free, and 2 checkpoint\(s\) kept "
+                    rf"\(train\.keep_checkpoints\) and the one being written need room for 3 of ~1\.\d MiB", warning), \
+        warning
     # nothing lost: the two complete checkpoints, no partial one, the record readable
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000008"]
     assert json.loads((root / "full" / "run.json").read_text())["status"] == "failed"
     # validate RUN takes the checkpoint --resume continues from
-    code, out, err = _main(["validate", "full", f"--run.root={root}"], capsys)
+    code, out, err = _main(["validate", "full", f"--run.root={root}"], capfd)
     assert code == 0 and out.strip().splitlines()[-1] == (
         f"checkpoint {ckpts / 'step_000008'} is whole: every recorded file matches meta.json, and it loads"), out + err
-    code, out, _ = _main(["runs", f"--run.root={root}"], capsys)
-    assert f"full  failed   8/16" in out and str(ckpts / "step_000008") in out, out
+    code, out, _ = _main(["runs", f"--run.root={root}"], capfd)
+    assert "full  failed   8/16" in out and str(ckpts / "step_000008") in out, out
 
     disk.resize("64m")  # space freed
-    code, out, err = _main(["train", "--no-ray", "--resume", "full", f"--run.root={root}"], capsys)
+    code, out, err = _main(["train", "--no-ray", "--resume", "full", f"--run.root={root}"], capfd)
     assert code == 0, out + err
     assert "steps 8..16 (resumed at step 8)" in out, out
     assert not [ln for ln in out.splitlines() if ln.startswith("warning: ")], out
-    code, out, err = _main(["train", "--no-ray", *common, f"--run.root={tmp_path / 'ref'}", "--run.name=ref"], capsys)
+    code, out, err = _main(["train", "--no-ray", *common, f"--run.root={tmp_path / 'ref'}", "--run.name=ref"], capfd)
     assert code == 0, out + err
     resumed, never_stopped = _losses(mlflow_server[0], root / "full"), _losses(mlflow_server[0], tmp_path / "ref" / "ref")
     assert sorted(resumed) == list(range(1, 17)) and sorted(never_stopped) == list(range(1, 17))
@@ -116,22 +120,23 @@ def test_a_run_whose_disk_fills_at_its_third_checkpoint_says_so_keeps_the_two_an
 
     # the model leaves as a Hugging Face folder: onto a disk too small for it, one line and nothing half-written
     out_disk = small_disk("export", "256k")
-    code, out, err = _main(["export", "--resume", str(root / "full"), "--out", str(out_disk.path / "hf")], capsys)
+    code, out, err = _main(["export", "--resume", str(root / "full"), "--out", str(out_disk.path / "hf")], capfd)
     assert code == 2, out + err
     assert err.strip().splitlines()[-1].startswith(f"error: no space left on {out_disk.path} for the export "
                                                    f"{out_disk.path / 'hf'} (needs ~"), err
-    assert "pass --out a folder on a larger disk, then export again" in err and list(out_disk.path.iterdir()) == []
+    assert err.strip().endswith("free space there, or pass --out a folder on a larger disk; then export again"), err
+    assert list(out_disk.path.iterdir()) == []
     out_disk.resize("16m")
-    code, out, err = _main(["export", "--resume", str(root / "full"), "--out", str(out_disk.path / "hf")], capsys)
+    code, out, err = _main(["export", "--resume", str(root / "full"), "--out", str(out_disk.path / "hf")], capfd)
     assert code == 0 and (out_disk.path / "hf" / "model.safetensors").is_file(), out + err
 
 
 def test_a_prepare_whose_store_fills_says_so_leaves_no_dataset_and_finishes_when_run_again(files_dataset, small_disk,
-                                                                                           tmp_path, capsys):
-    store = small_disk("store", "320k")  # the session's files dataset takes ~1 MB
+                                                                                           tmp_path, capfd):
+    store = small_disk("store", "64k")  # the session's files dataset takes ~200 KB
     args = ["prepare", "--preset", "test", *files_dataset.overrides, f"--data.dataset_store={store.path}",
             f"--run.root={tmp_path / 'runs'}"]
-    code, out, err = _main(args, capsys)
+    code, out, err = _main(args, capfd)
     assert code == 2, out + err
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"error: no space left on {store.path} for the dataset {store.path}/"), err
@@ -141,19 +146,45 @@ def test_a_prepare_whose_store_fills_says_so_leaves_no_dataset_and_finishes_when
     assert not (dataset / "manifest.json").exists()
     assert not [p for p in dataset.iterdir() if p.name.startswith("build-")], list(dataset.iterdir())  # abandoned
     store.resize("16m")
-    code, out, err = _main(args, capsys)
+    code, out, err = _main(args, capfd)
     assert code == 0 and (dataset / "manifest.json").is_file(), out + err
-    code, out, err = _main(["validate", str(dataset)], capsys)
+    code, out, err = _main(["validate", str(dataset)], capfd)
     assert code == 0, out + err
 
 
-def test_an_mlflow_store_on_a_full_disk_is_one_line_naming_it(files_dataset, small_disk, capsys):
+def test_an_mlflow_store_on_a_full_disk_is_one_line_naming_it(files_dataset, small_disk, capfd):
     """The embedded store (SQLite under run.root) cannot even create its tables: one line naming mlflow.db."""
     disk = small_disk("mlflow", "96k")
     root = disk.path / "runs"
     code, out, err = _main(["train", "--no-ray", "--preset", "test", *files_dataset.overrides, f"--run.root={root}",
-                            "--train.max_steps=2", "--tracking.system_metrics=false", "--run.name=m"], capsys)
+                            "--train.max_steps=2", "--tracking.system_metrics=false", "--run.name=m"], capfd)
     assert code == 2, out + err
     line = err.strip().splitlines()[-1]
     assert line.startswith(f"error: no space left on {disk.path} for MLflow's ") and f" {root}/mlflow.db (" in line \
         and line.endswith("point tracking.tracking_uri (or run.root) at a larger disk; then continue with --resume"), err
+
+
+def test_a_ray_train_fsdp_run_whose_disk_fills_ends_at_once_and_validate_finds_its_last_sharded_checkpoint(
+        files_dataset, small_disk, ray_address, tmp_path, capfd):
+    """Two FSDP workers write sharded checkpoints into Ray Train's storage on the tmpfs: the third fills it. The run
+    ends on the first attempt (Ray Train does not retry a full disk: each retry would redo the steps and fill it
+    again), the partial folder is removed, and `validate RUN` finds the step-8 checkpoint Ray Train holds."""
+    disk = small_disk("ray", "5200k")
+    root = disk.path / "runs"
+    code, out, err = _main(["train", "--preset", "test", *files_dataset.overrides, f"--run.root={root}",
+                            "--run.name=fsdp", "--ray.address=" + ray_address, "--ray.num_workers=2",
+                            "--train.parallel=fsdp", "--train.max_steps=16", "--train.checkpoint_every=4",
+                            "--train.sample_tokens=0", "--tracking.enabled=false"], capfd)
+    assert code == 2, out + err
+    folder = root / "fsdp" / "ray" / "phase0"
+    assert re.fullmatch(rf"error: no space left on {disk.path} for checkpoint {folder}/checkpoint_\S+ \(\d+\.\d "
+                        rf"KiB free of 5\.1 MiB\); free space there, .* then continue with --resume",
+                        err.strip().splitlines()[-1]), err
+    assert "restart:" not in out + err and "resume:" not in out + err, out + err  # one attempt
+    assert "the run ends: another attempt would fill it again" in out + err or "storage:" not in out + err
+    names = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name.startswith("checkpoint_"))
+    assert len(names) == 2, names  # steps 4 and 8, the partial third removed
+    code, out, err = _main(["validate", "fsdp", f"--run.root={root}"], capfd)
+    assert code == 0 and "step 8, layout sharded" in out and out.strip().splitlines()[-1] == (
+        f"checkpoint {folder / names[-1]} is whole: every recorded file matches meta.json, and it loads"), out + err
+

@@ -370,7 +370,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
 
     weights = hf_state_dict(state, tier, tie)
     dtype = state["tok_emb.weight"].dtype
-    needed = sum(t.numel() * t.element_size() for t in weights.values()) + (4 << 20)  # + the tokenizer's files
+    needed = sum(t.numel() * t.element_size() for t in weights.values()) + (1 << 20)  # + the tokenizer's files
     with one_line_when_full(out, "the export", EXPORT_FIX, needed=needed):  # the temp dir removed: nothing half
         out.parent.mkdir(parents=True, exist_ok=True)
         _write_export(out, overwrite, weights, result, manifest, sp_location, tier, vocab, tie, special, dtype, rope)
