@@ -11,6 +11,12 @@ Why a key: anonymous SeaweedFS stores aws-chunked uploads with their chunk frami
 chunk headers, which corrupts Parquet); with an identity configured it decodes them, and pyarrow's
 S3FileSystem round-trips Parquet. Every SeaweedFS port (master, volume, filer, S3, and their gRPC ports) is a
 free one, so several servers and Ray instances coexist on one machine.
+
+A bucket over its quota: `server.set_quota("full")` makes that bucket (only it) refuse every write, the way a
+SeaweedFS bucket over quota does; `server.clear_quota("full")` lifts it. What a client sees then (SeaweedFS 4.48):
+HTTP 500 InternalError "We encountered an internal error, please try again." on PutObject, CreateMultipartUpload,
+UploadPart and CompleteMultipartUpload alike; the reason ("read only: /buckets/full/ (e.g. bucket over quota)") is
+only in weed.log. A server whose volumes are all full answers the same 500 to a write.
 """
 from __future__ import annotations
 
@@ -106,6 +112,8 @@ class SeaweedS3:
                f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
                "-s3", f"-s3.port={self.port}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={identities}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false"]
+        # `weed shell` finds a master and a filer by host:port.grpcPort (their gRPC ports are not port + 10000 here)
+        self._shell_args = [f"-master={self.host}:{master}.{master_grpc}", f"-filer={self.host}:{filer}.{filer_grpc}"]
         self.log = self.workdir / "weed.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
@@ -150,6 +158,73 @@ class SeaweedS3:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.3)
+
+    def shell(self, *commands: str, timeout_s: float = 60) -> str:
+        """Run `weed shell` commands (one per argument) against this server; returns what they printed."""
+        done = subprocess.run([weed_binary(), "shell", *self._shell_args], input="\n".join(commands) + "\n",
+                              capture_output=True, text=True, timeout=timeout_s, cwd=self.workdir, check=False)
+        return done.stdout + done.stderr
+
+    def _refuses_writes(self, fs, bucket: str) -> bool:
+        """One PutObject of a few bytes (pyarrow, as the project writes a small file): refused or not."""
+        try:
+            with fs.open_output_stream(f"{bucket}/.quota-probe") as out:
+                out.write(b"probe")
+        except OSError:
+            return True
+        fs.delete_file(f"{bucket}/.quota-probe")
+        return False
+
+    def set_quota(self, bucket: str, size_mb: int = 1, timeout_s: float = 60) -> None:
+        """Put `bucket` over a quota of `size_mb` MiB, so that it refuses every write from now on; returns once a
+        PutObject is refused (~5-15 s: the volume server reports the bucket's size to the master in its heartbeat).
+
+        SeaweedFS does not check a quota when it stores an object: a pass compares each bucket's size (its
+        collection's, as the master last heard it) with its quota and marks an over-quota bucket read-only in
+        filer.conf (`s3.bucket.quota.enforce -apply` here; the S3 gateway also does it on its own every 60 s). So
+        this sets the quota (`s3.bucket.quota -op=set`), stores a `.quota-filler` object of size_mb MiB + 256 KiB
+        (random bytes) so the bucket is over it, and runs the pass until a probe PutObject is refused. The filler
+        stays: the gateway's own pass would make a bucket back under its quota writable again.
+
+        Every write to the bucket is then refused with HTTP 500 InternalError ("We encountered an internal error,
+        please try again.": pyarrow raises "... AWS Error INTERNAL_FAILURE during PutObject operation: ...");
+        multipart uploads in flight fail at their next UploadPart or CompleteMultipartUpload the same way. Reads,
+        listings and deletions still work; other buckets are not affected. clear_quota lifts it."""
+        import pyarrow.fs as pafs
+
+        if size_mb < 1:
+            raise ValueError("a SeaweedFS quota is a whole number of MiB, at least 1 (0 means none)")
+        out = self.shell(f"s3.bucket.quota -name={bucket} -op=set -sizeMB={int(size_mb)}")
+        if "updated quota" not in out:
+            raise RuntimeError(f"s3.bucket.quota on {bucket}: {out.strip()}")
+        fs = pafs.S3FileSystem(access_key=ACCESS_KEY, secret_key=SECRET_KEY, endpoint_override=self.endpoint,
+                               region=REGION, allow_delayed_open=True)
+        with fs.open_output_stream(f"{bucket}/.quota-filler") as filler:
+            filler.write(os.urandom((int(size_mb) << 20) + (256 << 10)))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self.shell("s3.bucket.quota.enforce -apply")
+            if self._refuses_writes(fs, bucket):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{bucket} still takes writes {timeout_s} s after its quota was set; the last "
+                                   f"s3.bucket.quota.enforce said: {out.strip()}")
+            time.sleep(1)
+
+    def clear_quota(self, bucket: str, timeout_s: float = 30) -> None:
+        """Remove `bucket`'s quota (which lifts the read-only flag the enforcement set) and its `.quota-filler`;
+        returns once a PutObject to it succeeds again."""
+        import pyarrow.fs as pafs
+
+        self.shell(f"s3.bucket.quota -name={bucket} -op=remove")
+        fs = pafs.S3FileSystem(access_key=ACCESS_KEY, secret_key=SECRET_KEY, endpoint_override=self.endpoint,
+                               region=REGION, allow_delayed_open=True)
+        deadline = time.monotonic() + timeout_s
+        while self._refuses_writes(fs, bucket):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{bucket} still refuses writes {timeout_s} s after its quota was removed")
+            time.sleep(0.5)
+        fs.delete_file(f"{bucket}/.quota-filler")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

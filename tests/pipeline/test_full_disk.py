@@ -188,3 +188,37 @@ def test_a_ray_train_fsdp_run_whose_disk_fills_ends_at_once_and_validate_finds_i
     assert code == 0 and "step 8, layout sharded" in out and out.strip().splitlines()[-1] == (
         f"checkpoint {folder / names[-1]} is whole: every recorded file matches meta.json, and it loads"), out + err
 
+
+
+def test_a_bucket_over_its_quota_refuses_a_checkpoint_in_one_line_and_never_holds_it_complete(s3_bucket, tmp_path):
+    """A real S3 server's bucket over its quota (SeaweedFS: bench/s3_server.py set_quota) refuses the upload of a
+    checkpoint (pipeline/train/checkpoints/index.py publish, Ray Train's upload): one line naming the file, the store
+    and the quota, the checkpoint never complete (no meta.json: --resume and validate pass it by); once the quota is
+    lifted, the same upload completes. SeaweedFS answers a bare 500 (no word of quota), so the line comes after the
+    retry window and names the quota as a cause to check; a store that says "QuotaExceeded" (Ceph, MinIO) ends at once
+    in pipeline/disk_space.py's line (tests/pipeline/test_disk_space.py)."""
+    import torch
+
+    from pipeline.storage import StorageError
+    from pipeline.train.checkpoints.index import incomplete, publish
+    from pipeline.train.engine import Engine
+    from pipeline.train.loop import LocalCheckpoints
+    from tests.conftest import S3
+    from tests.pipeline.train.test_engine import VOCAB, make_cfg
+
+    local = LocalCheckpoints(tmp_path, keep=1).save(Engine(make_cfg(), VOCAB, torch.device("cpu")))
+    bucket = S3.create_bucket("over-quota")
+    location = f"{bucket}/run/ray/phase0/checkpoint_2026-11-28_12-00-00.000000"
+    S3.set_quota("over-quota", size_mb=1)
+    try:
+        with pytest.raises(StorageError) as refused:
+            publish(local, location, window_s=2)
+        line = str(refused.value)
+        assert "\n" not in line and line.startswith("checkpoint file ") and f" could not be published to {location} (" \
+            in line and "with a server error" in line and "its free space and the bucket's quota" in line, line
+        assert line.endswith("the checkpoint is not registered"), line
+        assert incomplete(location) is not None  # never counted as complete
+    finally:
+        S3.clear_quota("over-quota")
+    publish(local, location, window_s=30)
+    assert incomplete(location) is None
