@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The whole test suite, what CI runs (.ci/run, after .ci/browser.sh): every test but the `exclusive` ones on 2 pytest
+# processes (pytest-xdist, a test file's tests on one process, so its module set-up runs once), then the `exclusive`
+# ones (tests/pipeline/test_busy_machine.py: their CPU hogs would starve a test beside them) by themselves.
+# docs/tests.md has the tiers, their times and why. Extra arguments go to both pytest runs (e.g. -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=.venv/bin/python
+[ -x "$py" ] || py=python3
+"$py" -m pytest -q -n 2 --dist loadfile -m "not exclusive" --durations=15 "$@"
+"$py" -m pytest -q -m exclusive --durations=5 "$@"
