@@ -185,3 +185,37 @@ def test_mlflow_s_store_filling_up_is_one_line_naming_it(tmp_path):
     tracker.tracking_uri, tracker.nonfinite_skipped = f"sqlite:///{tmp_path}/mlflow.db", 0
     with pytest.raises(DiskFullError, match=rf"for MLflow's metrics {tmp_path}/mlflow\.db .*tracking\.tracking_uri"):
         tracker.log_metrics({"train/loss": 1.0}, step=1)
+
+
+def test_mlflow_s_artifact_folder_filling_up_is_one_line_naming_it(tmp_path):
+    from pipeline.tracking.tracker import Tracker
+
+    class FullArtifacts:
+        def log_text(self, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def get_run(self, run_id):
+            return namedtuple("Run", "info")(namedtuple("Info", "artifact_uri")(f"file://{tmp_path}/mlartifacts/1/r1"))
+
+    tracker = Tracker.__new__(Tracker)
+    tracker.client, tracker._run_id, tracker.storage_retry_s = FullArtifacts(), "r1", 0.0
+    tracker.tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(DiskFullError, match=rf"for MLflow's artifact samples/step_8\.txt {tmp_path}/mlartifacts/1/r1 "):
+        tracker.log_text("generated text", "samples/step_8.txt")
+
+
+def test_a_full_disk_under_progress_json_ends_the_run_at_its_next_log_step(tmp_path, monkeypatch):
+    """progress.json is written from a background thread and is best effort (a store that is away costs the
+    lost-work figures, not the run); a full disk is not passed over: the next log step raises its line."""
+    from pipeline.train.distributed.elastic import ResumeReport
+
+    def full(location, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage, "write_text", full)
+    report = ResumeReport(str(tmp_path), phase=0)
+    engine = namedtuple("Engine", "step world_size")(10, 1)
+    report.logged(engine, {"train/loss": 1.0})
+    report.flush()
+    with pytest.raises(DiskFullError, match=rf"for the run's progress record {tmp_path}/progress\.json "):
+        report.logged(engine._replace(step=20), {"train/loss": 1.0})
