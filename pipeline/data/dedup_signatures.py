@@ -124,7 +124,7 @@ class Signatures:
 class Signer:
     """Computes Signatures for batches of texts; the hash functions are fixed by _SEED and the params."""
 
-    def __init__(self, params: DedupParams, chunk: int = 16):
+    def __init__(self, params: DedupParams, chunk: int = 8):
         self.params = params
         self.bands, self.rows = params.bands, params.rows
         k = self.bands * self.rows
@@ -144,10 +144,15 @@ class Signer:
         minhash = np.full((n, k), 0xFFFFFFFF, np.uint32)
         if len(shingles):
             docs = np.flatnonzero(has_words)
+            hv = np.empty((len(shingles), self.chunk), np.uint64)  # (S, chunk), reused: no temporaries per step
+            x = shingles[:, None]
             for c in range(0, k, self.chunk):
-                hv = ((shingles[:, None] * self.a[None, c:c + self.chunk] + self.b[None, c:c + self.chunk])
-                      >> _U64(32)).astype(np.uint32)  # (S, chunk)
-                minhash[docs, c:c + self.chunk] = np.minimum.reduceat(hv, starts[docs], axis=0)
+                w = min(self.chunk, k - c)
+                out = hv[:, :w]
+                np.multiply(x, self.a[None, c:c + w], out=out)
+                np.add(out, self.b[None, c:c + w], out=out)
+                np.right_shift(out, _U64(32), out=out)  # the top 32 bits: multiply-shift hashing
+                minhash[docs, c:c + w] = np.minimum.reduceat(out, starts[docs], axis=0)
         return Signatures(exact, minhash, self.band_keys(minhash), (minhash & 0xFF).astype(np.uint8), has_words)
 
     def band_keys(self, minhash: np.ndarray) -> np.ndarray:
