@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 EXACT, NEAR = 0, 1  # the `kind` of a removed row
 ALL_PAIRS_UP_TO = 32  # a bucket of more documents checks each against its smallest and its neighbour in order only
 MAX_ROUNDS = 64  # large-star/small-star rounds; O(log^2 n) in theory, a handful on duplicate clusters
+ONE_TASK_EDGES = 1 << 22  # a graph of at most this many checked edges (64 MiB) is solved in one task
 _REMOVED_SCHEMA = pa.schema([("node", pa.int64()), ("keeper", pa.int64()), ("kind", pa.int8()),
                              ("cluster", pa.int8())])
 _EDGE_SCHEMA = pa.schema([("hi", pa.int64()), ("lo", pa.int64())])
@@ -191,11 +192,46 @@ def _without_part(part: pa.Table, fn, kwargs: dict) -> pa.Table:
     return fn(part.drop_columns(["part"]), **kwargs)
 
 
+def stars_in_one_task(hi: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same stars as `components`, computed at once (numpy min-label propagation with pointer jumping) for a
+    graph small enough to hold: (member, smallest node of its component) for every member but the smallest."""
+    nodes, inv = np.unique(np.concatenate([hi, lo]), return_inverse=True)
+    a, b = inv[:len(hi)], inv[len(hi):]
+    label = np.arange(len(nodes))
+    while True:
+        new = label.copy()
+        np.minimum.at(new, a, label[b])
+        np.minimum.at(new, b, label[a])
+        new = new[new]  # pointer jumping: follow the label's own label
+        if np.array_equal(new, label):
+            break
+        label = new
+    member = label != np.arange(len(nodes))
+    return nodes[member], nodes[label[member]]
+
+
+def _stars_task(refs: list) -> pa.Table:
+    import ray
+
+    tables = [ray.get(r) for r in refs]
+    hi = np.concatenate([t.column("hi").to_numpy() for t in tables]) if tables else np.zeros(0, np.int64)
+    lo = np.concatenate([t.column("lo").to_numpy() for t in tables]) if tables else np.zeros(0, np.int64)
+    return edge_table(*stars_in_one_task(hi, lo))
+
+
 def components(edges: "ray.data.Dataset", parts: int) -> "ray.data.Dataset":
     """Stars (hi = a node, lo = the smallest node of its component) of the graph `edges` (hi > lo), materialized.
-    Each round is a large-star (a hash shuffle by node over both directions) and, unless that found the graph already
-    a forest of stars, a small-star (a shuffle by hi); only a per-round count reaches the driver."""
+    A graph of at most ONE_TASK_EDGES edges (~16 bytes each: the duplicate pairs, not the documents) is solved in one
+    Ray task. A larger one in rounds: each a large-star (a hash shuffle by node over both directions) and, unless that
+    found the graph already a forest of stars, a small-star (a shuffle by hi); only a per-round count reaches the
+    driver. Both give the same stars (tests/pipeline/data/test_dedup.py)."""
+    import ray
+    import ray.data
+
     current = edges.materialize()
+    if current.count() <= ONE_TASK_EDGES:
+        stars = ray.remote(_stars_task).remote(current.to_arrow_refs())
+        return ray.data.from_arrow_refs([stars]).materialize()
     for _ in range(MAX_ROUNDS):
         if current.count() == 0:
             return current
