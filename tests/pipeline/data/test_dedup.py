@@ -52,6 +52,11 @@ def test_a_bad_dedup_setting_is_one_line_from_the_command_line(capsys):
     assert main(["prepare", "--preset", "test", "--data.dedup_threshold=0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: data.dedup_threshold=0.0 is invalid; it must be in (0, 1]") and "\n" not in err, err
+    # a setting that would do nothing is refused as well
+    assert main(["prepare", "--data.dedup=exact", "--data.dedup_threshold=0.8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: data.dedup_threshold is not used: data.dedup is not near, so no near copy is looked for; "
+                   "drop it"), err
 
 
 @pytest.mark.system
