@@ -248,15 +248,23 @@ def _partitions(rows: int, row_bytes: int) -> int:
     return int(min(256, max(cpus, math.ceil(rows * row_bytes / PARTITION_BYTES))))
 
 
-def deduplicate(sources: list[GroupSource], spec: DedupSpec) -> DedupResult:
-    """Deduplicate `sources` together (module docstring); Ray must be up. The sources' priorities are 0..S-1."""
+def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None = None) -> DedupResult:
+    """Deduplicate `sources` together (module docstring); Ray must be up. The sources' priorities are 0..S-1.
+    `workers`: at most this many Ray Data tasks per stage and this many hash partitions (None: Ray Data's choice, and
+    partitions sized from the data); the result is the same either way."""
     import ray
+    import ray.data
 
     from pipeline.data.corpus import read_documents
 
     if len(sources) > MAX_SOURCES:
         raise ValueError(f"data.dedup: {len(sources)} sources, at most {MAX_SOURCES} deduplicate together")
     t0, stages = time.perf_counter(), {}
+    compute = ray.data.TaskPoolStrategy(size=workers) if workers else None
+
+    def partitions(rows: int, row_bytes: int) -> int:
+        return workers or _partitions(rows, row_bytes)
+
     s = len(sources)
     params = spec.params if spec.mode == "near" else None
     parts = []
@@ -265,7 +273,7 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec) -> DedupResult:
         ds.context.execution_options.preserve_order = False  # rows carry their ids: any order gives one result
         parts.append(ds.map_batches(_signature_rows, fn_kwargs={"priority": src.priority, "mode": spec.mode,
                                                                 "params": params},
-                                    batch_format="pyarrow", batch_size=_BATCH_DOCS))
+                                    batch_format="pyarrow", batch_size=_BATCH_DOCS, compute=compute))
     sigs = (parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]).materialize()
     stages["signatures_s"] = round(time.perf_counter() - t0, 2)
     read = np.zeros(s, np.int64)
@@ -274,19 +282,19 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec) -> DedupResult:
     docs = int(read.sum())
 
     t1 = time.perf_counter()
-    exact = by_partition(sigs.select_columns(["node", "ex_hi", "ex_lo"]), "ex_lo", _partitions(docs, 24),
-                         exact_removed)
+    exact = by_partition(sigs.select_columns(["node", "ex_hi", "ex_lo"]), "ex_lo", partitions(docs, 24),
+                         exact_removed, compute)
     removed_parts = [exact]
     if spec.mode == "near":
         k, b = spec.params.num_hashes, spec.params.bands
         bands = sigs.select_columns(["node", "ex_lo", "has_words", "bands", "sketch"]).map_batches(
-            _band_rows, batch_format="pyarrow", batch_size=None)
-        edges = by_partition(bands, "key", _partitions(docs * b, 24 + k), bucket_edges,
+            _band_rows, batch_format="pyarrow", batch_size=None, compute=compute)
+        edges = by_partition(bands, "key", partitions(docs * b, 24 + k), bucket_edges, compute,
                              threshold=spec.params.threshold)
-        stars = components(edges, _partitions(docs, 32))
+        stars = components(edges, partitions(docs, 32), compute)
         stages["near_components_s"] = round(time.perf_counter() - t1, 2)
         if stars.count():
-            removed_parts.append(by_partition(stars, "lo", _partitions(docs, 32), star_removed))
+            removed_parts.append(by_partition(stars, "lo", partitions(docs, 32), star_removed, compute))
     removed = (removed_parts[0].union(*removed_parts[1:]) if len(removed_parts) > 1 else removed_parts[0])
     removed = removed.sort("node").materialize()
     del sigs

@@ -180,12 +180,13 @@ def with_partition(batch: pa.Table, column: str, parts: int) -> pa.Table:
     return batch.append_column("part", pa.array((_splitmix64(x) % np.uint64(parts)).astype(np.int32)))
 
 
-def by_partition(ds: "ray.data.Dataset", column: str, parts: int, fn, **fn_kwargs) -> "ray.data.Dataset":
-    """fn over each hash partition of ds by `column` (all rows of a key in one call; `part` dropped first)."""
+def by_partition(ds: "ray.data.Dataset", column: str, parts: int, fn, compute=None, **fn_kwargs) -> "ray.data.Dataset":
+    """fn over each hash partition of ds by `column` (all rows of a key in one call; `part` dropped first).
+    `compute`: Ray Data's compute strategy of the two maps (None: as many tasks as Ray Data likes)."""
     keyed = ds.map_batches(with_partition, fn_kwargs={"column": column, "parts": parts}, batch_format="pyarrow",
-                           batch_size=None)
+                           batch_size=None, compute=compute)
     return keyed.groupby("part", num_partitions=parts).map_groups(
-        _without_part, fn_kwargs={"fn": fn, "kwargs": fn_kwargs}, batch_format="pyarrow")
+        _without_part, fn_kwargs={"fn": fn, "kwargs": fn_kwargs}, batch_format="pyarrow", compute=compute)
 
 
 def _without_part(part: pa.Table, fn, kwargs: dict) -> pa.Table:
@@ -219,7 +220,7 @@ def _stars_task(refs: list) -> pa.Table:
     return edge_table(*stars_in_one_task(hi, lo))
 
 
-def components(edges: "ray.data.Dataset", parts: int) -> "ray.data.Dataset":
+def components(edges: "ray.data.Dataset", parts: int, compute=None) -> "ray.data.Dataset":
     """Stars (hi = a node, lo = the smallest node of its component) of the graph `edges` (hi > lo), materialized.
     A graph of at most ONE_TASK_EDGES edges (~16 bytes each: the duplicate pairs, not the documents) is solved in one
     Ray task. A larger one in rounds: each a large-star (a hash shuffle by node over both directions) and, unless that
@@ -235,9 +236,9 @@ def components(edges: "ray.data.Dataset", parts: int) -> "ray.data.Dataset":
     for _ in range(MAX_ROUNDS):
         if current.count() == 0:
             return current
-        big = by_partition(current.map_batches(both_ways, batch_format="pyarrow", batch_size=None), "a", parts,
-                           large_star).materialize()
+        big = by_partition(current.map_batches(both_ways, batch_format="pyarrow", batch_size=None, compute=compute),
+                           "a", parts, large_star, compute).materialize()
         if int(big.sum("mixed") or 0) == 0:
             return big.select_columns(["hi", "lo"]).materialize()
-        current = by_partition(big.select_columns(["hi", "lo"]), "hi", parts, small_star).materialize()
+        current = by_partition(big.select_columns(["hi", "lo"]), "hi", parts, small_star, compute).materialize()
     raise RuntimeError(f"connected components did not converge in {MAX_ROUNDS} rounds")

@@ -61,13 +61,12 @@ def test_a_bad_dedup_setting_is_one_line_from_the_command_line(capsys):
 
 @pytest.mark.system
 def test_the_same_kept_set_on_one_worker_and_on_several(ray_session, tmp_path, tok, monkeypatch):
-    """One Ray Data CPU and one hash partition against the session's 8 CPUs and 7 partitions, on four files; the
-    first with the components of its graph solved in one task, the second by large-star/small-star rounds."""
+    """One task at a time and one hash partition against as many tasks as Ray Data likes and 7 partitions, on four
+    files; the first with the components of its graph solved in one task, the second by large-star/small-star
+    rounds."""
     import numpy as np
-    import ray.data
-    from ray.data import ExecutionResources
 
-    from pipeline.data import dedup, dedup_components
+    from pipeline.data import dedup_components
     from pipeline.data.dedup import GroupSource, dedup_spec, deduplicate
 
     docs, where = planted()
@@ -75,22 +74,15 @@ def test_the_same_kept_set_on_one_worker_and_on_several(ray_session, tmp_path, t
         write_jsonl(tmp_path / f"part-{i}.jsonl", docs[i::4])
     d = cfg_for(tmp_path, tok, tmp_path, dedup="near").data
 
-    def removed(parts: int, cpus: float | None) -> tuple[set, dict]:
-        monkeypatch.setattr(dedup, "_partitions", lambda rows, row_bytes: parts)
-        ctx = ray.data.DataContext.get_current()
-        before = ctx.execution_options.resource_limits
-        if cpus:
-            ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus)
-        try:
-            r = deduplicate([GroupSource("", d, 0)], dedup_spec(d))
-        finally:
-            ctx.execution_options.resource_limits = before
+    def removed(workers: int | None) -> tuple[set, dict]:
+        r = deduplicate([GroupSource("", d, 0)], dedup_spec(d), workers=workers)
         nodes = [ray_session.get(ref).column("node").to_numpy() for ref in r.removal(0).refs]
         return set(np.concatenate(nodes).tolist()) if nodes else set(), r.record(0)
 
-    one, rec_one = removed(1, 1)
+    one, rec_one = removed(1)
     monkeypatch.setattr(dedup_components, "ONE_TASK_EDGES", 0)
-    many, rec_many = removed(7, None)
+    monkeypatch.setattr("pipeline.data.dedup._partitions", lambda rows, row_bytes: 7)
+    many, rec_many = removed(None)
     assert one == many and len(one) == 2
     assert rec_one["removed_exact"] == rec_many["removed_exact"] == 1
     assert rec_one["removed_near"] == rec_many["removed_near"] == 1
