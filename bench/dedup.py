@@ -19,8 +19,10 @@ share of documents both keep or both remove, and the Jaccard similarity of the t
 memory: one prepare per size in a fresh child process (its own local Ray on the machine's cores), data.dedup=near, a
 tokenizer trained once beforehand (not timed); sampled every 0.25 s: the machine's used memory (MemTotal -
 MemAvailable) above what it was just before the child started, the child's (the driver's) RSS, and the RSS of the
-child's whole process tree (driver, Ray's daemons, workers). The machine is shared: other tenants' memory moves the
-first figure; the load average is recorded.
+child's whole process tree (driver, Ray's daemons, workers; shared object-store pages count in every process that maps
+them). The child also samples its own RSS every 50 ms. (Its ru_maxrss is no measure: Linux keeps it across the exec,
+so it starts at the parent's RSS at the fork, and the parent has just generated the corpus.) The machine is shared:
+other tenants' memory moves the first figure; the load average is recorded.
 
 cost: prepares of one corpus with data.dedup=none, exact and near, alternated --repeat times, each in a fresh child
 (same tokenizer); the fastest of each. The extra time of exact over none is what exact deduplication costs.
@@ -32,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -142,13 +143,26 @@ def child_prepare(args: argparse.Namespace) -> None:
                             "data.tokenizer": args.tokenizer, "data.seq_len": args.seq_len,
                             "data.dataset_dir": str(Path(args.work) / f"ds-{args.dedup}-{os.getpid()}"),
                             "run.root": str(Path(args.work) / "runs"), "model.tier": "B"})
+    import psutil
+
+    me, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample() -> None:  # this process's own peak (ru_maxrss would count the parent's pages at the fork)
+        while not done.is_set():
+            peak[0] = max(peak[0], me.memory_info().rss)
+            done.wait(0.05)
+
+    threading.Thread(target=sample, daemon=True).start()
     t0 = time.perf_counter()
     ensure_ray(None, cfg)
     t1 = time.perf_counter()
+    rss_ray_up = me.memory_info().rss
     _, m = prepare_dataset(cfg)
     t2 = time.perf_counter()
+    done.set()
     print(json.dumps({"mode": args.dedup, "ray_start_s": round(t1 - t0, 2), "prepare_s": round(t2 - t1, 2),
-                      "driver_maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                      "driver_rss_after_ray_start_mb": round(rss_ray_up / 2**20, 1),
+                      "driver_peak_rss_mb_sampled_50ms": round(peak[0] / 2**20, 1),
                       "documents": m.counts.get("documents"), "tokens": m.counts.get("tokens_total"),
                       "dedup": m.dedup, "extra": {k: v for k, v in m.extra.items() if k.endswith("_s")}}))
 
