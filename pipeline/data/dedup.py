@@ -277,8 +277,11 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None
     sigs = (parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]).materialize()
     stages["signatures_s"] = round(time.perf_counter() - t0, 2)
     read = np.zeros(s, np.int64)
-    for row in sigs.map_batches(_read_rows, batch_format="pyarrow", batch_size=None).take_all():
-        read[row["priority"]] += row["documents"]
+    if s == 1:  # the materialized blocks' metadata says it: no pass over them
+        read[0] = sigs.count()
+    else:
+        for row in sigs.map_batches(_read_rows, batch_format="pyarrow", batch_size=None).take_all():
+            read[row["priority"]] += row["documents"]
     docs = int(read.sum())
 
     t1 = time.perf_counter()
