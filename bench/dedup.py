@@ -6,6 +6,7 @@ sizes, and what exact deduplication costs a prepare.
     python bench/dedup.py quality --mb 30 --datatrove .venv-datatrove/bin/python   # recall, false merges, MB/s
     python bench/dedup.py memory --mb 100 --mb 300 --mb 900     # prepare with data.dedup=near on 2 cores
     python bench/dedup.py cost --mb 100                          # prepare with data.dedup=none / exact / near
+    python bench/dedup.py cost --mb 100 --warm --modes none exact  # the same in one process and one Ray
 
 quality: the planted corpus (bench/dedup_corpus.py: exact copies and copies with 1, 2, 5, 10 and 30 % of their words
 changed, and distinct documents), deduplicated by longtrain's Ray Data stage (data.dedup=near, threshold 0.75, 5-grams)
@@ -25,7 +26,9 @@ so it starts at the parent's RSS at the fork, and the parent has just generated 
 other tenants' memory moves the first figure; the load average is recorded.
 
 cost: prepares of one corpus with data.dedup=none, exact and near, alternated --repeat times, each in a fresh child
-(same tokenizer); the fastest of each. The extra time of exact over none is what exact deduplication costs.
+(same tokenizer); the fastest of each. The extra time of exact over none is what exact deduplication costs. With
+--warm every prepare runs in one child and one Ray (a cluster is up once, not per dataset), after a first round that
+warms Ray's workers up and is left out; also each prepare's own dedup seconds over its prepare seconds.
 
 Writes bench/results/dedup_<what>-<device>-<date>.json.
 """
@@ -297,6 +300,58 @@ def memory(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def child_warm(args: argparse.Namespace) -> None:
+    """_warm: one local Ray, then prepares of the corpus with each of --modes in turn, --repeat rounds (the first
+    prepare also warms Ray's workers up: it is recorded apart); one JSON line."""
+    from pipeline.config import Config
+    from pipeline.data.pack import prepare_dataset
+    from pipeline.ray_runtime import ensure_ray
+
+    base = {"data.source": "files", "data.path": args.path, "data.tokenizer": args.tokenizer,
+            "data.seq_len": args.seq_len, "run.root": str(Path(args.work) / "runs"), "model.tier": "B"}
+    ensure_ray(None, Config().replace(base))
+    runs = []
+    for i in range(args.repeat + 1):
+        for mode in args.modes:
+            cfg = Config().replace({**base, "data.dedup": mode,
+                                    "data.dataset_dir": str(Path(args.work) / f"warm-{mode}-{os.getpid()}-{i}")})
+            load = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            _, m = prepare_dataset(cfg)
+            runs.append({"round": i, "mode": mode, "prepare_s": round(time.perf_counter() - t0, 2),
+                         "dedup_s": (m.dedup or {}).get("seconds", 0.0), "dedup_stages": (m.dedup or {}).get(
+                             "stage_seconds", {}), "tokenize_s": m.extra.get("tokenize_s"), "load_1min": load})
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    print(json.dumps({"runs": runs}))
+
+
+def cost_warm(args: argparse.Namespace) -> None:
+    """cost --warm: the prepares in one process and one Ray, alternated (round 0 warms up and is left out)."""
+    work = Path(args.work or tempfile.mkdtemp(prefix="dedup-cost-"))
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = corpus_for(args.mb[0], work, args.seed)
+    files = sorted(corpus.glob("*.jsonl"))
+    tokenizer = train_tokenizer_once(files, work)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_warm", "--path", str(corpus), "--tokenizer",
+           str(tokenizer), "--work", str(work), "--repeat", str(args.repeat), "--modes", *args.modes]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "RAY_worker_niceness": "0"})
+    if out.returncode != 0:
+        raise SystemExit(f"warm child failed ({out.returncode})")
+    runs = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+    measured = [r for r in runs if r["round"] > 0]
+    best = {m: min(r["prepare_s"] for r in measured if r["mode"] == m) for m in args.modes}
+    share = {m: round(min(r["dedup_s"] / r["prepare_s"] for r in measured if r["mode"] == m), 4)
+             for m in args.modes if m != "none"}
+    result = {"corpus_mb": round(corpus_bytes(files) / 1e6, 1), "cores": os.cpu_count(), "warm_ray": True,
+              "best_prepare_s": best,
+              "extra_share_over_none": {m: round(best[m] / best["none"] - 1, 4) for m in best if m != "none"},
+              "dedup_share_of_its_prepare": share, "runs": runs}
+    path = write_result(f"dedup_cost_warm_{args.mb[0]:g}mb", {"args": vars(args), **result})
+    print(json.dumps({k: result[k] for k in ("best_prepare_s", "extra_share_over_none", "dedup_share_of_its_prepare")},
+                     indent=1))
+    print(f"wrote {path}")
+
+
 def cost(args: argparse.Namespace) -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="dedup-cost-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -320,7 +375,8 @@ def cost(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["quality", "memory", "cost", "_prepare"])
+    ap.add_argument("what", choices=["quality", "memory", "cost", "_prepare", "_warm"])
+    ap.add_argument("--warm", action="store_true", help="cost: every prepare in one process and one Ray")
     ap.add_argument("--mb", type=float, action="append")
     ap.add_argument("--datatrove", default="", help="the Python of a virtualenv with datatrove (quality)")
     ap.add_argument("--work", default="", help="where corpora and datasets go (default: a temporary directory)")
@@ -333,10 +389,13 @@ def main() -> None:
     ap.add_argument("--tokenizer")
     ap.add_argument("--seq-len", type=int, default=2048)
     args = ap.parse_args()
-    if args.what == "_prepare":
-        child_prepare(args)
+    if args.what in ("_prepare", "_warm"):
+        (child_prepare if args.what == "_prepare" else child_warm)(args)
         return
     args.mb = args.mb or ([30.0] if args.what == "quality" else [100.0])
+    if args.what == "cost" and args.warm:
+        cost_warm(args)
+        return
     {"quality": quality, "memory": memory, "cost": cost}[args.what](args)
 
 
