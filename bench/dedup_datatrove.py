@@ -41,13 +41,6 @@ def main() -> None:
             for line_no, line in enumerate(f):
                 yield Document(text=json.loads(line)["text"], id=f"{rank}/{line_no}")
 
-    kept = []
-
-    def keep(data, rank: int = 0, world_size: int = 1):
-        for doc in data:
-            kept.append(doc.id)
-            yield doc
-
     seconds = {}
     stages = [
         ("signatures", [reader, MinhashDedupSignature(output_folder=str(work / "signatures"), config=config)],
