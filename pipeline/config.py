@@ -80,6 +80,12 @@ class DataConfig:
     # (docs/data.md#mixtures: [{name: web, weight: 0.7, source: files, path: ...}, ...]); empty = the one source above
     mixture: str = ""  # a YAML file of named sources with token-share weights, or the list inline; empty = data.source
     mixture_block_rows: int = 1024  # rows per block of the mixed stream; each source gives round(weight x k) of them
+    # Duplicates out before tokenizing, across a mixture's sources and before the train/validation split
+    # (docs/data.md#deduplication): exact = documents equal up to spacing; near = also MinHash near-duplicates
+    dedup: str = "exact"  # none | exact | near: which duplicate documents prepare removes (one copy is kept)
+    dedup_threshold: float = 0.75  # near: Jaccard similarity of word n-gram sets at which documents are duplicates
+    dedup_ngram: int = 5  # near: words per shingle (n-gram)
+    dedup_keep: str = "first"  # first | weight: which mixture source keeps a shared document (listed first; heaviest)
 
 
 @dataclass
@@ -411,6 +417,15 @@ def validate(cfg: Config) -> None:
     _positive("data.mixture_block_rows", d.mixture_block_rows)
     if d.mixture:
         _check_mixture(d.mixture)
+    _one_of("data.dedup", d.dedup, ("none", "exact", "near"))
+    if not (0.0 < d.dedup_threshold <= 1.0):  # also NaN
+        raise ConfigError(f"data.dedup_threshold={d.dedup_threshold!r} is invalid; it must be in (0, 1]: the Jaccard "
+                          "similarity of two documents' word n-gram sets at which they are near duplicates "
+                          "(FineWeb's 0.75)")
+    if d.dedup_ngram < 1:
+        raise ConfigError(f"data.dedup_ngram={d.dedup_ngram!r} is invalid; it must be >= 1: words per shingle "
+                          "(FineWeb's 5)")
+    _one_of("data.dedup_keep", d.dedup_keep, ("first", "weight"))
     if not 0.0 <= d.max_bad_fraction <= 1.0:
         raise ConfigError(f"data.max_bad_fraction={d.max_bad_fraction} is invalid; it must be in [0, 1]")
     _positive("train.ce_chunk_size", cfg.train.ce_chunk_size, zero_ok=True)
@@ -569,8 +584,10 @@ def _fineweb_32k() -> dict[str, Any]:
 
 
 def _test() -> dict[str, Any]:
-    """The smallest thing that trains end to end; used by the test suite."""
+    """The smallest thing that trains end to end; used by the test suite (without deduplication: its corpora hold no
+    copies, and deduplication's Ray Data stages would add seconds to each of its prepares; its own tests set it)."""
     return {"model.tier": "nano", "data.vocab_size": 512, "data.seq_len": 64, "data.max_documents": 100,
+            "data.dedup": "none",
             "data.rows_per_shard": 16, "train.batch_size": 4, "train.max_steps": 8, "train.warmup_steps": 2,
             "train.log_every": 2, "train.eval_every": 4, "train.eval_batches": 2, "train.checkpoint_every": 4,
             "train.sample_tokens": 8}

@@ -50,7 +50,8 @@ SOURCE_FIELDS: dict[str, type] = {"source": str, "path": str, "text_column": str
 KEYS = ("name", "weight", "max_repetitions", "dataset_dir", *SOURCE_FIELDS)
 # Fields of the whole mixture: one tokenizer, one row length, one split for all sources.
 SHARED_FIELDS = ("tokenizer", "vocab_size", "seq_len", "val_fraction", "rows_per_shard", "split_seed",
-                 "tokenizer_sample_bytes", "min_rows", "dataset_store")
+                 "tokenizer_sample_bytes", "min_rows", "dataset_store", "dedup", "dedup_threshold", "dedup_ngram",
+                 "dedup_keep")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _EXAMPLE = "[{name: web, weight: 0.7, source: files, path: 'web/*.jsonl'}, {name: code, weight: 0.3, ...}]"
 

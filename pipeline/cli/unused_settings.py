@@ -116,6 +116,10 @@ _OFF_BY = [
      "with data.on_bad_record=error the first unreadable record fails the prepare, whatever the fraction"),
     ("data.tokenizer_sample_bytes", lambda c: bool(c.data.tokenizer),
      "data.tokenizer is given, so no tokenizer is trained and nothing is sampled for one"),
+    ("data.dedup_threshold", lambda c: c.data.dedup != "near", "data.dedup is not near, so no near copy is looked for"),
+    ("data.dedup_ngram", lambda c: c.data.dedup != "near", "data.dedup is not near, so no near copy is looked for"),
+    ("data.dedup_keep", lambda c: c.data.dedup == "none" or not c.data.mixture,
+     "no mixture is deduplicated (data.dedup=none or data.mixture empty), so no source keeps another's documents"),
 ]
 
 

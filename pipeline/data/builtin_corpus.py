@@ -72,14 +72,15 @@ def builtin_document(item: dict[str, str]) -> str:
     return module_document(Path(item["key"]))
 
 
-def _builtin_rows(row: dict[str, Any]) -> list[dict[str, str]]:
+def _builtin_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
     text = builtin_document(row)
-    return [{"text": text}] if text else []  # modules without docstrings are not documents
+    return [{"text": text, "doc": row["doc"]}] if text else []  # modules without docstrings are not documents
 
 
 def read_builtin() -> "ray.data.Dataset":
-    """The built-in corpus as a Ray Dataset with a `text` column: one row per document, in item order."""
+    """The built-in corpus as a Ray Dataset with a `text` column and a `doc` column (the item's index: what
+    deduplication names it by): one row per document, in item order."""
     import ray.data
 
-    items = builtin_items()
+    items = [{**item, "doc": i} for i, item in enumerate(builtin_items())]
     return ray.data.from_items(items, override_num_blocks=min(BUILTIN_BLOCKS, len(items))).flat_map(_builtin_rows)

@@ -75,20 +75,23 @@ def _as_list(values: Any) -> list | None:
     return values.to_pylist() if hasattr(values, "to_pylist") else list(values)
 
 
-def clean_batch(batch: pa.Table, source: str = "the corpus") -> tuple[list[str], CleanStats]:
+def clean_batch(batch: pa.Table, source: str = "the corpus", kept_rows: list[int] | None = None
+                ) -> tuple[list[str], CleanStats]:
     """clean_texts over a reader's block: `text`, and where the reader added them `replaced`, `bad_file`
     and `bad_reason`."""
     names = batch.column_names
     bad = (batch.column("bad_file"), batch.column("bad_reason")) if "bad_reason" in names else None
-    return clean_texts(batch.column("text"), batch.column("replaced") if "replaced" in names else None, bad, source)
+    return clean_texts(batch.column("text"), batch.column("replaced") if "replaced" in names else None, bad, source,
+                       kept_rows)
 
 
 def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None, bad: Any = None,
-                source: str = "the corpus") -> tuple[list[str], CleanStats]:
+                source: str = "the corpus", kept_rows: list[int] | None = None) -> tuple[list[str], CleanStats]:
     """Clean one batch of documents. `column` is string or binary (nulls allowed); `replaced` optionally
     carries per-row counts of invalid UTF-8 already replaced by a reader; `bad` optionally (files, reasons)
     per row, a reason marking an unreadable record. Unreadable records and non-text values (counted against
-    `source`) are counted in stats.bad_files and skipped. Returns (kept texts, stats)."""
+    `source`) are counted in stats.bad_files and skipped. Returns (kept texts, stats); `kept_rows`, when given, gets
+    the batch row of each kept text (deduplication follows documents by their rows' ids)."""
     stats = CleanStats()
     bad_files, bad_reasons = (_as_list(bad[0]), _as_list(bad[1])) if bad is not None else (None, None)
     if isinstance(column, (pa.Array, pa.ChunkedArray)):
@@ -129,4 +132,6 @@ def clean_texts(column: pa.Array | pa.ChunkedArray | list, replaced: Any = None,
         stats.documents += 1
         stats.text_chars += len(v)
         out.append(v)
+        if kept_rows is not None:
+            kept_rows.append(i)
     return out, stats

@@ -66,6 +66,8 @@ READS = ".txt, .jsonl, .json and .parquet; .txt, .jsonl and .json also compresse
 MATCHES_NONE = ("matches no .txt, .jsonl, .json or .parquet files, nor .txt, .jsonl or .json files compressed as "
                 ".gz, .bz2, .zst or .zstd")
 BLOCK_BYTES = 1 << 20  # text per block the JSON reader yields: small blocks balance the tokenizer actors
+DOC_COLUMN = "doc"  # every reader's record id inside its source: (file or shard index << 32) + row; < 2^DOC_ID_BITS
+DOC_ID_BITS = 56
 _PARQUET_BATCH_ROWS = 1024  # rows per block the Parquet reader yields
 
 
@@ -238,6 +240,12 @@ def _doc_table(texts: list[str | None] | pa.Array, replaced: Any, bad: list[str 
                      "bad_reason": reasons})
 
 
+def with_doc_ids(block: pa.Table, first: int) -> pa.Table:
+    """The block with a `doc` column: first, first + 1, ...: every record's id inside its source, in source order
+    (what deduplication names documents by, pipeline/data/dedup.py; the same on every read)."""
+    return block.append_column(DOC_COLUMN, pa.array(np.arange(first, first + block.num_rows, dtype=np.int64)))
+
+
 def bad_record_table(path: str, reason: str) -> pa.Table:
     """One unreadable record of `path` as a reader block."""
     return _doc_table([None], [0], [reason], path)
@@ -334,6 +342,10 @@ def _read_files(files: list[str], column: str) -> "ray.data.Dataset":
     check_parquet_column([f for f in files if f.lower().endswith(".parquet")], column)
     fs, _ = resolve(files[0])  # one data.path: one filesystem; each read task opens it from its own environment
     prefix = f"{scheme(files[0])}://" if is_uri(files[0]) and not is_local(files[0]) else ""
+    index = {resolve(f)[1]: i for i, f in enumerate(files)}  # a record's id: (its file's index << 32) + its row
+    if len(files) >= 1 << (DOC_ID_BITS - 32):
+        raise DataSourceError(f"data.path={files[0]!r}...: {len(files):,} files, more than the "
+                              f"{1 << (DOC_ID_BITS - 32):,} one source may have; merge small files")
 
     class DocumentFileDatasource(FileBasedDatasource):
         def _open_input_source(self, filesystem, path: str, **open_args):
@@ -345,13 +357,17 @@ def _read_files(files: list[str], column: str) -> "ray.data.Dataset":
 
         def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
             kind = file_kind(path)
+            first = index[path] << 32
             path = prefix + path  # what messages and the manifest name: the URI, not the bucket-relative key
             stream = f if kind == "parquet" else io.BufferedReader(_RawReader(f), 1 << 20)
+            rows = 0
             try:
-                yield from read_document_file(stream, path, kind, column)
+                for block in read_document_file(stream, path, kind, column):
+                    yield with_doc_ids(block, first + rows)
+                    rows += block.num_rows
             except (DataSourceError, pa.ArrowInvalid) as exc:  # corrupt content: data, never a Ray task error
-                yield bad_record_table(path, f"{path}: cannot read the rest of the file "
-                                             f"({str(exc).splitlines()[0]})")
+                yield with_doc_ids(bad_record_table(path, f"{path}: cannot read the rest of the file "
+                                                          f"({str(exc).splitlines()[0]})"), first + rows)
 
     # One read task per file: Ray Data would otherwise split each task's output into more blocks
     # (SplitBlocks) to reach its default parallelism, which only adds objects; our reader already yields
@@ -407,17 +423,20 @@ def _read_hf(d: "DataConfig") -> "ray.data.Dataset":
         # Ray 2.60's from_huggingface reads an IterableDataset in ONE task and needs `transformers`
         # installed; this datasource reads the dataset's own shards in parallel instead.
         ds = ray.data.read_datasource(_hf_stream_datasource(hfds, d.text_column))
-    elif d.path:
+    elif d.path or d.dedup != "none":
         # from_huggingface first probes the Hub for hosted Parquet by re-loading the builder by name, which
         # for a local builder (json, parquet, text) without data_files scans the working directory; skip
-        # to what it then does anyway: the dataset's Arrow table.
+        # to what it then does anyway: the dataset's Arrow table (memory-mapped from the datasets cache), which also
+        # numbers its rows for deduplication.
         # One block per ~1 MB of text, not one for the whole table: each block is a tokenizer task.
         table = hfds.with_format("arrow")[:]
+        table = table.append_column(DOC_COLUMN, pa.array(np.arange(table.num_rows, dtype=np.int64)))
         step = max(1, table.num_rows * BLOCK_BYTES // max(1, table.nbytes))
         ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, max(1, table.num_rows), step)])
     else:
         ds = ray.data.from_huggingface(hfds)
-    ds = ds.select_columns([d.text_column])
+    numbered = isinstance(hfds, datasets.IterableDataset) or bool(d.path) or d.dedup != "none"
+    ds = ds.select_columns([d.text_column, DOC_COLUMN] if numbered else [d.text_column])
     return ds.rename_columns({d.text_column: "text"}) if d.text_column != "text" else ds
 
 
@@ -436,8 +455,11 @@ def _hf_stream_datasource(hfds: Any, column: str):
 
             def read(index: int) -> Iterator[pa.Table]:
                 part = hfds.shard(num_shards=n, index=index, contiguous=True) if n > 1 else hfds
+                rows = 0
                 for batch in part.iter(batch_size=4096):
-                    yield pa.table({column: pa.array(batch[column], pa.large_string())})
+                    block = pa.table({column: pa.array(batch[column], pa.large_string())})
+                    yield with_doc_ids(block, (index << 32) + rows)
+                    rows += block.num_rows
 
             meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
             return [ReadTask(lambda i=i: read(i), meta, per_task_row_limit=per_task_row_limit) for i in range(n)]

@@ -239,7 +239,8 @@ def run_manifest(mix: Mixture, plan: list[SourcePlan], *, phase: int, steps: int
             "seed": mix.seed, "dataset_dir": mix.dataset_dir, "seq_len": mix.seq_len,
             "tokenizer": join(mix.dataset_dir, mix.manifest.tokenizer_file),
             "tokenizer_sha256": mix.manifest.tokenizer_sha256,
-            "sources": [{**asdict(p), "index": i} for i, p in enumerate(plan)]}
+            "sources": [{**asdict(p), "index": i} for i, p in enumerate(plan)],
+            "dedup": mix.manifest.dedup}  # per source removed; per pair of sources the documents they shared
 
 
 # ---------------------------------------------------------------------------------------- opening

@@ -122,19 +122,46 @@ def shared_tokenizer(cfg: "Config", specs: list[SourceSpec]) -> str:
     return location
 
 
+def dedup_priorities(cfg: "Config", specs: list[SourceSpec]) -> list[SourceSpec]:
+    """The sources deduplicated together (all but those given as prepared datasets), in the order that keeps a shared
+    document: data.dedup_keep=first, as listed in data.mixture; weight, the heaviest first (ties as listed)."""
+    members = [s for s in specs if not s.dataset_dir]
+    if cfg.data.dedup_keep == "weight":
+        members = sorted(members, key=lambda s: -s.weight)  # stable: ties keep the listed order
+    return members
+
+
+def dedup_groups(cfg: "Config", specs: list[SourceSpec]) -> dict[str, dict]:
+    """name -> the part of each source's cache key that deduplication across the sources adds: every member's
+    description in priority order and this source's priority (its kept documents depend on all of them). Empty when
+    the sources are not deduplicated together (data.dedup=none, or one source to read)."""
+    from pipeline.data.corpus import describe_source
+
+    members = dedup_priorities(cfg, specs)
+    if cfg.data.dedup == "none" or len(members) < 2:
+        return {}
+    described = []
+    for s in members:
+        with about(s):
+            described.append([s.name, describe_source(source_config(cfg, s).data)])
+    return {s.name: {"sources": described, "keep": cfg.data.dedup_keep, "priority": i} for i, s in enumerate(members)}
+
+
 def _prepare_sources(cfg: "Config", specs: list[SourceSpec], tokenizer: str) -> dict[str, str]:
-    """name -> dataset directory of every source; those not cached yet are built side by side."""
+    """name -> dataset directory of every source; those not cached yet are built side by side (after the
+    deduplication of all the sources together, when data.dedup is on)."""
     from pipeline.data.pack import dataset_location, dataset_settings, prepare, reusable, settings_hash
 
     out: dict[str, str] = {}
     todo: list[SourceSpec] = []
+    groups = dedup_groups(cfg, specs)
     for spec in specs:
         if spec.dataset_dir:
             out[spec.name] = absolute(spec.dataset_dir)
             continue
         scfg = source_config(cfg, spec, tokenizer)
         with about(spec):
-            key = settings_hash(dataset_settings(scfg))
+            key = settings_hash(dataset_settings(scfg, groups.get(spec.name)))
         where = dataset_location(scfg, key)
         if reusable(where, key) is not None:
             out[spec.name] = where
@@ -145,17 +172,46 @@ def _prepare_sources(cfg: "Config", specs: list[SourceSpec], tokenizer: str) -> 
         from pipeline.ray_runtime import ensure_ray
 
         ensure_ray(cfg.ray.address or None, cfg)
+        found = {}
+        if groups:  # every source is read (a cached one's documents still decide what the others keep)
+            from pipeline.data.dedup import GroupSource, dedup_spec, deduplicate
+
+            members = dedup_priorities(cfg, specs)
+            log.info("deduplicating %d sources together (%s keeps a shared document)", len(members),
+                     " > ".join(s.name for s in members))
+            result = deduplicate([GroupSource(s.name, source_config(cfg, s, tokenizer).data, i)
+                                  for i, s in enumerate(members)], dedup_spec(cfg.data))
+            found = {s.name: (lambda p=i: (result.removal(p), result.record(p))) for i, s in enumerate(members)}
         actors = cfg.data.tokenize_actors or default_actor_count()
         side_by_side = max(1, min(len(todo), actors))
         each = max(1, actors // side_by_side)
         log.info("preparing %d source(s) (%s), %d at a time with %d tokenizer actor(s) each", len(todo),
                  ", ".join(s.name for s in todo), side_by_side, each)
         with ThreadPoolExecutor(max_workers=side_by_side, thread_name_prefix="prepare-source") as pool:
-            futures = {s.name: (s, pool.submit(prepare, source_config(cfg, s, tokenizer, each))) for s in todo}
+            futures = {s.name: (s, pool.submit(prepare, source_config(cfg, s, tokenizer, each),
+                                               dedup_group=groups.get(s.name), dedup=found.get(s.name)))
+                       for s in todo}
             for name, (spec, fut) in futures.items():
                 with about(spec):
                     out[name] = absolute(fut.result())
     return out
+
+
+def mixture_dedup(specs: list[SourceSpec], manifests: dict[str, Manifest]) -> dict:
+    """The mixture manifest's `dedup`: each source's counts and, per pair of sources, the documents they shared (a
+    cluster of duplicates holding documents of both: counted by the documents removed from either)."""
+    records = {s.name: manifests[s.name].dedup for s in specs if manifests[s.name].dedup}
+    if not records:
+        return {}
+    first = next(iter(records.values()))
+    keys = ("documents_read", "removed_exact", "removed_near", "removed_as_copies_of_other_sources", "kept",
+            "clusters_exact", "clusters_near")
+    names = sorted(records)
+    shared = [{"sources": [a, b], "documents": int(records[a].get("shared_with", {}).get(b, 0))}
+              for i, a in enumerate(names) for b in names[i + 1:]]
+    settings = {k: v for k, v in first.items() if k not in keys and k not in ("shared_with", "group", "seconds",
+                                                                              "stage_seconds")}
+    return {**settings, "sources": {n: {k: r.get(k, 0) for k in keys} for n, r in records.items()}, "shared": shared}
 
 
 def prepare_mixture(cfg: "Config") -> Path | str:
@@ -208,7 +264,7 @@ def _manifest(settings: dict, key: str, specs: list[SourceSpec], datasets: dict[
         source={"kind": MIXTURE_KIND, "sources": sources}, settings=settings, counts=total,
         packing_efficiency=total["tokens_kept"] / max(1, total["tokens_total"]),
         remainder_policy="per source: " + first.remainder_policy, doc_length={}, shards={"train": [], "val": []},
-        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), dedup=mixture_dedup(specs, manifests))
 
 
 # ---------------------------------------------------------------------------------------- validation

@@ -202,9 +202,13 @@ class _TokenizeBatch:
 # ----------------------------------------------------------------------------------------------
 # Cache key and the build.
 
-def dataset_settings(cfg: "Config") -> dict[str, Any]:
-    """Everything that determines the shards' bytes (and nothing that does not, like the actor count)."""
+def dataset_settings(cfg: "Config", dedup_group: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything that determines the shards' bytes (and nothing that does not, like the actor count).
+    `dedup_group`: for a source deduplicated with others (a mixture's), what its kept documents also depend on
+    (the other sources and its priority among them: pipeline/data/mixture_prepare.py)."""
     import sentencepiece
+
+    from pipeline.data.dedup import dedup_spec
 
     d = cfg.data
     if d.tokenizer:
@@ -215,9 +219,13 @@ def dataset_settings(cfg: "Config") -> dict[str, Any]:
     else:
         tok = {"train": {"vocab_size": d.vocab_size, "sample_bytes": d.tokenizer_sample_bytes,
                          "recipe": "bpe+byte_fallback+identity", "sentencepiece": sentencepiece.__version__}}
-    return {"schema_version": SCHEMA_VERSION, "pack_version": PACK_VERSION, "source": describe_source(d),
-            "tokenizer": tok, "seq_len": d.seq_len, "val_fraction": d.val_fraction,
-            "rows_per_shard": d.rows_per_shard, "split_seed": d.split_seed}
+    out = {"schema_version": SCHEMA_VERSION, "pack_version": PACK_VERSION, "source": describe_source(d),
+           "tokenizer": tok, "seq_len": d.seq_len, "val_fraction": d.val_fraction,
+           "rows_per_shard": d.rows_per_shard, "split_seed": d.split_seed}
+    spec = dedup_spec(d)
+    if spec is not None:  # data.dedup=none keeps the key (and so every dataset) of before deduplication
+        out["dedup"] = {**spec.to_dict(), **({"group": dedup_group} if dedup_group else {})}
+    return out
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
@@ -292,17 +300,20 @@ def dataset_location(cfg: "Config", key: str) -> str:
     return absolute(cfg.data.dataset_dir) if cfg.data.dataset_dir else join(dataset_store(cfg), key[:16])
 
 
-def prepare(cfg: "Config", ray_address: str | None = None) -> Path | str:
+def prepare(cfg: "Config", ray_address: str | None = None, *, dedup_group: dict[str, Any] | None = None,
+            dedup: "Any" = None) -> Path | str:
     """Build (or reuse) the packed dataset for cfg.data; returns the dataset directory: a Path on this machine,
-    else its URI."""
-    return prepare_dataset(cfg, ray_address)[0]
+    else its URI. `dedup_group`, `dedup`: a mixture's source deduplicated with the others (its group's cache-key part,
+    and a callable giving its (Removal, record) once the group has run: pipeline/data/mixture_prepare.py)."""
+    return prepare_dataset(cfg, ray_address, dedup_group=dedup_group, dedup=dedup)[0]
 
 
-def prepare_dataset(cfg: "Config", ray_address: str | None = None) -> tuple[Path | str, Manifest]:
+def prepare_dataset(cfg: "Config", ray_address: str | None = None, *, dedup_group: dict[str, Any] | None = None,
+                    dedup: "Any" = None) -> tuple[Path | str, Manifest]:
     """prepare, returning the dataset directory and its manifest (the one read to reuse it, or the one just
     written), for the caller to hand on."""
     t0 = time.time()
-    settings = dataset_settings(cfg)
+    settings = dataset_settings(cfg, dedup_group)
     key = settings_hash(settings)
     out = dataset_location(cfg, key)
     if (m := reusable(out, key)) is not None:
@@ -324,7 +335,7 @@ def prepare_dataset(cfg: "Config", ray_address: str | None = None) -> tuple[Path
         remove_stale(out)  # dead builds of earlier attempts (a killed prepare) and the retired dataset
         build, published = Build(out, key), False
         try:
-            manifest = _build(cfg, settings, key, out, build, ray_address)
+            manifest = _build(cfg, settings, key, out, build, ray_address, dedup)
             manifest.extra["build_seconds"] = round(time.time() - t0, 2)
             if (m := reusable(out, key)) is not None:  # another prepare of this dataset got there first: use its
                 build.abandon()
@@ -354,8 +365,11 @@ def _returned(out: str) -> Path | str:
     return out if is_uri(out) else Path(out)
 
 
-def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_address: str | None) -> Manifest:
+def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_address: str | None,
+           dedup: "Any" = None) -> Manifest:
     import ray.data
+
+    from pipeline.data.dedup import GroupSource, deduplicate, dedup_spec
 
     d = cfg.data
     _hold(build, "start")  # before this process connects to (or starts) Ray
@@ -363,6 +377,14 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
     # Ray Data's tasks and actors may run on every node: each must be able to open the corpus and the store.
     require_shared(cfg, {"the dataset store": out, "data.path": d.path if d.source == "files" else ""})
     ds = read_documents(d)
+    dedup_record: dict[str, Any] = {}
+    spec = dedup_spec(d)
+    if spec is not None:  # before the tokenizer's sample and the split: no duplicate trains it or straddles the split
+        if dedup is None:  # a group of one (a mixture's group was run by its caller)
+            result = deduplicate([GroupSource("", d, 0)], spec)
+            dedup = lambda: (result.removal(0), result.record(0))  # noqa: E731
+        removal, dedup_record = dedup()
+        ds = removal.drop_from(ds)
     tok_path = join(build.dir, TOKENIZER_FILE)
     if d.tokenizer:
         write_bytes(tok_path, read_bytes(d.tokenizer))
@@ -459,6 +481,6 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
         source=settings["source"],
         settings=settings, counts=counts_out, packing_efficiency=kept / stats.tokens, remainder_policy=REMAINDER_POLICY,
         doc_length=stats.doc_length(), shards=shards, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        bad_records={f: {"count": n, "first": reason} for f, (n, reason) in bad_files.items()},
+        bad_records={f: {"count": n, "first": reason} for f, (n, reason) in bad_files.items()}, dedup=dedup_record,
         extra={"tokenize_actors": n_actors, "parts": segments.count, "split_rule": dataclasses.asdict(rule),
                "rows": counts, **timings})

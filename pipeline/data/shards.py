@@ -97,6 +97,9 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     # data.on_bad_record=skip: file -> {"count": unreadable records skipped, "first": the first one's reason}
     bad_records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # data.dedup: settings, documents read, removed as exact and near copies, clusters, documents shared with the
+    # other sources of its mixture (pipeline/data/dedup.py DedupResult.record); {} when made without deduplication
+    dedup: dict[str, Any] = field(default_factory=dict)
 
     @property
     def window(self) -> int:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline.console import quiet_ray_data, stage
+from pipeline.data.dedup import mixture_dedup_line, summary_line
 from pipeline.data.shards import Manifest, load_manifest, tokenizer_location
 from pipeline.data.validate import validate_dataset
 
@@ -78,7 +79,8 @@ def prepared(cfg) -> tuple[Path | str, Manifest]:
           f"{c['replaced_invalid_utf8']:,} invalid UTF-8; skipped {c.get('bad_records', 0):,} unreadable records"
           f"{_bad_files_line(m)}\n"
           f"  tokenizer {m.tokenizer_file} vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}"
-          f"{_skipped_line(d)}")
+          f"{_skipped_line(d)}\n"
+          f"  {summary_line(m.dedup)}")
     return out, m
 
 
@@ -101,14 +103,23 @@ def _prepare_mixture_main(cfg) -> tuple[Path | str, Manifest]:
         sm = load_manifest(where[spec.name])
         print(f"  {spec.name:<12} weight {w:6.1%}  {sm.rows('train'):,} train + "
               f"{sm.rows('val'):,} val rows of {sm.seq_len}+1 ({sm.counts.get('tokens_kept', 0):,} tokens, "
-              f"{sm.counts.get('documents', 0):,} documents)  {where[spec.name]}"
+              f"{sm.counts.get('documents', 0):,} documents{_removed(sm.dedup)})  {where[spec.name]}"
               f"{_skipped_line(source_config(cfg, spec).data, '    ', _field(spec)) if not spec.dataset_dir else ''}")
+    if m.dedup:
+        print(f"  {mixture_dedup_line(m.dedup)}")
     if m.tokenizer_file:
         print(f"  tokenizer vocab {m.vocab_size} sha256 {m.tokenizer_sha256[:16]}; to keep it (and every prepared "
               f"source) when the weights change: --data.tokenizer={tokenizer_location(out, m)}")
     else:  # synthetic sources are token ids without a tokenizer file: there is none to keep
         print(f"  no tokenizer file (synthetic sources, vocab {m.vocab_size})")
     return out, m
+
+
+def _removed(record: dict) -> str:
+    """`; 1,234 duplicates removed` of a source's manifest `dedup`."""
+    if not record:
+        return ""
+    return f"; {record['removed_exact'] + record['removed_near']:,} duplicates removed"
 
 
 def _field(spec) -> str:

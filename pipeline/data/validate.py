@@ -9,7 +9,8 @@ Checks, each failure a line naming the file and what is wrong:
   token ids below vocab_size; every doc_start sits right after an EOS and every EOS inside a row starts a
   document; seq_ids unique and dense over all splits, each in the split its hash assigns; totals (sequences,
   tokens kept, EOS count, vocab used) as recorded; decode -> encode round trip of whole documents found in a
-  sample of rows. Ray-free.
+  sample of rows. Reported, not checked: how the dataset was deduplicated (its manifest) and which validation rows
+  hold a document that also occurs in training (pipeline/data/contamination.py). Ray-free.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.data.dedup import summary_line
 from pipeline.data.shards import DatasetError, Manifest, load_manifest, shard_schema
 from pipeline.data.tokenizer import Tokenizer, TokenizerError, file_sha256
 from pipeline.storage import absolute, is_file, join, read_bytes
@@ -65,13 +67,19 @@ class ValidationReport:
                 f"p50 ~{dl.get('p50_approx', 0)}, p90 ~{dl.get('p90_approx', 0)}, p99 ~{dl.get('p99_approx', 0)}, "
                 f"max {dl.get('max', 0)}",
                 f"  round trip     {s.get('round_trip', 'not run')}",
+                f"  dedup          {summary_line(s.get('dedup') or {})}",
             ]
+            if "contamination" in s:
+                lines.append(f"  contamination  {s['contamination'].line()}")
         lines.append("  OK" if self.ok else "  INVALID:\n" + "\n".join(f"    - {e}" for e in self.errors))
         return "\n".join(lines)
 
 
-def validate_dataset(dataset_dir: Path | str, *, sample_windows: int = 16) -> ValidationReport:
-    """Check a dataset against its manifest; returns a report with any failures (never raises for bad data)."""
+def validate_dataset(dataset_dir: Path | str, *, sample_windows: int = 16, contamination: bool = True
+                     ) -> ValidationReport:
+    """Check a dataset against its manifest; returns a report with any failures (never raises for bad data).
+    `contamination`: also report the validation rows whose documents occur in training (pipeline/data/contamination.py;
+    it decodes every document once), a finding, not a failure."""
     dataset_dir = absolute(dataset_dir)
     report = ValidationReport(dataset_dir)
     try:
@@ -102,8 +110,12 @@ def validate_dataset(dataset_dir: Path | str, *, sample_windows: int = 16) -> Va
     report.stats = {"sequences": total, "rows": rows, "seq_len": m.seq_len, "tokens": total * m.window,
                     "vocab_size": m.vocab_size, "vocab_used": int(np.count_nonzero(scan.token_counts)),
                     "packing_efficiency": m.packing_efficiency, "doc_length": m.doc_length, "counts": m.counts,
-                    "bad_records": m.bad_records,
+                    "bad_records": m.bad_records, "dedup": m.dedup,
                     "round_trip": scan.round_trip(tok, report.errors)}
+    if contamination and tok is not None and not report.errors:
+        from pipeline.data.contamination import contamination as check
+
+        report.stats["contamination"] = check(dataset_dir, m, tok)
     return report
 
 

@@ -50,7 +50,30 @@ def dataset_profile(manifest: Manifest) -> dict[str, Any]:
     return {"sequences": manifest.rows("train") + manifest.rows("val"), "train_sequences": manifest.rows("train"),
             "val_sequences": manifest.rows("val"), "tokens": int(c.get("tokens_kept", 0)),
             "documents": int(c.get("documents", 0)), "seq_len": manifest.seq_len, "vocab_size": manifest.vocab_size,
-            "tokenizer_sha256": manifest.tokenizer_sha256, "settings_hash": manifest.settings_hash}
+            "tokenizer_sha256": manifest.tokenizer_sha256, "settings_hash": manifest.settings_hash,
+            "dedup": {k: v for k, v in (getattr(manifest, "dedup", None) or {}).items()
+                      if k in ("mode", "threshold", "ngram", *DEDUP_COUNTS, "shared_with")}}
+
+
+DEDUP_COUNTS = ("documents_read", "removed_exact", "removed_near", "clusters_exact", "clusters_near", "kept")
+
+
+def dedup_params(manifest: Manifest, source: str = "") -> dict[str, Any]:
+    """The dataset's deduplication as MLflow params (names.py: `dedup/mode`, `dedup/removed_exact`, ...; a mixture's
+    source: `dedup/<source>/...`, and `dedup/shared/<a>/<b>` per pair of sources it shared documents with, a before
+    b): its settings and counts, from the manifest (none for a dataset made without deduplication)."""
+    record = getattr(manifest, "dedup", None) or {}
+    if not record:
+        return {}
+    prefix = f"dedup/{source}/" if source else "dedup/"
+    out = {f"{prefix}{k}": record[k] for k in ("mode", *DEDUP_COUNTS) if k in record}
+    if record.get("mode") == "near":
+        out.update({f"{prefix}{k}": record[k] for k in ("threshold", "ngram", "bands", "rows") if k in record})
+    if source:
+        for other, n in record.get("shared_with", {}).items():
+            a, b = sorted([source, other])
+            out[f"dedup/shared/{a}/{b}"] = n
+    return out
 
 
 def dataset_input(manifest: Manifest, dataset_dir: str | Path):

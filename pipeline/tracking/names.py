@@ -52,6 +52,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
 | tag    | `longtrain.restart`        | the latest restart of the worker group: its size before and after, why, the steps redone |
 | tag    | `longtrain.extended`, `longtrain.max_steps` | a resume that extended the run: the schedule's stretch, and the steps it now trains to (param `train.max_steps` keeps its first value) |
+| param  | `dedup/mode`, `dedup/documents_read`, `dedup/removed_exact`, `dedup/removed_near`, `dedup/clusters_exact`, `dedup/clusters_near`, `dedup/kept` (near: `dedup/threshold`, `ngram`, `bands`, `rows`) | the dataset's deduplication (data.dedup): settings and counts from its manifest; a mixture: `dedup/<source>/...` and `dedup/shared/<a>/<b>`, the documents two sources shared (lineage.py) |
 | input  | dataset                    | the prepared dataset: name, digest = manifest settings hash, source, profile (lineage.py); a mixture: one per source, tagged with its name and weight |
 
 Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow tag `mlflow.parentRunId`.

@@ -427,10 +427,15 @@ class Tracker:
 
     def log_dataset_input(self, manifest: Any, dataset_dir: str | Path, context: str = "train",
                           tags: Mapping[str, Any] | None = None) -> None:
-        """The prepared dataset as an MLflow dataset input (digest = manifest settings hash); see lineage.py."""
-        from pipeline.tracking.lineage import log_dataset_input
+        """The prepared dataset as an MLflow dataset input (digest = manifest settings hash), and its deduplication's
+        settings and counts as params (a mixture's source: under its name); see lineage.py."""
+        from pipeline.tracking.lineage import dedup_params, log_dataset_input
+        from pipeline.tracking.names import MIXTURE_SOURCE_TAG
 
         log_dataset_input(self.client, self._run_id, manifest, dataset_dir, context, tags)
+        params = dedup_params(manifest, str((tags or {}).get(MIXTURE_SOURCE_TAG, "")))
+        if params:
+            self.log_params(params, keep_logged=tuple(params))  # a later phase's dataset: the first phase's stay
 
     # -- system metrics -----------------------------------------------------------------------
     def start_system_metrics(self, interval_s: float = 10.0) -> bool:

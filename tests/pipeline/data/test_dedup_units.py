@@ -1,0 +1,200 @@
+"""Deduplication's parts on tiny inputs whose answers are known by hand: hashing and its normalisations, MinHash and
+the LSH banding, the check of candidates against their signatures, exact groups, buckets, connected components, the
+settings (one line each when bad) and the cache key. No Ray: the partition functions are fed one partition that holds
+every row, which is what Ray Data's hash shuffle guarantees for each key."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from pipeline.config import ConfigError, load_config
+from pipeline.data.dedup_components import (EXACT, NEAR, bucket_edges, both_ways, exact_removed, large_star,
+                                            small_star, star_removed, stars_in_one_task)
+from pipeline.data.dedup_signatures import (DedupParams, Signer, candidate_probability, estimate_jaccard,
+                                            exact_hashes, jaccard, lsh_shape, near_words, shingle_set)
+
+WORDS = [f"word{i}" for i in range(100)]
+
+
+def text(words: list[str]) -> str:
+    return " ".join(words)
+
+
+# ----------------------------------------------------------------------------------------------- hashing
+def test_exact_hash_ignores_spacing_only():
+    a = "The cat sat.\n\nOn the  mat. "
+    same = ["  The cat sat. On the mat.", "The\tcat sat.\r\nOn the mat."]
+    other = ["the cat sat. On the mat.", "The cat sat, On the mat."]  # case and punctuation count
+    h = exact_hashes([a, *same, *other])
+    assert h.dtype == np.uint64 and h.shape == (5, 2)
+    assert all((h[i] == h[0]).all() for i in (1, 2))
+    assert not any((h[i] == h[0]).all() for i in (3, 4))
+
+
+def test_near_words_lowercase_and_drop_punctuation():
+    assert near_words("Hello, World!  It's 2024:\tfine_ok.") == "hello world it s 2024 fine_ok"
+    assert near_words("...!?") == ""
+    assert shingle_set("a b c", 5) == {("a", "b", "c")}  # fewer words than n: one shingle of them all
+    assert shingle_set("", 5) == set()
+
+
+def test_jaccard_of_one_changed_word_is_known_by_hand():
+    """100 words, 5-grams: 96 shingles; changing word 50 changes the 5 shingles that hold it, so the two sets share
+    91 and their union holds 96 + 5 = 101."""
+    changed = list(WORDS)
+    changed[50] = "other"
+    assert jaccard(text(WORDS), text(changed), 5) == pytest.approx(91 / 101)
+    assert jaccard(text(WORDS), text(WORDS), 5) == 1.0
+
+
+def test_lsh_shape_is_finewebs_at_its_threshold_and_candidates_follow_the_s_curve():
+    assert lsh_shape(0.75) == (14, 8)  # FineWeb: 14 bands x 8 hashes = 112
+    assert candidate_probability(0.6, 14, 8) == pytest.approx(1 - (1 - 0.6 ** 8) ** 14)  # ~0.21, the issue's figure
+    assert round(candidate_probability(0.6, 14, 8), 2) == 0.21
+    for t in (0.5, 0.75, 0.8, 0.9, 1.0):
+        bands, rows = lsh_shape(t)
+        assert bands * rows <= 112 and candidate_probability(t, bands, rows) >= 0.75
+    assert lsh_shape(0.5)[1] < lsh_shape(0.9)[1]  # a lower threshold: fewer rows a band, more candidates
+
+
+def test_signatures_of_equal_texts_are_equal_and_bands_tell_candidates():
+    signer = Signer(DedupParams())
+    changed = list(WORDS)
+    changed[50] = "other"
+    far = [f"else{i}" for i in range(100)]
+    sig = signer.sign([text(WORDS), "  " + text(WORDS) + "\n", text(changed), text(far), "!!!", ""])
+    assert sig.minhash.shape == (6, 112) and sig.bands.shape == (6, 14) and sig.sketch.shape == (6, 112)
+    assert (sig.minhash[0] == sig.minhash[1]).all() and (sig.exact[0] == sig.exact[1]).all()
+    assert sig.has_words.tolist() == [True, True, True, True, False, False]
+    # J = 91/101 = 0.90: 0.90^8 = 0.43 per band, so some of 14 bands agree; a distinct text shares none
+    assert (sig.bands[0] == sig.bands[2]).any() and not (sig.bands[0] == sig.bands[3]).any()
+    est = estimate_jaccard(sig.sketch[0], sig.sketch[2])
+    assert abs(est - 91 / 101) < 0.12  # 112 hashes: a standard error of ~0.03
+    assert estimate_jaccard(sig.sketch[0], sig.sketch[3]) < 0.1
+
+
+def test_signatures_do_not_depend_on_the_batch():
+    signer = Signer(DedupParams())
+    texts = [text(WORDS[i:i + 30]) for i in range(0, 60, 7)]
+    whole = signer.sign(texts)
+    one_by_one = [signer.sign([t]) for t in texts]
+    assert all((whole.minhash[i] == s.minhash[0]).all() for i, s in enumerate(one_by_one))
+    assert (Signer(DedupParams()).sign(texts).bands == whole.bands).all()  # a new worker: the same hash functions
+
+
+# ----------------------------------------------------------------------------------------------- exact groups
+def test_exact_groups_keep_the_smallest_node_and_count_each_group_once():
+    part = pa.table({"node": pa.array([7, 3, 5, 9, 2, 8], pa.int64()),
+                     "ex_hi": pa.array([1, 1, 1, 2, 3, 3], pa.uint64()),
+                     "ex_lo": pa.array([10, 10, 10, 20, 30, 30], pa.uint64())})
+    out = exact_removed(part).to_pydict()
+    # groups {7, 3, 5} kept by 3; {9} alone; {2, 8} kept by 2
+    assert sorted(zip(out["node"], out["keeper"])) == [(5, 3), (7, 3), (8, 2)]
+    assert set(out["kind"]) == {EXACT} and sum(out["cluster"]) == 2
+
+
+# ----------------------------------------------------------------------------------------------- buckets
+def _band_rows(rows: list[tuple[int, int, int, list[int]]]) -> pa.Table:
+    k = len(rows[0][3])
+    return pa.table({"key": pa.array([r[0] for r in rows], pa.uint64()), "node": pa.array([r[1] for r in rows], pa.int64()),
+                     "ex_lo": pa.array([r[2] for r in rows], pa.uint64()),
+                     "sketch": pa.FixedSizeListArray.from_arrays(pa.array([b for r in rows for b in r[3]], pa.uint8()), k)})
+
+
+def test_a_bucket_checks_its_candidates_against_their_sketches():
+    """Bucket 1: nodes 4 and 6 agree on 100 of 112 sketch bytes (estimate ~0.89), node 9 on 50 (~0.44); node 12 is
+    an exact copy of 4 (same exact hash): it counts as 4. Bucket 2: one document, no pair."""
+    base = list(range(112))
+    near = base[:100] + [200 + i for i in range(12)]
+    far = base[:50] + [150 + i for i in range(62)]
+    part = _band_rows([(1, 6, 60, near), (1, 4, 40, base), (1, 9, 90, far), (1, 12, 40, base), (2, 5, 50, base)])
+    out = bucket_edges(part, 0.75).to_pydict()
+    assert list(zip(out["hi"], out["lo"])) == [(6, 4)]
+    assert bucket_edges(part, 0.4).num_rows == 3  # every pair of 4, 6, 9 passes a lower threshold
+
+
+def test_a_large_bucket_is_checked_linearly_and_still_links_its_chain():
+    sk = list(range(112))
+    part = _band_rows([(7, n, n, sk) for n in range(1, 41)])  # 40 identical sketches, 40 distinct texts
+    out = bucket_edges(part, 0.75).to_pydict()
+    assert len(out["hi"]) == 39 + 38  # each against the smallest, and each against the one before: not 780 pairs
+    assert set(out["lo"]) >= {1} and all(h > lo for h, lo in zip(out["hi"], out["lo"]))
+
+
+# ----------------------------------------------------------------------------------------------- components
+def _components(edges: list[tuple[int, int]]) -> dict[int, int]:
+    """The Ray loop (pipeline/data/dedup_components.py components) with one partition: node -> its component's
+    smallest node."""
+    cur = pa.table({"hi": pa.array([max(e) for e in edges], pa.int64()), "lo": pa.array([min(e) for e in edges], pa.int64())})
+    for _ in range(64):
+        big = large_star(both_ways(cur))
+        if sum(big.column("mixed").to_pylist()) == 0:
+            out = star_removed(big.select(["hi", "lo"])).to_pydict()
+            assert set(out["kind"]) == {NEAR}
+            return dict(zip(out["node"], out["keeper"]))
+        cur = small_star(big.select(["hi", "lo"]))
+    raise AssertionError("no convergence")
+
+
+@pytest.mark.parametrize("edges, expected", [
+    ([(1, 2), (2, 3), (3, 4), (4, 5)], {2: 1, 3: 1, 4: 1, 5: 1}),  # a chain
+    ([(5, 1), (5, 2)], {2: 1, 5: 1}),  # two smaller neighbours: not a star yet
+    ([(10, 11), (20, 21), (21, 22), (11, 12)], {11: 10, 12: 10, 21: 20, 22: 20}),  # two components
+    ([(9, 8), (8, 7), (7, 6), (6, 1), (3, 9)], {3: 1, 6: 1, 7: 1, 8: 1, 9: 1}),  # a path through a larger node
+])
+def test_components_label_every_node_with_its_components_smallest(edges, expected):
+    assert _components(edges) == expected
+
+
+def test_components_of_a_random_graph_match_union_find():
+    rng = np.random.default_rng(3)
+    edges = [tuple(int(x) for x in rng.choice(200, 2, replace=False)) for _ in range(150)]
+    parent = list(range(200))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        ra, rb = find(a), find(b)
+        parent[max(ra, rb)] = min(ra, rb)
+    expected = {n: find(n) for n in {x for e in edges for x in e} if find(n) != n}
+    assert _components(edges) == expected
+    hi, lo = np.array([max(e) for e in edges]), np.array([min(e) for e in edges])
+    member, smallest = stars_in_one_task(hi, lo)  # what a graph small enough for one task gets
+    assert dict(zip(member.tolist(), smallest.tolist())) == expected
+
+
+# ----------------------------------------------------------------------------------------------- settings
+@pytest.mark.parametrize("override, message", [
+    ({"data.dedup": "fuzzy"}, "data.dedup='fuzzy' is not allowed; choose one of: none, exact, near"),
+    ({"data.dedup_threshold": 0.0}, "data.dedup_threshold=0.0 is invalid; it must be in (0, 1]"),
+    ({"data.dedup_threshold": 1.5}, "data.dedup_threshold=1.5 is invalid; it must be in (0, 1]"),
+    ({"data.dedup_ngram": 0}, "data.dedup_ngram=0 is invalid; it must be >= 1"),
+    ({"data.dedup_keep": "last"}, "data.dedup_keep='last' is not allowed; choose one of: first, weight"),
+])
+def test_a_bad_setting_is_one_line(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu", override)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_the_cache_key_holds_the_settings_and_none_keeps_the_old_key(tmp_path):
+    from pipeline.data.pack import dataset_settings, settings_hash
+
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
+    source = {"data.source": "files", "data.path": str(tmp_path / "a.jsonl")}
+
+    def key(**over):
+        return settings_hash(dataset_settings(load_config("test", {**source, **{f"data.{k}": v
+                                                                              for k, v in over.items()}})))
+
+    none = dataset_settings(load_config("test", {**source, "data.dedup": "none"}))
+    assert "dedup" not in none  # datasets prepared before deduplication keep their hash
+    keys = {key(dedup="none"), key(dedup="exact"), key(dedup="near"), key(dedup="near", dedup_threshold=0.8),
+            key(dedup="near", dedup_ngram=3)}
+    assert len(keys) == 5
+    assert key(dedup="exact", dedup_threshold=0.8) == key(dedup="exact")  # exact reads no threshold
