@@ -38,7 +38,7 @@ import pyarrow as pa
 from pipeline.data.cleaning import clean_batch
 from pipeline.data.corpus import DOC_COLUMN, DOC_ID_BITS
 from pipeline.data.dedup_components import EXACT, NEAR, bucket_edges, by_partition, components, exact_removed, \
-    star_removed
+    removed_table, star_removed
 from pipeline.data.dedup_signatures import DedupParams, Signer, exact_hashes
 
 if TYPE_CHECKING:
@@ -240,6 +240,33 @@ def _read_rows(batch: pa.Table) -> pa.Table:
     return pa.table({"priority": pa.array(uniq, pa.int64()), "documents": pa.array(n, pa.int64())})
 
 
+ONE_TASK_DOCS = 1 << 23  # a corpus of at most this many documents (24 bytes of hashes each: 192 MiB) has its exact
+# copies found, and its removed rows sorted, in one Ray task instead of a hash shuffle and a distributed sort, whose
+# fixed costs (seconds of tasks and object transfers on a small machine) outweighed the work up to that size
+
+
+def _exact_task(refs: list) -> pa.Table:
+    """exact_removed over every signature block at once (a Ray task: the blocks come from the object store), its rows
+    sorted by node."""
+    import ray
+
+    tables = [ray.get(r) for r in refs]
+    if not tables:
+        return removed_table(*(np.zeros(0, np.int64),) * 2, EXACT, np.zeros(0, bool))
+    return _sorted(exact_removed(pa.concat_tables(tables)))
+
+
+def _sorted(table: pa.Table) -> pa.Table:
+    return table.take(pa.array(np.argsort(table.column("node").to_numpy(), kind="stable")))
+
+
+def _sorted_task(refs: list) -> pa.Table:
+    """The removed rows of every block, in one table sorted by node."""
+    import ray
+
+    return _sorted(pa.concat_tables([ray.get(r) for r in refs]))
+
+
 def _partitions(rows: int, row_bytes: int) -> int:
     """Hash partitions of a shuffle: ~PARTITION_BYTES each, at least one per CPU Ray has (up to 256)."""
     import ray
@@ -285,8 +312,13 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None
     docs = int(read.sum())
 
     t1 = time.perf_counter()
-    exact = by_partition(sigs.select_columns(["node", "ex_hi", "ex_lo"]), "ex_lo", partitions(docs, 24),
-                         exact_removed, compute)
+    one_task = workers is None and docs <= ONE_TASK_DOCS  # a corpus whose hashes fit one task: no shuffle at all
+    if one_task:
+        exact = ray.data.from_arrow_refs([ray.remote(_exact_task).remote(
+            sigs.select_columns(["node", "ex_hi", "ex_lo"]).to_arrow_refs())])
+    else:
+        exact = by_partition(sigs.select_columns(["node", "ex_hi", "ex_lo"]), "ex_lo", partitions(docs, 24),
+                             exact_removed, compute)
     removed_parts = [exact]
     if spec.mode == "near":
         k, b = spec.params.num_hashes, spec.params.bands
@@ -299,7 +331,10 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None
         if stars.count():
             removed_parts.append(by_partition(stars, "lo", partitions(docs, 32), star_removed, compute))
     removed = (removed_parts[0].union(*removed_parts[1:]) if len(removed_parts) > 1 else removed_parts[0])
-    removed = removed.sort("node").materialize()
+    if one_task:  # at most `docs` rows: sorted in one task too (Ray Data's sort is a sample, a shuffle and a merge)
+        removed = ray.data.from_arrow_refs([ray.remote(_sorted_task).remote(removed.to_arrow_refs())]).materialize()
+    else:
+        removed = removed.sort("node").materialize()
     del sigs
     stages["removal_s"] = round(time.perf_counter() - t1, 2)
 

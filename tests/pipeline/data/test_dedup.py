@@ -63,7 +63,8 @@ def test_a_bad_dedup_setting_is_one_line_from_the_command_line(capsys):
 def test_the_same_kept_set_on_one_worker_and_on_several(ray_session, tmp_path, tok, monkeypatch):
     """One task at a time and one hash partition against as many tasks as Ray Data likes and 7 partitions, on four
     files; the first with the components of its graph solved in one task, the second by large-star/small-star
-    rounds."""
+    rounds; and both against the default for a corpus this small, where the exact copies are found and the removed
+    rows sorted in one task too (no shuffle at all)."""
     import numpy as np
 
     from pipeline.data import dedup_components
@@ -80,7 +81,10 @@ def test_the_same_kept_set_on_one_worker_and_on_several(ray_session, tmp_path, t
         return set(np.concatenate(nodes).tolist()) if nodes else set(), r.record(0)
 
     one, rec_one = removed(1)
+    small, rec_small = removed(None)
+    assert small == one and rec_small["removed_exact"] == rec_one["removed_exact"]
     monkeypatch.setattr(dedup_components, "ONE_TASK_EDGES", 0)
+    monkeypatch.setattr("pipeline.data.dedup.ONE_TASK_DOCS", 0)
     monkeypatch.setattr("pipeline.data.dedup._partitions", lambda rows, row_bytes: 7)
     many, rec_many = removed(None)
     assert one == many and len(one) == 2

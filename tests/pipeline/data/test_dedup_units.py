@@ -198,3 +198,24 @@ def test_the_cache_key_holds_the_settings_and_none_keeps_the_old_key(tmp_path):
             key(dedup="near", dedup_ngram=3)}
     assert len(keys) == 5
     assert key(dedup="exact", dedup_threshold=0.8) == key(dedup="exact")  # exact reads no threshold
+
+
+def test_the_exact_copies_in_one_task_are_those_of_the_partitions_sorted_by_node():
+    """pipeline/data/dedup.py's one-task path (a small corpus) runs exact_removed on every row at once and sorts the
+    result: the same rows as the hash partitions give, each partition on its own, merged and sorted."""
+    import numpy as np
+    import pyarrow as pa
+
+    from pipeline.data.dedup import _sorted
+    from pipeline.data.dedup_components import exact_removed
+
+    rng = np.random.default_rng(0)
+    node = rng.permutation(1000).astype(np.int64)
+    hi = rng.integers(0, 40, 1000).astype(np.uint64)  # many equal texts
+    lo = (hi * np.uint64(7)) % np.uint64(13)
+    rows = pa.table({"node": node, "ex_hi": hi, "ex_lo": lo})
+    whole = _sorted(exact_removed(rows))
+    parts = [exact_removed(rows.filter(pa.array(lo % np.uint64(3) == p))) for p in range(3)]
+    merged = _sorted(pa.concat_tables(parts))
+    assert whole.equals(merged) and whole.num_rows == 1000 - len(np.unique(np.stack([hi, lo]), axis=1).T)
+    assert np.all(np.diff(whole.column("node").to_numpy()) > 0)
