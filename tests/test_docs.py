@@ -241,6 +241,7 @@ EXTERNAL_FILES = {
     "generate/base.py": "litgpt's generate/base.py",
     "modeling_rope_utils.py": "transformers' models' RoPE utilities",
     "/pipeline/run.py": "<a checkout>/pipeline/run.py, of this repository",
+    "examples/minhash_deduplication.py": "datatrove's example of FineWeb's MinHash recipe",
 }
 _PY_NAME = re.compile(r"(?<![\w./-])([\w./-]*\w\.py)\b")
 

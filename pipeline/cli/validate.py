@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.cli.errors import UsageError
 from pipeline.config import Config
-from pipeline.train.session.run_dir import recorded_checkpoint, run_dir_of
+from pipeline.train.session.run_dir import checkpoint_to_resume, run_dir_of
 
 
 def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
@@ -21,10 +21,13 @@ def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> in
 
     target, run_dir = args.target, run_dir_of(cfg, args.target)
     if run_dir is not None:
-        target = recorded_checkpoint(run_dir)
+        target, problem = checkpoint_to_resume(run_dir)
         if target is None:
             raise UsageError(f"validate {args.target}: run {run_dir} has no checkpoint yet; validate a dataset "
                              f"directory or a checkpoint")
+        if problem is not None:  # what `train --resume` skips with the same words
+            print(f"validate: {problem}; validating {target}, the newest complete checkpoint of the run (the one "
+                  f"`train --resume {args.target}` continues from)")
     elif "://" not in target and not Path(target).exists():
         raise UsageError(f"validate {target}: no such path, and no run named {target} under run.root "
                          f"({cfg.run.root}); validate takes a dataset directory, a checkpoint directory, a run "

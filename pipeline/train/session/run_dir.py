@@ -95,6 +95,11 @@ def run_dir_of(cfg: Config, value: str) -> Path | None:
 
 
 def recorded_checkpoint(run_dir: Path) -> str | None:
+    """The run's latest complete checkpoint: checkpoint_to_resume's location."""
+    return checkpoint_to_resume(run_dir)[0]
+
+
+def checkpoint_to_resume(run_dir: Path) -> tuple[str | None, str | None]:
     """The run's latest complete checkpoint (a local path or a URI), the one `train --resume RUN` continues from,
     whether the run finished, crashed (a full disk at its third checkpoint) or was killed: the newest complete
     checkpoint of the phase in progress (run.json's `phase`), in the run's folder of them (<run>/checkpoints/phase<i>
@@ -104,10 +109,11 @@ def recorded_checkpoint(run_dir: Path) -> str | None:
 
     The one place `--checkpoint RUN`, `--resume RUN` (eval, generate, export) and `validate RUN` turn a run into a
     checkpoint. run.json's own `checkpoint` is written when a phase ends or stops: a run that crashed has newer
-    complete checkpoints than it records."""
+    complete checkpoints than it records. Returns (that location, what was wrong with a newer incomplete one or
+    None)."""
     from pipeline.config import ConfigError, from_flat
     from pipeline.storage import StorageError, join, ray_storage
-    from pipeline.train.checkpoints.index import newest_complete
+    from pipeline.train.checkpoints.index import checkpoint_names, incomplete, newest_complete
 
     record = read_run_file(run_dir)
     if record.get("phase") is not None and record.get("config"):
@@ -116,8 +122,10 @@ def recorded_checkpoint(run_dir: Path) -> str | None:
             folder = (str(run_dir / "checkpoints" / phase) if record.get("no_ray")
                       else join(ray_storage(from_flat(record["config"]), run_dir), phase))
             found = newest_complete(folder)
+            newer = [n for n in checkpoint_names(folder) if found is None or n > found.name]
+            problem = incomplete(join(folder, newer[0])) if newer else None
         except (ConfigError, StorageError, FileNotFoundError, NotADirectoryError):
-            found = None  # the folder is not there (no checkpoint yet) or cannot be listed: run.json's says the rest
+            found = problem = None  # the folder is not there (no checkpoint yet) or cannot be listed: run.json's says
         if found is not None:
-            return found.location
-    return record.get("checkpoint") or None
+            return found.location, problem
+    return record.get("checkpoint") or None, None
