@@ -118,6 +118,58 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+class HangUpServer:
+    """A real TCP server on 127.0.0.1 that accepts each connection and closes it at once without a byte, counting
+    them: a tracking server that is there but answers nothing. A client that gives up on the first failure makes
+    one connection; one that retries (MLflow's own client retries for minutes) makes more. The count proves it
+    without a clock."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._count = 0
+        self._thread = threading.Thread(target=self._serve, name="hang-up-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return self._count
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                self._count += 1  # before the close: the client's error comes after this count
+            conn.close()
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (a close alone may not)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def hang_up_server():
+    """A HangUpServer for one test."""
+    server = HangUpServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """(tracking URI, artifacts destination) of a real `mlflow server` on 127.0.0.1 for the whole session.
