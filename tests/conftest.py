@@ -52,6 +52,11 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # both. (On a whole Ray-path test the saving was within this VM's run-to-run noise.)
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
+# Every local Ray the tests start (the session's, and a command's in a subprocess) may take up to 10 minutes to
+# register its node (pipeline/ray_runtime.py; 120 s for users): on a machine shared with other work the session's
+# Ray once took longer than 120 s, and every test of a file then failed at set-up. A bound on a hang only;
+# tests/pipeline/test_ray_start.py sets its own to test the line.
+os.environ.setdefault("LONGTRAIN_RAY_START_WAIT_S", "600")
 
 # The session's S3 server: its port is chosen now (outside the ephemeral range, so no outgoing connection takes it
 # before the server binds it) and its settings exported before any Ray starts; the server starts on first use.
