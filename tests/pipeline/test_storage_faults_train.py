@@ -263,9 +263,11 @@ def test_evaluation_reads_the_validation_split_once_and_says_how_long_it_waited(
     assert 0 < max(per_file.values()) <= 5, per_file
     record = ray_free_run["record"]
     epochs = json.loads((Path(record["checkpoint"]) / "meta.json").read_text())["counters"]["epoch"] + 1
-    # after the first evaluation began, only a new epoch's training reader reads the manifest (before: every one)
-    first_eval = min(r.time for r in val_reads)
-    later = [r for r in ray_free_run["log"] if re.match(r"^GET \S*/manifest\.json", r.line) and r.time > first_eval]
+    # after the first evaluation began, only a new epoch's training reader reads the manifest (before: every one);
+    # the proxy's log is in the order the requests came
+    log = ray_free_run["log"]
+    first_eval = next(i for i, r in enumerate(log) if re.match(r"^(GET|HEAD) \S*/val-\d+\.parquet", r.line))
+    later = [r for r in log[first_eval + 1:] if re.match(r"^GET \S*/manifest\.json", r.line)]
     assert len(later) <= epochs, later
     waits = logged_losses(s3_dataset.run_root, record["mlflow_run_id"], "eval/data_wait")
     assert sorted(waits) == list(range(2, 31, 2)) and all(0.0 <= w <= 1.0 for w in waits.values())
