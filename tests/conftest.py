@@ -36,6 +36,7 @@ from bench.fault_proxy import FaultProxy
 from bench.s3_server import SeaweedS3, free_ports
 from pipeline import storage
 from pipeline.storage import STORAGE_ENV
+from tests import file_order
 
 # Before mlflow is imported anywhere in the test process: no telemetry from tests (there is no network either).
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -66,6 +67,24 @@ for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DE
 S3 = SeaweedS3(Path(tempfile.gettempdir()) / f"longtrain-s3-{os.getpid()}", port=free_ports(1, 20000, 32000)[0])
 os.environ.update(S3.env)
 S3_BUCKET = "longtrain-test"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", metavar="PATH", default=None,
+                     help="write each test file's seconds to PATH (the table of tests/file_order.py, "
+                          "tests/slow_files.json, that orders the files under -n 2)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-file-seconds")
+    if path and not hasattr(config, "workerinput"):  # where every report arrives: the controller under xdist
+        config.pluginmanager.register(file_order.FileSeconds(Path(path)), "file-seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On each xdist worker: the longest files first (tests/file_order.py); xdist hands them out in this order."""
+    if hasattr(config, "workerinput"):
+        items[:] = file_order.longest_first(items, file_order.load_table())
 
 
 @pytest.fixture(scope="session")
