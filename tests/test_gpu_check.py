@@ -172,7 +172,7 @@ def test_a_stopped_check_stops_its_step_and_still_writes_its_results(tmp_path):
             f"python -c 'import pathlib, time; pathlib.Path(\"{running}\").touch(); time.sleep(300)'",
             "--add-step", "later", "60", "python -c pass"]
     proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120  # a bound on a hang only
+    deadline = time.monotonic() + 300  # a bound on a hang only
     while not running.exists():  # the step is running: the SIGTERM stops a running step
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.05)
