@@ -264,8 +264,8 @@ def test_eval_cli_logs_every_measure_to_the_run_that_trained_the_checkpoint(eval
     assert res.returncode == 0 and "Traceback" not in res.stdout + res.stderr, res.stdout[-3000:] + res.stderr
     out = res.stdout
     assert "eval by position (rows of 128 tokens" in out and "eval 2x: rows of 257 tokens" in out
-    assert f"passkey: accuracy " in out and f"eval: long-context metrics and pictures logged to MLflow run " \
-                                             f"{run_id}" in out
+    assert "passkey: accuracy " in out and f"eval: long-context metrics and pictures logged to MLflow run " \
+                                           f"{run_id}" in out
     client = MlflowClient(tracking_uri=uri)
     metrics = client.get_run(run_id).data.metrics
     for name in ("eval/loss", "eval/pos_loss/1-64", "eval/pos_tokens/64-128", "eval/cum_ppl/128", "eval_2x/loss",
