@@ -34,7 +34,10 @@ from pipeline.train.engine import Engine
 from pipeline.train.loop import Hooks, fit
 from tests.conftest import proxy_env
 
-pytestmark = pytest.mark.system
+# The fault-laden Ray Train run of the module fixture takes ~2 min on 2 idle cores (its set-up: 127 s in the suite
+# on 2 processes); at a load average of ~30 (2026-11-29, a machine shared with other suites) it still ran at 420 s,
+# the bound it had, and was killed. 20 min for a command (run_watching) and 30 min for a test bound a hang here.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
@@ -44,12 +47,19 @@ OUTAGE_S = 30
 REFUSE_TRAIN_STATE = r"^(POST|PUT) \S*/checkpoint_[^/ ]*/train_state\.pt[? ]"  # a PutObject or a multipart upload
 
 
-def run_watching(args: list[str], env: dict, on_step=None, timeout_s: float = 420, on_line=None) -> tuple[int, str]:
+def run_watching(args: list[str], env: dict, on_step=None, timeout_s: float = 1200, on_line=None) -> tuple[int, str]:
     """Run the CLI, calling on_step(step) for each progress line and on_line(line) for every line; (exit code,
-    output)."""
+    output). A command still running after timeout_s (a bound on a hang only) is killed and the test fails saying
+    so."""
     proc = subprocess.Popen([*RUN, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    watchdog = threading.Timer(timeout_s, proc.kill)
+    killed = threading.Event()
+
+    def kill() -> None:
+        killed.set()
+        proc.kill()
+
+    watchdog = threading.Timer(timeout_s, kill)
     watchdog.start()
     lines = []
     try:
@@ -63,6 +73,9 @@ def run_watching(args: list[str], env: dict, on_step=None, timeout_s: float = 42
         proc.wait()
     finally:
         watchdog.cancel()
+    if killed.is_set():
+        pytest.fail(f"`pipeline/run.py {' '.join(args[:1])}` still ran after {timeout_s:.0f} s and was killed:\n"
+                    + "".join(lines)[-5000:])
     return proc.returncode, "".join(lines)
 
 
