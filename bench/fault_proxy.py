@@ -180,10 +180,10 @@ class FaultProxy:
         return self._add(Rule("refuse", re.compile(pattern), self._until(seconds), count, status=status,
                               lasting=lasting))
 
-    def stall(self, pattern: str = ".*", *, seconds: float | None = None) -> Rule:
+    def stall(self, pattern: str = ".*", *, seconds: float | None = None, lasting: float | None = None) -> Rule:
         """Matching requests get no answer: their connection is held open, silent, until the rule ends (then
-        closed)."""
-        return self._add(Rule("stall", re.compile(pattern), self._until(seconds)))
+        closed): `seconds` from now, `lasting` seconds from the first request it matches, or when cleared."""
+        return self._add(Rule("stall", re.compile(pattern), self._until(seconds), lasting=lasting))
 
     def deny(self, pattern: str = ".*", *, seconds: float | None = None) -> Rule:
         """Matching requests are answered 403 AccessDenied (as with revoked or wrong credentials)."""

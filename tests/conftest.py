@@ -36,6 +36,7 @@ from bench.fault_proxy import FaultProxy
 from bench.s3_server import SeaweedS3, free_ports
 from pipeline import storage
 from pipeline.storage import STORAGE_ENV
+from tests import file_order
 
 # Before mlflow is imported anywhere in the test process: no telemetry from tests (there is no network either).
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -52,6 +53,11 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # both. (On a whole Ray-path test the saving was within this VM's run-to-run noise.)
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
+# Every local Ray the tests start (the session's, and a command's in a subprocess) may take up to 10 minutes to
+# register its node (pipeline/ray_runtime.py; 120 s for users): on a machine shared with other work the session's
+# Ray once took longer than 120 s, and every test of a file then failed at set-up. A bound on a hang only;
+# tests/pipeline/test_ray_start.py sets its own to test the line.
+os.environ.setdefault("LONGTRAIN_RAY_START_WAIT_S", "600")
 
 # The session's S3 server: its port is chosen now (outside the ephemeral range, so no outgoing connection takes it
 # before the server binds it) and its settings exported before any Ray starts; the server starts on first use.
@@ -61,6 +67,24 @@ for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DE
 S3 = SeaweedS3(Path(tempfile.gettempdir()) / f"longtrain-s3-{os.getpid()}", port=free_ports(1, 20000, 32000)[0])
 os.environ.update(S3.env)
 S3_BUCKET = "longtrain-test"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", metavar="PATH", default=None,
+                     help="write each test file's seconds to PATH (the table of tests/file_order.py, "
+                          "tests/slow_files.json, that orders the files under -n 2)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-file-seconds")
+    if path and not hasattr(config, "workerinput"):  # where every report arrives: the controller under xdist
+        config.pluginmanager.register(file_order.FileSeconds(Path(path)), "file-seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On each xdist worker: the longest files first (tests/file_order.py); xdist hands them out in this order."""
+    if hasattr(config, "workerinput"):
+        items[:] = file_order.longest_first(items, file_order.load_table())
 
 
 @pytest.fixture(scope="session")
@@ -116,6 +140,58 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+class HangUpServer:
+    """A real TCP server on 127.0.0.1 that accepts each connection and closes it at once without a byte, counting
+    them: a tracking server that is there but answers nothing. A client that gives up on the first failure makes
+    one connection; one that retries (MLflow's own client retries for minutes) makes more. The count proves it
+    without a clock."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.uri = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._count = 0
+        self._thread = threading.Thread(target=self._serve, name="hang-up-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return self._count
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                self._count += 1  # before the close: the client's error comes after this count
+            conn.close()
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (a close alone may not)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def hang_up_server():
+    """A HangUpServer for one test."""
+    server = HangUpServer()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")

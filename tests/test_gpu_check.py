@@ -166,19 +166,19 @@ def test_more_files_than_a_lent_machine_returns_fold_into_the_check(tmp_path):
 
 
 def test_a_stopped_check_stops_its_step_and_still_writes_its_results(tmp_path):
+    running = tmp_path / "sleeper_running"  # the step's command writes it once it runs
     argv = [sys.executable, SCRIPT, "--out", str(tmp_path / "out"), "--steps", "sleeper", "later",
-            "--add-step", "sleeper", "300", "python -c 'import time; time.sleep(300)'",
+            "--add-step", "sleeper", "300",
+            f"python -c 'import pathlib, time; pathlib.Path(\"{running}\").touch(); time.sleep(300)'",
             "--add-step", "later", "60", "python -c pass"]
     proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = ""
-    while "[1/2] sleeper: " not in seen:  # the step has started
-        line = proc.stdout.readline()
-        assert line, seen
-        seen += line
-    time.sleep(1)
+    deadline = time.monotonic() + 300  # a bound on a hang only
+    while not running.exists():  # the step is running: the SIGTERM stops a running step
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    seen += proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, seen
+    seen = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130 and "[1/2] sleeper: " in seen, seen
     check = json.loads(next((tmp_path / "out").glob("gpu_check-*.json")).read_text())
     assert [(s["name"], s["status"]) for s in check["steps"]] == [("sleeper", "interrupted"), ("later", "skipped")]
     assert check["steps"][0]["reason"] == "stopped by SIGTERM"

@@ -144,6 +144,10 @@ class Engine:
     a training forward calls (the DDP wrapper under DDP); saving and evaluation use `module`.
     """
 
+    # The timer of train/tokens_per_s and the steady-state figures (seconds, monotonic). A test swaps it for a clock
+    # it drives (tests/pipeline/train/test_engine.py) to check those figures exactly, whatever the machine's load.
+    clock = staticmethod(time.perf_counter)
+
     def __init__(self, cfg: Config, vocab_size: int, device: torch.device | None = None, *, rank: int = 0,
                  world_size: int = 1, parallel: str | None = None):
         self.cfg, self.vocab_size = cfg, vocab_size
@@ -229,7 +233,7 @@ class Engine:
         # Metrics live on the device until a log interval pulls them (one host transfer).
         self.train_metrics = TokenMetrics(self.device)
         self._last_grad_norm = torch.zeros((), device=self.device)
-        self._interval_start = time.perf_counter()
+        self._interval_start = self.clock()
         self._interval_tokens = 0
         self._steps_run = 0  # train_step calls in this process (a resumed run compiles again)
         self._steady_step = False  # whether the step running now counts as steady state
@@ -272,7 +276,7 @@ class Engine:
         weights, optimizer and scheduler stay as they were) and is counted.
         """
         self.model.train()
-        steady, start = self._steps_run >= STEADY_AFTER_STEPS, time.perf_counter()
+        steady, start = self._steps_run >= STEADY_AFTER_STEPS, self.clock()
         self._steady_step = steady  # _count_attention_pairs adds to the steady-state count too
         if self.memory_limit is not None:
             with self.memory_limit.during(self.module, self.optimizer):
@@ -283,7 +287,7 @@ class Engine:
         if steady:  # the step's one host sync makes its time honest to within the optimizer update it queued
             self._steady["steps"] += 1
             self._steady["tokens"] += outcome.tokens * self.world_size
-            self._steady["seconds"] += time.perf_counter() - start
+            self._steady["seconds"] += self.clock() - start
         return outcome
 
     def _train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepOutcome:
@@ -375,7 +379,7 @@ class Engine:
         m = self.train_metrics.pull()
         grad_norm, attention_pairs, steady_pairs, peak_gib = self._pull_grad_norm_pairs_and_peak()
         self._steady["attention_pairs"] += steady_pairs
-        now = time.perf_counter()
+        now = self.clock()
         elapsed = max(now - self._interval_start, 1e-9)
         tokens_per_s = self._interval_tokens / elapsed
         out = {

@@ -7,7 +7,7 @@ Python (the simulator runs every GPU thread as a Python thread), ~13 s and ~36 s
 ~4 s each), and used to run one after the other, each when its test module started, while the second core idled. They now start as soon as the
 first test of this package runs (when the session has collected their tests), side by side with each other and
 with the other cuda_ops tests, and each module's fixture waits for its own result: the package takes ~40 s
-instead of ~67 s. The assertions are in test_cross_entropy_cudasim.py, test_sampling_cudasim.py and test_resonance_scan_cudasim.py.
+instead of ~67 s. On pytest-xdist's workers each module starts its own script instead (the fixture below says why). The assertions are in test_cross_entropy_cudasim.py, test_sampling_cudasim.py and test_resonance_scan_cudasim.py.
 """
 from __future__ import annotations
 
@@ -75,7 +75,14 @@ def cudasim_runs(tmp_path_factory):
 
 @pytest.fixture(scope="package", autouse=True)
 def _start_simulator_runs_early(request, cudasim_runs):
-    """Start the simulator script of every collected cudasim test module before this package's first test."""
+    """Start the simulator script of every collected cudasim test module before this package's first test.
+
+    Not on a pytest-xdist worker: each worker collects every test, so each started every script, and the suite on
+    2 processes ran them twice (a worker's copies of the scripts of modules the other worker ran went unread). There each module's fixture
+    starts its own script when it first needs it, on the worker that runs that module, and the other worker's tests
+    keep the second core busy meanwhile."""
+    if hasattr(request.config, "workerinput"):
+        return
     if importlib.util.find_spec("numba") is not None:  # without numba those modules are skipped
         wanted = {item.path.name for item in request.session.items} & set(SCRIPTS)
         for name in sorted(wanted):

@@ -26,16 +26,15 @@ HELD = r"^(PUT|POST) \S*/ray/phase0/checkpoint_\d{4}-"
 
 def held_run(s3_dataset, fault_proxy, ray_address, name: str, hold_s: float, *extra: str) -> dict:
     """A run of STEPS steps, a checkpoint every EVERY, whose checkpoint uploads the store holds from the first one
-    on, for at most `hold_s` from the first step logged (a bound on a step that waits for it), or until the run logs
-    step EVERY + 3 while they are held. Returns the run's exit code, output, the rule, and the steps logged while an upload was held."""
+    on, for at most `hold_s` from that first upload (a bound on a step that waits for it; counted from the upload,
+    so however long the run took to get there), or until the run logs step EVERY + 3 while they are held. Returns
+    the run's exit code, output, the rule, and the steps logged while an upload was held."""
     fault_proxy.clear()
     fault_proxy.reset_log()
-    held = fault_proxy.stall(HELD)
+    held = fault_proxy.stall(HELD, lasting=hold_s)
     during: list[int] = []
 
     def on_step(step: int) -> None:
-        if held.until is None:  # the bound counts from the first step (Ray's start and the dataset's read before it)
-            held.until = time.monotonic() + hold_s
         if held.hits and held.active(time.monotonic()):
             during.append(step)
             if step >= EVERY + 3:
@@ -77,7 +76,7 @@ def test_steps_go_on_while_the_store_holds_a_checkpoint_upload(s3_dataset, fault
 
 @pytest.mark.system
 def test_with_sync_uploads_the_step_waits_for_the_held_upload(s3_dataset, fault_proxy, ray_address):
-    # held for 30 s from step 1: the async run above logs past step EVERY within seconds of its first held upload
+    # held for 30 s from the first upload: the async run above logs past step EVERY within seconds of it
     run = held_run(s3_dataset, fault_proxy, ray_address, "upload-held-sync", 30, "--ray.checkpoint_upload=sync")
     assert run["code"] == 0, run["out"][-5000:]
     assert run["held"].hits > 0, "no checkpoint upload reached the store"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
 
 
-def run_cli(*args: str, timeout: int = 300) -> tuple[subprocess.CompletedProcess, float]:
-    t0 = time.monotonic()
-    res = subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return res, time.monotonic() - t0
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The command in a subprocess; a hang fails the test at `timeout` (subprocess.TimeoutExpired names it)."""
+    return subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def one_error_line(res: subprocess.CompletedProcess) -> str:
@@ -46,10 +44,9 @@ def one_error_line(res: subprocess.CompletedProcess) -> str:
 ])
 def test_generate_sampling_flags_are_checked_before_the_checkpoint_is_even_looked_for(flags, line):
     # The checkpoint does not exist: the flag's line comes first, so no model was located, let alone loaded
-    res, seconds = run_cli("generate", "--checkpoint", "/nonexistent/run/checkpoints/phase0/step_000008", *flags)
+    res = run_cli("generate", "--checkpoint", "/nonexistent/run/checkpoints/phase0/step_000008", *flags)
     assert one_error_line(res).startswith(line)
     assert "==> generate" not in res.stdout  # the stage (and its model load) never began
-    assert seconds < 120  # a bound on a hang: the issue's traceback came ~20 s in, after the model loaded
 
 
 @pytest.mark.system
@@ -57,19 +54,19 @@ def test_a_prompts_file_that_is_not_text_gets_its_own_line_never_the_checkpoints
     ckpt = "/nonexistent/run/checkpoints/phase0/step_000008"
     gz = tmp_path / "prompts.txt.gz"
     gz.write_bytes(gzip.compress(b"Once upon a time\ndef main\n"))
-    res, _ = run_cli("generate", "--checkpoint", ckpt, "--prompts-file", str(gz))
+    res = run_cli("generate", "--checkpoint", ckpt, "--prompts-file", str(gz))
     assert one_error_line(res) == (f"error: --prompts-file {gz} is gzip-compressed; it must be a UTF-8 text file with "
                                    f"one prompt per line: decompress it first (gunzip -k {gz})")
     latin = tmp_path / "prompts-latin1.txt"
     latin.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    res, _ = run_cli("generate", "--checkpoint", ckpt, "--prompts-file", str(latin))
+    res = run_cli("generate", "--checkpoint", ckpt, "--prompts-file", str(latin))
     assert one_error_line(res) == (f"error: --prompts-file {latin} is not UTF-8 text (byte 3 is 0xe9); it must be a "
                                    f"UTF-8 text file with one prompt per line")
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n")
-    res, _ = run_cli("generate", "--checkpoint", ckpt, "--prompts-file", str(blank))
+    res = run_cli("generate", "--checkpoint", ckpt, "--prompts-file", str(blank))
     assert "holds no prompt (every line is blank)" in one_error_line(res)
-    res, _ = run_cli("generate", "--checkpoint", ckpt, "--prompts-file", str(tmp_path / "missing.txt"))
+    res = run_cli("generate", "--checkpoint", ckpt, "--prompts-file", str(tmp_path / "missing.txt"))
     assert one_error_line(res) == (f"error: --prompts-file {tmp_path / 'missing.txt'} does not exist; give a UTF-8 "
                                    f"text file with one prompt per line")
 
@@ -99,10 +96,10 @@ def test_yaml_booleans_and_true_false_words_are_taken_for_yes_no_choices(tmp_pat
     assert loaded.resources["ray.use_gpu"] == "false" and loaded.fixed["model.compile"] == "off"
     # through the CLI: the space's booleans pass, and the line is about what is really wrong in it (no params)
     space.write_text("resources_per_trial: {num_workers: 1, use_gpu: false}\nfixed: {model.compile: off}\n")
-    res, _ = run_cli("tune", "--space", str(space), "--preset", "test", f"--run.root={tmp_path}")
+    res = run_cli("tune", "--space", str(space), "--preset", "test", f"--run.root={tmp_path}")
     assert one_error_line(res).startswith(f"error: search space {space}: params is empty")
     # a word that is neither still gets the field's own line
-    res, _ = run_cli("train", "--ray.use_gpu=maybe")
+    res = run_cli("train", "--ray.use_gpu=maybe")
     assert one_error_line(res) == "error: ray.use_gpu='maybe' is not allowed; choose one of: auto, true, false"
 
 
@@ -111,7 +108,7 @@ def test_yaml_booleans_and_true_false_words_are_taken_for_yes_no_choices(tmp_pat
                                           ("data.block_size", "data.seq_len"), ("max_iters", "train.max_steps"),
                                           ("train.warmup_iters", "train.warmup_steps")])
 def test_another_projects_name_for_a_field_gets_did_you_mean(field, meant):
-    res, _ = run_cli("train", f"--{field}=8")
+    res = run_cli("train", f"--{field}=8")
     assert one_error_line(res) == (f"error: unknown config field {field!r}; did you mean {meant!r}? `python "
                                    f"pipeline/run.py --help` lists every field with its type, default and meaning")
 
@@ -126,7 +123,7 @@ def test_another_projects_name_for_a_field_gets_did_you_mean(field, meant):
 def test_a_misspelled_sweep_key_gets_did_you_mean(tmp_path, key, hint):
     space = tmp_path / "space.yaml"
     space.write_text(f"{key}: 2\nparams: {{train.lr: {{grid: [0.001, 0.003]}}}}\n")
-    res, _ = run_cli("tune", "--space", str(space), "--preset", "test", f"--run.root={tmp_path}")
+    res = run_cli("tune", "--space", str(space), "--preset", "test", f"--run.root={tmp_path}")
     assert one_error_line(res) == (f"error: search space {space}: unknown key(s) [{key!r}]; {hint} valid keys: "
                                    f"description, metric, mode, num_samples, max_concurrent_trials, token_budget, "
                                    f"skip_unfit_batch, scheduler, resources_per_trial, fixed, params")
@@ -136,18 +133,18 @@ def test_a_misspelled_sweep_key_gets_did_you_mean(tmp_path, key, hint):
 @pytest.mark.system
 def test_rope_settings_for_the_resonance_family_are_refused_not_ignored(tmp_path):
     """README: a setting the command would not use is refused in one line, never ignored (docs/long-context.md)."""
-    res, _ = run_cli("train", "--model.mixer=resonance", "--model.rope_theta=10000", f"--run.root={tmp_path}")
+    res = run_cli("train", "--model.mixer=resonance", "--model.rope_theta=10000", f"--run.root={tmp_path}")
     assert one_error_line(res) == ("error: model.rope_theta is set, but model.mixer=resonance has no RoPE (its kernel "
                                    "is its position code), so no RoPE setting is used; drop model.rope_theta, or "
                                    "train model.mixer=attention")
     preset = tmp_path / "res.yaml"
     preset.write_text("model: {mixer: resonance, rope_scaling: linear, rope_factor: 2}\n")
-    res, _ = run_cli("train", "--preset", str(preset), f"--run.root={tmp_path}")
+    res = run_cli("train", "--preset", str(preset), f"--run.root={tmp_path}")
     assert "model.rope_scaling is set, but model.mixer=resonance has no RoPE" in one_error_line(res)
     phases = tmp_path / "phases.yaml"
     phases.write_text("- steps: 2\n- steps: 2\n  overrides: {data.seq_len: 512, model.rope_scaling: yarn, "
                       "model.rope_factor: 4, model.rope_original_max_len: 256}\n")
-    res, _ = run_cli("train", "--no-ray", "--preset", "test", "--model.mixer=resonance", "--phases", str(phases),
+    res = run_cli("train", "--no-ray", "--preset", "test", "--model.mixer=resonance", "--phases", str(phases),
                      f"--run.root={tmp_path}")
     assert one_error_line(res) == (f"error: --phases {phases}: phase 1 overrides: model.rope_scaling is set, but "
                                    f"model.mixer=resonance has no RoPE (its kernel is its position code), so no RoPE "
@@ -166,7 +163,7 @@ def test_rope_settings_on_resume_of_a_resonance_run_are_refused(tmp_path):
               "status": "stopped", "phases": [{"steps": 4}], "phases_done": 0}
     (run / "run.json").write_text(json.dumps(record))
     before = (run / "run.json").read_text()
-    res, _ = run_cli("train", "--resume", str(run), "--no-ray", "--model.rope_theta=10000")
+    res = run_cli("train", "--resume", str(run), "--no-ray", "--model.rope_theta=10000")
     assert one_error_line(res) == (f"error: run {run}: model.rope_theta is set, but model.mixer=resonance has no RoPE "
                                    f"(its kernel is its position code), so no RoPE setting is used; drop "
                                    f"model.rope_theta, or train model.mixer=attention")

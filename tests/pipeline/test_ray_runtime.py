@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -89,18 +90,24 @@ def test_a_local_ray_started_with_sigint_ignored_gives_its_processes_sigint_hand
 
     from pipeline import ray_runtime
 
+    def callers_own(signum, frame) -> None:
+        pass
+
     seen = []
     monkeypatch.setattr(ray, "init", lambda **kw: seen.append(signal.getsignal(signal.SIGINT)))
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ray_runtime.start_local_ray(3)
         after = signal.getsignal(signal.SIGINT)
+        assert seen == [signal.default_int_handler] and after is signal.SIG_IGN
+        seen.clear()
+        # a handler the caller set is left alone (one of the test's own: pytest itself may have been started as a
+        # background job, with SIGINT ignored)
+        signal.signal(signal.SIGINT, callers_own)
+        ray_runtime.start_local_ray(3)
+        assert seen == [callers_own] and signal.getsignal(signal.SIGINT) is callers_own
     finally:
         signal.signal(signal.SIGINT, before)
-    assert seen == [signal.default_int_handler] and after is signal.SIG_IGN
-    seen.clear()
-    ray_runtime.start_local_ray(3)  # a handler the caller set is left alone
-    assert seen == [before] and signal.getsignal(signal.SIGINT) is before
     assert "3 logical CPUs" in capsys.readouterr().out
 
 
@@ -138,14 +145,20 @@ class _SlowFinalizer:
         import time
 
         open(self.entered, "w").close()
-        time.sleep(5)
+        deadline = time.monotonic() + 300  # the test's SIGTERM comes while the main thread is in here
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+FINALIZER_LEFT = "the finalizer was left"  # the worker's stderr line after the block Python printed
 
 
 def test_a_worker_ending_by_sigterm_in_a_finalizer_prints_no_traceback(ray_session, capsys, tmp_path):
     """The raylet ends a worker (a Tune trial's actor as its trial ends) with SIGTERM to its process group; Ray's handler
     raises SystemExit(1) in the main thread, and where that thread is in a finalizer Python prints "Exception ignored
     in: ... SystemExit: 1". The driver's console drops that block (pipeline/console.py) and keeps a worker's other
-    "Exception ignored" blocks."""
+    "Exception ignored" blocks. The worker writes a line of its own after the block, and the test reads the console
+    until that line has come: every line before it has come too (Ray forwards a worker's lines in order)."""
     import signal
     import time
 
@@ -166,26 +179,33 @@ def test_a_worker_ending_by_sigterm_in_a_finalizer_prints_no_traceback(ray_sessi
                   '  File "cache.py", line 9, in __del__\nValueError: closed twice', file=sys.stderr, flush=True)
 
         def finalize(self, entered: str) -> None:
+            import sys
+
             x = _SlowFinalizer(entered)
-            del x  # the main thread sits in __del__ for 5 s
+            del x  # the main thread sits in __del__ until the SIGTERM's SystemExit ends it
+            print(FINALIZER_LEFT, file=sys.stderr, flush=True)
 
     actor = Ending.remote()
     pid = ray_session.get(actor.pid.remote())
     ray_session.get(actor.real_unraisable.remote())
     entered = tmp_path / "in_finalizer"
-    actor.finalize.remote(str(entered))
-    deadline = time.monotonic() + 60
+    left = actor.finalize.remote(str(entered))
+    deadline = time.monotonic() + 300  # bounds on a hang only
     while not entered.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.05)
     assert entered.exists()
     os.kill(pid, signal.SIGTERM)  # as the raylet ends a worker: SystemExit(1) raised inside __del__
+    ray_session.get(left, timeout=300)  # the method went on past the finalizer and returned
     console = ""
-    while time.monotonic() < deadline and "ValueError: closed twice" not in console:
-        time.sleep(1)
+    while time.monotonic() < deadline and FINALIZER_LEFT not in console:
+        time.sleep(0.1)
         captured = capsys.readouterr()
         console += captured.out + captured.err
-    time.sleep(3)  # the ended worker's last lines reach the driver within Ray's log-forwarding period
-    captured = capsys.readouterr()
-    console += captured.out + captured.err
+    assert FINALIZER_LEFT in console, console
     assert "ValueError: closed twice" in console and "Exception ignored in: <function Cache.__del__>" in console
     assert "SystemExit" not in console and "sigterm_handler" not in console, console
+    # ... while the worker did print the block: it is in the worker's own log file, left there
+    logs = Path(ray_session._private.worker._global_node.get_logs_dir_path())
+    (worker_err,) = logs.glob(f"worker-*-{pid}.err")
+    text = worker_err.read_text()
+    assert "SystemExit" in text and text.index("SystemExit") < text.index(FINALIZER_LEFT), text[-3000:]

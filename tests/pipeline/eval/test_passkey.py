@@ -1,6 +1,6 @@
 """Passkey retrieval (pipeline/eval/passkey.py) tells models apart, through the eval stage, from full and
 FSDP-sharded checkpoints, for both model families; and `python pipeline/run.py eval --by-position --seq-len 2x
---passkey` end to end, logged to the run that trained the checkpoint.
+--passkey` end to end, what it shows while it runs and what it logs to the run that trained the checkpoint.
 
     .venv/bin/python -m pytest -q tests/pipeline/eval/test_passkey.py
 
@@ -10,12 +10,16 @@ synthetic: documents of random word pieces (no digit among them), so the haystac
 confused with. A nano attention model then trains briefly on passkey rows built by the harness itself (prompts of
 TRAINED_LEN tokens from the training split's text, followed by their key), its loss on the tokens a reader could
 copy: the answer and the key's second mention in the key sentence. That model is trained once per session (~100 s
-on 2 cores, `setup`); the tests that read it are `system`, the others take `base`, which has no trained model.
+on 2 cores, `setup`); the tests that read it are `system`, the others take `base`, which has no trained model
+(the eval CLI's run on `base`'s untrained checkpoint, a subprocess of its own, is `system` too).
 """
 from __future__ import annotations
 
 import math
+import re
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +40,7 @@ TRAINED_LEN = ROW - 6  # the prompt length trained on (the answer, a space and 5
 STEPS, BATCH, LR = 1500, 8, 4e-3
 HORIZON = 2000  # schedule: warmup 30 steps, cosine towards 0.1 x LR over HORIZON steps, stopped at STEPS
 WINDOW = 128  # the dataset's seq_len
+ROOT = Path(__file__).resolve().parents[3]
 # the bound on a hang of a test that reads the trained model: its first one pays the training, ~100 s on 2 idle
 # cores and past 600 s on a loaded machine
 TRAIN_TIMEOUT_S = 1800
@@ -219,39 +224,81 @@ def test_the_resonance_family_runs_every_measure(base):
     assert lines[0].startswith("eval by position (rows of 128 tokens") and lines[-1].startswith("passkey: accuracy 0.000")
 
 
-@pytest.mark.system
-@pytest.mark.timeout(TRAIN_TIMEOUT_S)
-def test_eval_cli_logs_every_measure_to_the_run_that_trained_the_checkpoint(setup, capsys):
-    from mlflow.tracking import MlflowClient
+@dataclass
+class EvalRun:
+    res: subprocess.CompletedProcess
+    uri: str  # the MLflow store of the run that "trained" the checkpoint
+    run_id: str
 
-    from pipeline.run import main
+
+@pytest.fixture(scope="module")
+def eval_cli_run(base) -> EvalRun:
+    """ONE `python pipeline/run.py eval --by-position --seq-len 2x --passkey` as a user runs it, in a subprocess
+    whose output goes to a pipe (as to a log file), on `base`'s untrained checkpoint put in a run directory whose
+    record names an MLflow run. What it prints (the progress and the pictures' paths) and what it logs to that run
+    are two tests of this one run (they were two runs, one of them with a tokenizer and a dataset of its own)."""
     from pipeline.tracking.tracker import open_tracker
     from pipeline.train.session.run_dir import write_run_file
 
-    uri = f"sqlite:///{setup.tmp / 'mlflow.db'}"
+    uri = f"sqlite:///{base.tmp / 'mlflow.db'}"
     cfg = config().replace({"tracking.enabled": True, "tracking.tracking_uri": uri, "tracking.system_metrics": False,
-                            "run.root": str(setup.tmp / "runs")})
-    run_dir = setup.tmp / "runs" / "passkey-run"
+                            "run.root": str(base.tmp / "runs")})
+    run_dir = base.tmp / "runs" / "passkey-run"
     ckpt = run_dir / "checkpoints" / "phase0" / "step_000000"
-    shutil.copytree(setup.trained, ckpt)
+    shutil.copytree(base.untrained, ckpt)
     tracker = open_tracker(cfg, run_name="passkey-run")
     tracker.finish()
     write_run_file(run_dir, {"config": cfg.flat(), "mlflow_run_id": tracker.run_id})
+    res = subprocess.run([sys.executable, str(ROOT / "pipeline" / "run.py"), "eval", "--checkpoint", str(ckpt),
+                          "--by-position", "--seq-len", "2x", "--passkey", "--passkey-lengths",
+                          f"{TRAINED_LEN},{2 * WINDOW}", "--passkey-trials", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=base.tmp)
+    return EvalRun(res, uri, tracker.run_id)
 
-    assert main(["eval", "--checkpoint", str(ckpt), "--by-position", "--seq-len", "2x", "--passkey",
-                 "--passkey-lengths", f"{TRAINED_LEN},{2 * WINDOW}", "--passkey-trials", "2"]) == 0
-    out = capsys.readouterr().out
+
+@pytest.mark.system
+def test_eval_cli_logs_every_measure_to_the_run_that_trained_the_checkpoint(eval_cli_run):
+    from mlflow.tracking import MlflowClient
+
+    res, uri, run_id = eval_cli_run.res, eval_cli_run.uri, eval_cli_run.run_id
+    assert res.returncode == 0 and "Traceback" not in res.stdout + res.stderr, res.stdout[-3000:] + res.stderr
+    out = res.stdout
     assert "eval by position (rows of 128 tokens" in out and "eval 2x: rows of 257 tokens" in out
-    assert f"passkey: accuracy " in out and f"eval: long-context metrics and pictures logged to MLflow run " \
-                                             f"{tracker.run_id}" in out
+    assert "passkey: accuracy " in out and f"eval: long-context metrics and pictures logged to MLflow run " \
+                                           f"{run_id}" in out
     client = MlflowClient(tracking_uri=uri)
-    metrics = client.get_run(tracker.run_id).data.metrics
+    metrics = client.get_run(run_id).data.metrics
     for name in ("eval/loss", "eval/pos_loss/1-64", "eval/pos_tokens/64-128", "eval/cum_ppl/128", "eval_2x/loss",
                  "eval_2x/pos_loss/256-257", f"passkey/accuracy/{TRAINED_LEN}", f"passkey/accuracy/{2 * WINDOW}",
                  "passkey/accuracy", "passkey/digit_accuracy"):
-        assert name in metrics and [m.step for m in client.get_metric_history(tracker.run_id, name)] == [0], name
-    artifacts = {a.path for a in client.list_artifacts(tracker.run_id)}
+        assert name in metrics and [m.step for m in client.get_metric_history(run_id, name)] == [0], name
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"position_loss.png", "passkey_heatmap.png", "passkey_grid.json"} <= artifacts
+
+
+@pytest.mark.system
+def test_long_eval_shows_progress_per_batch_and_prints_where_its_pictures_are(eval_cli_run):
+    """What the eval shows while it runs and when it ends: progress per batch of each long measure (plain lines in
+    a log, as training's progress; pipeline/console.py progress), and the paths of the pictures it logged to the
+    run's MLflow store."""
+    res, run_id = eval_cli_run.res, eval_cli_run.run_id
+    assert res.returncode == 0 and "Traceback" not in res.stdout + res.stderr, res.stdout[-3000:] + res.stderr
+    out = res.stdout
+    # 16 validation rows in batches of 4: by position 4 batches; 2x rows of 2 windows, 2 per batch: 8 batches (the
+    # first validation row has a window before it: the stream is 64 train windows then 16 val); passkey: 2 lengths
+    for desc, total in (("eval by position", 4), ("eval 2x", 8)):
+        counts = [int(n) for n in re.findall(rf"^{desc}  batch (\d+)/{total}  elapsed \d+m\d\ds  eta \d+m\d\ds$",
+                                             out, re.M)]
+        assert counts and counts[0] == 1 and counts[-1] == total and counts == sorted(counts), out
+    assert re.search(r"^passkey  batch 1/\d+  elapsed", out, re.M), out
+    # each measure's progress comes before its result
+    assert out.index("eval 2x  batch 1/8") < out.index("eval 2x: rows of 257 tokens")
+
+    assert f"eval: long-context metrics and pictures logged to MLflow run {run_id}" in out
+    paths = [Path(p) for p in re.findall(r"^eval: (/\S+\.(?:png|json))$", out, re.M)]
+    assert [p.name for p in paths] == ["position_loss.png", "passkey_heatmap.png", "passkey_grid.json"], out
+    for p in paths:
+        assert p.is_file() and run_id in str(p), p
 
 
 @pytest.mark.parametrize("argv, error", [

@@ -206,32 +206,42 @@ def test_padding_rows_of_an_eval_batch_count_no_tokens():
     assert engine.evaluate([padded])["val/loss"] != pytest.approx(alone["val/loss"], rel=1e-4)
 
 
-def test_steady_state_figures_leave_out_the_first_steps_and_the_time_between_steps():
+def test_steady_state_figures_leave_out_the_first_steps_and_the_time_between_steps(monkeypatch):
     """train/steady_*: steps after the first STEADY_AFTER_STEPS, timed inside the steps: the evaluations between
-    them (here each sleeps 0.3 s) are not in the steady-state time, while the interval's tokens/s includes them."""
-    import time
-
+    them are not in the steady-state time, while the interval's tokens/s includes them. The engine's clock is the
+    test's (Engine.clock): each optimizer step takes exactly 1 s of it and each evaluation 30 s, so every figure is
+    exact whatever the machine's load."""
     from pipeline.train.engine import STEADY_AFTER_STEPS
 
-    cfg = make_cfg()
+    now = [1000.0]  # the test's clock, in seconds
+    monkeypatch.setattr(Engine, "clock", staticmethod(lambda: now[0]))
+    cfg = make_cfg()  # 8 steps of 4 rows of SEQ tokens; a log every 2 steps, an evaluation every 4
     engine = Engine(cfg, VOCAB, torch.device("cpu"))
     engine.peak_flops = 1e12  # as on a device whose peak is known: MFU is reported
-    logged = []
+    real_step = engine._train_step
+
+    def one_second_step(micro):
+        outcome = real_step(micro)
+        now[0] += 1.0
+        return outcome
 
     def slow_eval(e, m):
-        time.sleep(0.3)
+        now[0] += 30.0
 
-    start = time.perf_counter()
+    monkeypatch.setattr(engine, "_train_step", one_second_step)
+    logged = []
     fit(engine, batches(cfg), lambda: batches(cfg)(0, 0), Hooks(on_log=lambda e, m: logged.append(m),
         on_eval=slow_eval), progress=False)
-    wall = time.perf_counter() - start
     assert STEADY_AFTER_STEPS == 3
-    assert "train/steady_tokens_per_s" not in logged[0]  # step 2: still warming up
+    step_tokens = 4 * SEQ
+    assert [m["train/steady_steps"] for m in logged[1:]] == [1, 3, 5]  # steps 4, 4-6, 4-8
+    assert "train/steady_tokens_per_s" not in logged[0] and "train/steady_mfu" not in logged[0]  # step 2: warming up
     last = logged[-1]
-    assert last["train/steady_steps"] == 8 - STEADY_AFTER_STEPS
-    seconds = (8 - STEADY_AFTER_STEPS) * 4 * SEQ / last["train/steady_tokens_per_s"]
-    assert seconds <= wall - 2 * 0.3  # two evaluations slept outside the timed steps
-    assert 0 < last["train/steady_mfu"] and "train/steady_mfu" not in logged[0]
+    assert last["train/steady_tokens_per_s"] == step_tokens / 1.0  # 5 steps in 5 s: the evaluation at 4 left out
+    assert logged[1]["train/tokens_per_s"] == 2 * step_tokens / 2.0  # steps 3-4: no evaluation in between
+    assert logged[2]["train/tokens_per_s"] == 2 * step_tokens / 32.0  # steps 5-6 after step 4's evaluation: 32 s
+    assert last["train/tokens_per_s"] == 2 * step_tokens / 2.0
+    assert 0 < last["train/steady_mfu"]
 
 
 @pytest.mark.parametrize("mixer", ["attention", "resonance"])

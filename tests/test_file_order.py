@@ -1,0 +1,57 @@
+"""The order the whole suite's files are handed out in under `-n 2 --dist loadfile` (tests/file_order.py): the
+committed table names test files that exist, the longest go first with each file's tests together, and a run that
+records the files' seconds writes a table the next run reads.
+
+    .venv/bin/python -m pytest -q tests/test_file_order.py
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from tests import file_order
+
+
+@dataclass
+class _Item:
+    nodeid: str
+
+
+def test_the_table_names_test_files_that_exist_longest_first():
+    doc = json.loads(file_order.TABLE.read_text())
+    table = file_order.load_table()
+    assert table and list(table) == list(doc["seconds"])
+    for path, seconds in table.items():
+        assert (file_order.ROOT / path).is_file() and path.startswith("tests/") and path.endswith(".py"), path
+        assert seconds >= file_order.MIN_SECONDS, path
+    assert list(table.values()) == sorted(table.values(), reverse=True)
+    assert doc["runs"], "the table says which runs measured it"
+
+
+def test_the_longest_files_go_first_and_each_file_stays_together_in_its_order():
+    items = [_Item(n) for n in ("a.py::t1", "a.py::t2", "b.py::t1", "c.py::t1", "c.py::t2", "c.py::t3", "d.py::t1",
+                                "e.py::t1")]
+    table = {"c.py": 300.0, "e.py": 40.0, "gone.py": 500.0}
+    got = [i.nodeid for i in file_order.longest_first(items, table)]
+    assert got == ["c.py::t1", "c.py::t2", "c.py::t3", "e.py::t1",  # the table's files, longest first
+                   "a.py::t1", "a.py::t2", "b.py::t1", "d.py::t1"]  # the rest in their collected order
+    assert [i.nodeid for i in file_order.longest_first(items, {})] == [i.nodeid for i in items]
+
+
+def test_a_recorded_run_updates_the_files_it_ran_and_keeps_the_others(tmp_path):
+    table = tmp_path / "slow_files.json"
+    kept, gone = "tests/test_docs.py", "tests/no_such_file.py"
+    table.write_text(json.dumps({"about": "x", "runs": ["before"], "seconds": {
+        kept: 50, gone: 400, "tests/test_layout.py": 90, "tests/test_config_help.py": 30}}))
+    rec = file_order.FileSeconds(table)
+    for nodeid, seconds in (("tests/test_layout.py::a", 10.0), ("tests/test_layout.py::b", 15.5),
+                            ("tests/test_config_help.py::a", 2.0), ("tests/test_gpu_check.py::a", 120.0)):
+        rec.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds))
+    rec.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace(invocation_params=SimpleNamespace(
+        args=("-n", "2")))))
+    doc = json.loads(table.read_text())
+    # ran: replaced (26 s) or dropped (2 s, under MIN_SECONDS); not run: kept, unless the file is gone
+    assert doc["seconds"] == {"tests/test_gpu_check.py": 120, kept: 50, "tests/test_layout.py": 26}
+    assert doc["runs"][0] == "before" and doc["runs"][-1].endswith("3 file(s) of `pytest -n 2`")
+    assert file_order.load_table(table) == {"tests/test_gpu_check.py": 120.0, kept: 50.0, "tests/test_layout.py": 26.0}
