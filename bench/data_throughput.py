@@ -1,6 +1,6 @@
 """Data stage throughput: the Ray Data pretokenize + pack pipeline against a single-process baseline doing
 the same work (read .jsonl, clean, SentencePiece-encode, pack into seq_len+1 windows, write zstd Parquet
-shards with pyarrow) on the same corpus, plus the Ray driver's peak RSS at two corpus sizes.
+shards with pyarrow; no deduplication on either side: bench/dedup.py measures what it costs) on the same corpus, plus the Ray driver's peak RSS at two corpus sizes.
 
     python bench/data_throughput.py                    # 110 MB corpus (and 28 MB for RSS), seq_len 32768, 2 reps
     python bench/data_throughput.py --mb 200 --small-mb 50
@@ -188,7 +188,8 @@ def run_ray(corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_shard: in
     cfg = load_config("cpu", {"model.tier": "B", "data.source": "files", "data.path": str(corpus),
                               "data.tokenizer": str(tok), "data.seq_len": seq_len, "data.vocab_size": 8000,
                               "data.rows_per_shard": rows_per_shard, "data.dataset_dir": str(out),
-                              "data.max_documents": 0, "run.root": str(out.parent), "data.tokenize_actors": cpus})
+                              "data.max_documents": 0, "run.root": str(out.parent), "data.tokenize_actors": cpus,
+                              "data.dedup": "none"})  # the baseline does not deduplicate (bench/dedup.py costs it)
     tree, busy0, t0 = TreeCPU().start(), machine_busy_seconds(), time.perf_counter()
     prepare(cfg)
     seconds = time.perf_counter() - t0
