@@ -106,6 +106,14 @@ class RowSplit:
         """Every rank's `x` concatenated along `dim` in rank order (differentiable)."""
         return x
 
+    def whole(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The inverse of `take`: every rank's tokens of x back in row order, on every rank (evaluation's
+        per-token losses)."""
+        if self.degree == 1:
+            return x
+        g = self.gather(x, dim)
+        return torch.empty_like(g).index_copy_(dim, self.gathered_positions(g.shape[dim], g.device), g)
+
     def scan_carry(self, decay: torch.Tensor, state: torch.Tensor, reverse: bool = False) -> torch.Tensor:
         """(B, G, K, 2) (re, im) pairs of this rank's slice summary -> the (B, G, K, 2) carry entering it: the sum
         over the ranks q before it (after it when `reverse`) of state_q times the decays of the ranks between."""

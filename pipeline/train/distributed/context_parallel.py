@@ -142,3 +142,48 @@ class GroupSplit(RowSplit):
         for q in (range(self.degree - 1, self.rank, -1) if reverse else range(self.rank)):
             carry = summaries[q, 0] * carry + summaries[q, 1]
         return torch.view_as_real(carry).to(state.dtype)
+
+
+def describe_context(engine) -> str:
+    """The `context:` console line (rank 0, beside `kernels:`): the mesh and what each rank exchanges, as it runs."""
+    cfg, m = engine.cfg, engine.mesh
+    if cfg.model.mixer == "attention":
+        from model.decoder import resolve_attention
+
+        backend = resolve_attention(cfg.model.attention, engine.device, doc_masking=cfg.model.doc_masking)
+        how = "flex_attention, a BlockMask" if backend == "flex" else "SDPA, a dense boolean mask"
+        what = (f"attention all-gathers every rank's K and V per layer ({how} from the row's global positions and "
+                f"documents) and gathers them again in backward instead of keeping them; tokens dealt in the "
+                f"balanced order")
+    else:
+        from cuda_ops.dispatch import resolve_backend
+
+        scan = "the Numba scan kernel" if resolve_backend(engine.device) == "numba" else "the torch reference scan"
+        what = (f"the resonance scan's state carried across the ranks ({scan}; one exchange of slice summaries per "
+                f"layer each way); contiguous slices")
+    return f"degree {m.degree}, {m.describe()}: {what}"
+
+
+def bytes_per_step(tier, mixer: str, batch_size: int, seq_len: int, degree: int, *, act_bytes: int,
+                   backend: str = "nccl") -> dict[str, int]:
+    """The byte model: what one rank of a context group sends per micro-batch step for the row split alone (the data
+    parallel gradient traffic of DDP or FSDP is apart), by the ring algorithms of the collectives it runs.
+
+    attention, per layer: the forward all-gathers K and V ((d - 1) pieces of B T/d kv each, `act_bytes` per number);
+      backward gathers them again and reduce-scatters their gradients: (d - 1) pieces each under NCCL, 2 (d - 1)
+      under gloo, which runs a reduce-scatter as an all-reduce (a checkpointed block gathers in its recompute
+      instead of again: the same bytes). resonance, per layer: one all-gather of the slice's (decay, state)
+      summary each way, (d - 1) x 2 B G K complex numbers (fp32 pairs, 8 bytes each)."""
+    if degree == 1:
+        return {"forward": 0, "backward": 0, "total": 0}
+    d = degree
+    if mixer == "attention":
+        piece = batch_size * seq_len // d * tier.n_kv_heads * tier.head_dim * act_bytes  # this rank's K (or V)
+        forward = 2 * (d - 1) * piece
+        reduce_scatter = (2 if backend == "gloo" else 1) * (d - 1) * piece
+        backward = 2 * (d - 1) * piece + 2 * reduce_scatter
+    else:
+        summary = 2 * batch_size * tier.n_groups * tier.n_eigen * 8
+        forward = backward = (d - 1) * summary
+    L = tier.n_layers
+    return {"forward": forward * L, "backward": backward * L, "total": (forward + backward) * L}
