@@ -42,7 +42,8 @@ chunks. Each rank reduces its whole slice (pass 1 and the fold of its chunk summ
 summaries (`carry`, an all-gather and an exclusive prefix over the ranks before), and pass 2 starts from the carry
 as H_0; backward likewise reduces (X, Y), exchanges in reverse rank order, and pass 2 starts from the adjoint the
 later ranks send as E_{NC-1}. One exchange each way per layer, of (B, G, K) complex numbers. The reference path
-does the same with closed forms for the summaries and an explicit reverse scan.
+does the same with closed forms for the summaries and an explicit reverse scan, in the Function (ReferenceScanFunction)
+that differentiates every reference scan: forward without a tape, backward the reverse recurrence, saving s.
 The Function saves its OUTPUT s, not z: the output projection after the scan keeps s for its own weight gradient,
 so the tape holds no tensor for the scan that it would not hold anyway, and nothing per pass. Backward reads gs
 twice and s once. (In bf16, dLoss/dlam then sums products with the bf16-rounded s, in fp32: a relative error of
@@ -198,18 +199,26 @@ def reverse_scan(g: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor | 
     return _as_complex(r, _work_dtype(g.dtype)).flip(1)
 
 
-class CarryScanReference(torch.autograd.Function):
-    """The reference scan of one contiguous slice of a row split over ranks (`carry`, module docstring): forward
-    sends (A, S) and starts from the carry it gets back; backward sends X, adds the adjoint it gets back at the last
-    token and runs the reverse recurrence. Saves s, like ResonanceScanFunction, and the carry (B, G, K, 2)."""
+class ReferenceScanFunction(torch.autograd.Function):
+    """The reference's autograd: forward the log-depth scan without a tape, backward the reverse recurrence (one more
+    scan) and dLoss/dlam from the saved output, like ResonanceScanFunction: it saves s and the initial state, where
+    autograd through the log-depth scan kept every level of it (twice the step's memory and more). With `carry`, one
+    contiguous slice of a row split over ranks (module docstring): forward sends (A, S) and starts from the carry it
+    gets back; backward sends X and adds the adjoint it gets back at the last token. state0 takes no gradient."""
 
     @staticmethod
-    def forward(ctx, z, log_lam, starts, carry, chunk):
+    def forward(ctx, z, log_lam, starts, carry, chunk, state0=None):
         work = _work_dtype(z.dtype)
-        A, S = slice_summary(_as_complex(z, work), log_lam, starts)
-        H = carry(torch.view_as_real(A), torch.view_as_real(S), False).to(work)  # (B, G, K, 2)
+        A = None
+        if carry is not None:
+            A, S = slice_summary(_as_complex(z, work), log_lam, starts)
+            state0 = carry(torch.view_as_real(A), torch.view_as_real(S), False)
+            A = torch.view_as_real(A)
+        B, _, G, K, _ = z.shape
+        H = (torch.zeros(B, G, K, 2, dtype=work, device=z.device) if state0 is None
+             else state0.detach().to(work))  # (B, G, K, 2): s(-1)
         s, last = scan_reference(z, log_lam, starts, H, chunk)
-        ctx.save_for_backward(s, log_lam, starts, H, torch.view_as_real(A))
+        ctx.save_for_backward(s, log_lam, starts, H, A)
         ctx.carry, ctx.chunk = carry, chunk
         ctx.mark_non_differentiable(last)
         return s, last
@@ -220,17 +229,18 @@ class CarryScanReference(torch.autograd.Function):
         s, log_lam, starts, H, A = ctx.saved_tensors
         work = _work_dtype(s.dtype)
         g = _as_complex(gs, work)
-        X = adjoint_summary(g, log_lam, starts)
-        E = ctx.carry(torch.view_as_real(_as_complex(A, work).conj().resolve_conj()), torch.view_as_real(X), True)
-        g = g.clone()
-        g[:, -1] += _as_complex(E, work)  # the adjoint of the state this slice hands to the next rank
+        if ctx.carry is not None:
+            X = adjoint_summary(g, log_lam, starts)
+            E = ctx.carry(torch.view_as_real(_as_complex(A, work).conj().resolve_conj()), torch.view_as_real(X), True)
+            g = g.clone()
+            g[:, -1] += _as_complex(E, work)  # the adjoint of the state this slice hands to the next rank
         r = reverse_scan(torch.view_as_real(g), log_lam, starts, ctx.chunk)  # dLoss/dz, (B, T, G, K)
         prev = torch.cat([_as_complex(H, work)[:, None], _as_complex(s, work)[:, :-1]], dim=1)  # s(t-1)
         terms = r * prev.conj()
         if starts is not None:
             terms = terms * (~starts)[:, :, None, None]
         dlog = terms.sum(dim=(0, 1)) * lambdas(log_lam).conj()  # lam = exp(log_lam)
-        return torch.view_as_real(r).to(s.dtype), torch.view_as_real(dlog).to(log_lam.dtype), None, None, None
+        return torch.view_as_real(r).to(s.dtype), torch.view_as_real(dlog).to(log_lam.dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -714,8 +724,8 @@ def resonance_scan(z: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor 
 def _scan(z, log_lam, starts, state0, backend: str, chunk: int, kernel_chunk: int | None, carry=None):
     """`resonance_scan` once the backend is fixed (the simulator tests drive "numba" on host tensors)."""
     if backend == "reference":
-        if carry is not None:
-            return CarryScanReference.apply(z, log_lam, starts, carry, chunk)
+        if carry is not None or (torch.is_grad_enabled() and (z.requires_grad or log_lam.requires_grad)):
+            return ReferenceScanFunction.apply(z, log_lam, starts, carry, chunk, state0)
         return scan_reference(z, log_lam, starts, state0, chunk)
     if z.is_cuda:
         check_same_device(z)
