@@ -12,7 +12,10 @@ Measured, for each family and degree d (a gloo group of d processes, data 1 x co
 under a one-worker group, so that every degree keeps its gradients in DDP's buckets alike), on the same rows of web-
 length documents (document masking on):
   step_s           the median training step after a warm-up step (forward, backward, the gradient all-reduce,
-                   AdamW), each process with cores / d torch threads (at least 1: cp = 4 on two cores shares them)
+                   AdamW), each process with one torch thread (so cp = d uses d cores, and cp = 4 on two cores shares
+                   them): with a gloo group up, two OpenMP threads in one process ran a step 5x slower than one (1.8 s
+                   against 0.35 s, resonance nano at 4,096 tokens under DDP on one worker), gloo's threads taking the
+                   second core from its barriers
   sent_bytes       what each rank wrote to its sockets during a step (/proc/self/io wchar: gloo's TCP pairs), beside
                    the byte model: pipeline/train/distributed/context_parallel.py bytes_per_step (the row split's
                    collectives) plus DDP's ring all-reduce of the fp32 gradients, 2 (d - 1) / d x 4 P; goal: within
@@ -83,7 +86,7 @@ def _worker(rank: int, world: int, kw: dict) -> dict:
     from pipeline.data.synthetic import synthetic_batches
     from pipeline.train.engine import Engine
 
-    torch.set_num_threads(max(1, kw["cores"] // world))
+    torch.set_num_threads(1)  # module docstring: OpenMP's barriers beside gloo's threads
     cfg = load_config("cpu", {"model.tier": kw["tier"], "model.mixer": kw["mixer"], "data.seq_len": kw["seq_len"],
                               "data.vocab_size": kw["vocab_size"], "train.batch_size": 1, "model.compile": "off",
                               "train.context_parallel_degree": world, "ray.num_workers": world,
