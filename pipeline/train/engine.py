@@ -191,6 +191,8 @@ class Engine:
             self.parallel, self.parallel_reason = resolve_parallel(cfg, vocab_size, self.device, shape=self.shape)
         else:
             self.parallel, self.parallel_reason = parallel, "set by the caller"
+        if self.mesh.degree > 1 and self.parallel == "none":  # a context group's gradients must be summed
+            raise ValueError("context parallelism needs DDP or FSDP over its workers (parallel='none' was asked)")
         self.model = shard_model(self.module, self.parallel, self.device, self.amp_dtype)
         self.sharded = self.parallel == "fsdp"
         if cfg.model.mixer == "resonance":  # FFT, reference scan or scan kernel, as the model runs it (model/flops.py)
