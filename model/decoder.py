@@ -50,6 +50,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from model.context import NOT_SPLIT, ContextMask, RowSplit, attend_gathered, split_mask
 from model.kv_cache import KVCache, decode_compute, decode_step
 from model.rope import RopeConfig, apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
 from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
@@ -246,6 +247,16 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)  # (B, Hkv, S, hd), S = cached + T
         gqa = H != Hkv
+        if isinstance(mask, ContextMask):  # a row split over ranks: against every rank's K and V (model/context.py)
+            y = attend_gathered(q, k, v, mask, lambda q_, k_, v_: self._attend(q_, k_, v_, mask.mask, gqa))
+        else:
+            y = self._attend(q, k, v, mask, gqa)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H * hd)
+        return self.wo(y)
+
+    def _attend(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
+        """q (B, H, Tq, hd), k, v (B, Hkv, Tk, hd) -> (B, H, Tq, hd) through the backend `mask` names."""
+        H, Hkv = q.shape[1], k.shape[1]
         if isinstance(mask, BlockMask):
             y = _flex_attention_for(q.device)(q, k, v, block_mask=mask, enable_gqa=gqa)
         elif isinstance(mask, DocSpans):
@@ -259,8 +270,7 @@ class Attention(nn.Module):
             # mask None: causal when queries and keys line up, else one new token that sees the whole cache
             is_causal = mask is None and q.size(2) == k.size(2)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H * hd)
-        return self.wo(y)
+        return y
 
 
 class Block(nn.Module):
@@ -286,6 +296,7 @@ class Decoder(TokenModel):
     hidden states come out fp32 while the matmuls inside run in bf16."""
 
     RESIDUAL_WRITERS = ("attn.wo.weight", "mlp.w_down.weight")
+    CONTEXT_LAYOUT = "balanced"  # a row split over ranks: dealt in a snake order, even causal work (model/context.py)
 
     def __init__(self, tier: Tier, vocab_size: int, *, tie_embeddings: bool = True, doc_masking: bool = True,
                  attention: str = "auto", activation_checkpointing: str = "none", rope: RopeConfig | None = None):
@@ -347,9 +358,21 @@ class Decoder(TokenModel):
             return None
         return dense_mask(doc_ids, T, device)
 
+    def _split_mask(self, doc_ids: torch.Tensor | None, T: int, device: torch.device, context: RowSplit):
+        """The ContextMask of a row split over ranks: flex where auto picks it (CUDA), else a dense boolean mask."""
+        backend = resolve_attention(self.attention, device, doc_masking=doc_ids is not None)
+        if backend in ("varlen", "cudnn"):
+            raise ValueError(f"attention={backend!r} cannot attend across a row split over ranks (context "
+                             "parallelism); choose attention auto, flex, sdpa or dense")
+        if backend == "flex":
+            _flex_attention_for(device)
+        return split_mask(doc_ids, T, context, device, flex=backend == "flex")
+
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        """idx (B, T) int64, doc_ids (B, T) int32 or None -> hidden states (B, T, D) after the final RMSNorm."""
+                kv_cache: KVCache | None = None, context: RowSplit = NOT_SPLIT) -> torch.Tensor:
+        """idx (B, T) int64, doc_ids (B, T) int32 or None -> hidden states (B, T, D) after the final RMSNorm.
+        context (model/context.py): a row split over ranks; idx and doc_ids are then the whole row and the output
+        holds this rank's tokens, (B, T / context.degree, D) in context.positions(T) order."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
@@ -358,6 +381,8 @@ class Decoder(TokenModel):
         if kv_cache is not None:
             if doc_ids is not None:
                 raise ValueError("generation with a KV cache has no document masking; pass doc_ids=None")
+            if context.degree > 1:
+                raise ValueError("generation runs on one rank: a KV cache takes no row split (context)")
             if T == 1:
                 return decode_step(self, idx[:, 0], kv_cache)[:, None]  # (B, 1, D): the static decode step
             positions, mask = kv_cache.positions_and_mask(B, T, idx.device)
@@ -366,7 +391,12 @@ class Decoder(TokenModel):
             if not self.doc_masking:
                 doc_ids = None
             positions = doc_positions(doc_ids) if doc_ids is not None else torch.arange(T, device=idx.device)[None]
-            mask = self._mask(doc_ids, T, idx.device, B)
+            if context.degree > 1:  # positions and masks of the whole row; this rank's tokens of it from here on
+                mask = self._split_mask(doc_ids, T, idx.device, context)
+                local = context.positions(T, idx.device)
+                idx, positions = idx[:, local], positions[:, local]  # (B, T/d), (B|1, T/d)
+            else:
+                mask = self._mask(doc_ids, T, idx.device, B)
             cos, sin = rope_cos_sin(positions, self.tier.head_dim, self.rope)  # (B|1, T, 1, hd/2)
 
         x = self.tok_emb(idx)  # (B, T, D)
@@ -374,7 +404,8 @@ class Decoder(TokenModel):
             if kv_cache is not None:
                 x = block.forward(x, cos, sin, mask, kv_cache, i)  # .forward: eager even if compiled
             elif self.training and i in self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)  # recompute in backward
+                kept = mask._replace(keep_gathered=True) if isinstance(mask, ContextMask) else mask
+                x = checkpoint(block, x, cos, sin, kept, use_reentrant=False)  # recompute in backward
             else:
                 x = block(x, cos, sin, mask)
         if kv_cache is not None:

@@ -60,6 +60,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cuda_ops.dispatch import resolve_backend
 from cuda_ops.resonance_scan import like, resonance_scan, sequential_scan
+from model.context import NOT_SPLIT, RowSplit
 from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
 from model.kv_cache import decode_step
 from model.resonance_state import ResonanceState
@@ -164,9 +165,14 @@ def core_form(device: torch.device | str, doc_masked: bool) -> str:
 
 
 @eager_only  # complex FFTs and Numba launches stay eager; compile fuses the projections and the rest of the block
-def mixer_core(form: str, z: torch.Tensor, log_lam: torch.Tensor, starts, state, chunk: int):
-    """z (B, T, G, K, 2) -> (s like z, last state (B, G, K, 2) fp32), in the named form."""
+def mixer_core(form: str, z: torch.Tensor, log_lam: torch.Tensor, starts, state, chunk: int, carry=None):
+    """z (B, T, G, K, 2) -> (s like z, last state (B, G, K, 2) fp32), in the named form. carry: z is one slice of a
+    row split over ranks (model/context.py RowSplit.scan_carry; the scan form only)."""
     with torch.autocast(device_type=z.device.type, enabled=False):
+        if carry is not None:
+            if form != "scan":
+                raise ValueError(f"form={form!r} cannot continue a row split over ranks; use form='scan'")
+            return resonance_scan(z, log_lam, starts, chunk=chunk, carry=carry)
         if form == "fft":
             if starts is not None:
                 raise ValueError("the FFT form cannot reset at document starts; use form='scan'")
@@ -239,11 +245,12 @@ class ResonanceMixer(nn.Module):
         return torch.stack([self.C_re, -self.C_im], dim=-1).permute(0, 2, 3, 1).flatten(1, 2)
 
     def forward(self, u: torch.Tensor, *, form: str = "fft", starts: torch.Tensor | None = None,
-                valid: torch.Tensor | None = None, state: torch.Tensor | None = None):
+                valid: torch.Tensor | None = None, state: torch.Tensor | None = None, carry=None):
         """u (B, T, D) -> (y (B, T, G, P) in u's dtype, final state (B, G, K, 2) fp32 (re, im)).
 
         form: fft | scan | recurrent. starts (B, T) bool: document starts (scan, recurrent). valid (B, T) bool: False
-        zeroes the input there (left padding). state (B, G, K, 2): the state before token 0 (generation), None = 0."""
+        zeroes the input there (left padding). state (B, G, K, 2): the state before token 0 (generation), None = 0.
+        carry: u is this rank's slice of a row split over ranks (RowSplit.scan_carry; the scan form)."""
         B, T, D = u.shape
         G, K, P = self.G, self.K, self.P
         log_lam, dt = self.eigen(self.work_dtype)  # (G, K): fp32 even for bf16 weights
@@ -254,7 +261,7 @@ class ResonanceMixer(nn.Module):
         z = z.view(G, B, T, K, 2).permute(1, 2, 0, 3, 4)  # (B, T, G, K, 2) view
         if valid is not None:
             z = z * valid[:, :, None, None, None].to(z.dtype)
-        s, last = mixer_core(form, z, torch.view_as_real(log_lam), starts, state, self.chunk_size)  # s: z's layout
+        s, last = mixer_core(form, z, torch.view_as_real(log_lam), starts, state, self.chunk_size, carry)  # z's layout
         y = torch.bmm(s.permute(2, 0, 1, 3, 4).reshape(G, B * T, 2 * K), self.out_weight())  # (G, B*T, P)
         return y.view(G, B, T, P).permute(1, 2, 0, 3).to(u.dtype), last  # (B, T, G, P) view
 
@@ -277,20 +284,20 @@ class ResonanceBlock(nn.Module):
         self.mlp_norm = RMSNorm(D, tier.norm_eps)
         self.mlp = SwiGLU(tier)
 
-    def forward(self, x: torch.Tensor, form: str, starts=None, valid=None, state=None):
-        """x (B, T, D) -> (x (B, T, D), final mixer state (B, G, K, 2))."""
+    def forward(self, x: torch.Tensor, form: str, starts=None, valid=None, state=None, carry=None):
+        """x (B, T, D) -> (x (B, T, D), final mixer state (B, G, K, 2)). carry: a row split over ranks."""
         if self.recompute_mixer and self.training and torch.is_grad_enabled():
-            mixed, last = checkpoint(self.mix, x, form, starts, valid, state, use_reentrant=False)
+            mixed, last = checkpoint(self.mix, x, form, starts, valid, state, carry, use_reentrant=False)
         else:
-            mixed, last = self.mix(x, form, starts, valid, state)
+            mixed, last = self.mix(x, form, starts, valid, state, carry)
         x = x + mixed
         return x + self.mlp(self.mlp_norm(x)), last
 
-    def mix(self, x: torch.Tensor, form: str, starts=None, valid=None, state=None):
+    def mix(self, x: torch.Tensor, form: str, starts=None, valid=None, state=None, carry=None):
         """The mixer half: W_out(GroupRMSNorm(y) * silu(gate)) with u, gate = W_in(RMSNorm(x)) and y the mixer's
         output. x (B, T, D) -> ((B, T, D), final mixer state (B, G, K, 2))."""
         u, gate = self.w_in(self.mix_norm(x)).chunk(2, dim=-1)  # (B, T, D) each
-        y, last = self.mixer(u, form=form, starts=starts, valid=valid, state=state)
+        y, last = self.mixer(u, form=form, starts=starts, valid=valid, state=state, carry=carry)
         return self.gated_out(y, gate), last
 
     def gated_out(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -305,6 +312,7 @@ class ResonanceLM(TokenModel):
     model/decoder.py's Decoder (output_weight, logits, num_params, compile_blocks, new_kv_cache, decode_step)."""
 
     RESIDUAL_WRITERS = ("w_out.weight", "mlp.w_down.weight")
+    CONTEXT_LAYOUT = "contiguous"  # a row split over ranks: slices in order, the scan's state carried across them
     SKIP_INIT = ".mixer."  # the mixer's own reset_parameters initialises its eigenvalues and projections
 
     def __init__(self, tier: ResonanceTier, vocab_size: int, *, tie_embeddings: bool = True, doc_masking: bool = True,
@@ -353,17 +361,21 @@ class ResonanceLM(TokenModel):
         return state_decode_compute(self, tok, kv_cache)
 
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                kv_cache: ResonanceState | None = None) -> torch.Tensor:
-        """idx (B, T) int64, doc_ids (B, T) int or None -> hidden states (B, T, D) after the final RMSNorm."""
+                kv_cache: ResonanceState | None = None, context: RowSplit = NOT_SPLIT) -> torch.Tensor:
+        """idx (B, T) int64, doc_ids (B, T) int or None -> hidden states (B, T, D) after the final RMSNorm.
+        context (model/context.py): a row split over ranks; idx and doc_ids are the whole row, the output this rank's
+        contiguous slice (B, T / context.degree, D), and every mixer runs the scan with its state carried across."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
         if doc_ids is not None and doc_ids.shape != idx.shape:
             raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}")
-        starts = valid = None
+        starts = valid = carry = None
         if kv_cache is not None:
             if doc_ids is not None:
                 raise ValueError("generation with a state has no document masking; pass doc_ids=None")
+            if context.degree > 1:
+                raise ValueError("generation runs on one rank: a recurrent state takes no row split (context)")
             if T == 1:
                 return decode_step(self, idx[:, 0], kv_cache)[:, None]  # (B, 1, D): the static recurrent step
             kv_cache.check(B, T)
@@ -376,6 +388,11 @@ class ResonanceLM(TokenModel):
             form = self.form if self.form != "auto" else core_form(idx.device, starts is not None)
             if form == "fft" and starts is not None:
                 raise ValueError("form='fft' cannot isolate documents; use form='scan' or auto with doc masking")
+            if context.degree > 1:  # document starts found on the whole row; this rank's slice of it from here on
+                if self.form not in ("auto", "scan"):
+                    raise ValueError(f"form={self.form!r} cannot continue a row split over ranks; use auto or scan")
+                form, carry = "scan", context.scan_carry
+                idx, starts = context.take(idx), None if starts is None else context.take(starts)
 
         x = self.tok_emb(idx)  # (B, T, D)
         for i, block in enumerate(self.blocks):
@@ -384,9 +401,9 @@ class ResonanceLM(TokenModel):
                 x, last = block.forward(x, form, None, valid, state)
                 kv_cache.state[i].copy_(last)
             elif self.training and i in self.checkpointed and torch.is_grad_enabled():
-                x, _ = checkpoint(block, x, form, starts, use_reentrant=False)
+                x, _ = checkpoint(block, x, form, starts, None, None, carry, use_reentrant=False)
             else:
-                x, _ = block(x, form, starts)
+                x, _ = block(x, form, starts, carry=carry)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(x)  # (B, T, D)

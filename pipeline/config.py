@@ -120,6 +120,10 @@ class TrainConfig:
     # all-reduced; fsdp = FSDP2, parameters, gradients and AdamW state sharded across the workers; auto = fsdp when
     # a full copy with its gradients, optimizer state and activations would not fit one worker's memory.
     parallel: str = "auto"  # auto | ddp | fsdp: how Ray Train workers share the model
+    # Context parallelism (pipeline/train/distributed/context_parallel.py, docs/long-context.md): each row is split
+    # over this many workers, which read the same rows (ray.num_workers a multiple of it); the plan names the smallest
+    # that fits (python -m pipeline.train.max_batch --workers N)
+    context_parallel_degree: int = 1  # workers that split one row between them (context parallelism); 1 = off
     # The process group's timeout, gloo and NCCL alike (pipeline/train/distributed/collectives.py)
     collective_timeout_s: float = 600.0  # seconds a collective waits for the other ranks before the attempt ends with one line naming the rank, the step and the collective
 
@@ -234,7 +238,8 @@ FIELD_ALIASES = {
     "seq_length": "data.seq_len", "context_length": "data.seq_len", "n_ctx": "data.seq_len",
     "max_position_embeddings": "data.seq_len", "dataset_name": "data.hf_name",
     "dataset_config_name": "data.hf_config", "tokenizer_name": "data.tokenizer",
-    "rope_base": "model.rope_theta", "base": "model.rope_theta", "tie_word_embeddings": "model.tie_embeddings",
+    "context_parallel_size": "train.context_parallel_degree", "cp": "train.context_parallel_degree",
+    "context_parallel": "train.context_parallel_degree", "rope_base": "model.rope_theta", "base": "model.rope_theta", "tie_word_embeddings": "model.tie_embeddings",
     "gradient_checkpointing": "model.activation_checkpointing", "torch_compile": "model.compile",
     "model_name": "model.tier", "model_size": "model.tier", "out_dir": "run.root", "output_dir": "run.root",
     "run_name": "run.name", "experiment_name": "tracking.experiment", "wandb_project": "tracking.experiment",
@@ -403,10 +408,15 @@ def validate(cfg: Config) -> None:
     if not 256 <= d.vocab_size <= 2**31 - 1:
         raise ConfigError(f"data.vocab_size={d.vocab_size} is invalid; it must be at least 256 (byte fallback)")
     tier = get_mixer_tier(m.tier, m.mixer)
-    if not 8 <= d.seq_len <= tier.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len={d.seq_len} is out of range for model.tier={m.tier}; allowed 8..{tier.max_seq_len}"
-        )
+    cp = t.context_parallel_degree
+    _positive("train.context_parallel_degree", cp)
+    if not 8 <= d.seq_len <= tier.max_seq_len * cp:  # a tier's max_seq_len is what one worker holds of a row
+        more = f" (x train.context_parallel_degree={cp})" if cp > 1 else ""
+        raise ConfigError(f"data.seq_len={d.seq_len} is out of range for model.tier={m.tier}; allowed 8.."
+                          f"{tier.max_seq_len * cp}{more}" + ("" if cp > 1 or d.seq_len < 8 else
+                                                             "; a longer row splits over workers with "
+                                                             "train.context_parallel_degree"))
+    _validate_context_parallel(cfg)
     if not 0.0 <= d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} is invalid; it must be in [0, 0.5)")
     for key in ("data.rows_per_shard", "data.tokenizer_sample_bytes"):
@@ -516,11 +526,30 @@ def _check_mixture(text: str) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def _validate_context_parallel(cfg: Config) -> None:
+    """train.context_parallel_degree: one line, before any worker starts, for a combination that cannot run."""
+    cp, r, d, m = cfg.train.context_parallel_degree, cfg.ray, cfg.data, cfg.model
+    if cp == 1:
+        return
+    if r.num_workers % cp:
+        raise ConfigError(f"ray.num_workers={r.num_workers} is not a multiple of train.context_parallel_degree={cp}: "
+                          f"each row is split over {cp} workers; set ray.num_workers to a multiple of {cp} (e.g. "
+                          f"{cp * max(1, r.num_workers // cp)}), or change the degree")
+    if d.seq_len % cp:
+        raise ConfigError(f"data.seq_len={d.seq_len} does not split into {cp} equal slices "
+                          f"(train.context_parallel_degree={cp}); choose a seq_len that is a multiple of {cp}")
+    if m.mixer == "attention" and m.attention in ("varlen", "cudnn"):
+        raise ConfigError(f"model.attention={m.attention} cannot attend across a row split over workers "
+                          f"(train.context_parallel_degree={cp}); choose model.attention auto, flex, sdpa or dense")
+
+
 def elastic_worker_counts(cfg: Config) -> list[int]:
     """The worker counts from 1 to ray.num_workers that keep the global batch (train.batch_size x train.grad_accum
-    x ray.num_workers sequences per optimizer step) with a whole number of micro-batches per worker."""
+    x ray.num_workers sequences per optimizer step) with a whole number of micro-batches per worker; under context
+    parallelism (degree d) only whole context groups: multiples of d, the micro-batches counted per group."""
     r, t = cfg.ray, cfg.train
-    return [w for w in range(1, r.num_workers + 1) if (t.grad_accum * r.num_workers) % w == 0]
+    cp = t.context_parallel_degree
+    return [w for w in range(cp, r.num_workers + 1, cp) if (t.grad_accum * r.num_workers // cp) % (w // cp) == 0]
 
 
 def _validate_elastic(cfg: Config) -> None:
@@ -535,18 +564,25 @@ def _validate_elastic(cfg: Config) -> None:
     if r.min_workers > r.num_workers:
         raise ConfigError(f"{text}: MIN ({r.min_workers}) is more than MAX ({r.num_workers}); write MIN-MAX with "
                           f"MIN <= MAX, e.g. {r.num_workers}-{r.min_workers}")
+    cp = t.context_parallel_degree
+    if r.min_workers % cp:
+        raise ConfigError(f"{text}: an elastic range keeps whole context groups (train.context_parallel_degree={cp}), "
+                          f"so MIN must be a multiple of {cp} too; write e.g. {cp * max(1, r.min_workers // cp)}-"
+                          f"{r.num_workers}")
     can = elastic_worker_counts(cfg)
-    cannot = [w for w in range(r.min_workers, r.num_workers + 1) if w not in can]
+    cannot = [w for w in range(r.min_workers, r.num_workers + 1, cp) if w not in can]
     if cannot:
-        global_batch = t.batch_size * t.grad_accum * r.num_workers
-        want = math.lcm(*range(r.min_workers, r.num_workers + 1))
-        accum = want // math.gcd(want, r.num_workers)  # the least grad_accum x MAX that every count divides
+        rows = r.num_workers // cp  # rows per micro-batch step at MAX: one per context group
+        global_batch = t.batch_size * t.grad_accum * rows
+        want = math.lcm(*range(r.min_workers // cp, rows + 1))
+        accum = want // math.gcd(want, rows)  # the least grad_accum x MAX groups that every group count divides
+        per = f" in context groups of {cp}" if cp > 1 else ""
         raise ConfigError(
             f"{text} cannot keep the global batch of {global_batch} sequences per step (train.batch_size="
-            f"{t.batch_size} x train.grad_accum={t.grad_accum} x {r.num_workers} workers) at "
-            f"{', '.join(map(str, cannot))} worker(s); the counts that can: {', '.join(map(str, can))}; pick MIN-MAX "
-            f"with only those between them, or set train.grad_accum to a multiple of {accum} (a global batch of "
-            f"{t.batch_size * accum * r.num_workers} fits every count from {r.min_workers} to {r.num_workers})")
+            f"{t.batch_size} x train.grad_accum={t.grad_accum} x {rows} {'context groups' if cp > 1 else 'workers'}) "
+            f"at {', '.join(map(str, cannot))} worker(s){per}; the counts that can: {', '.join(map(str, can))}; pick "
+            f"MIN-MAX with only those between them, or set train.grad_accum to a multiple of {accum} (a global batch "
+            f"of {t.batch_size * accum * rows} fits every count from {r.min_workers} to {r.num_workers})")
     if r.placement_strategy == "STRICT_SPREAD":
         raise ConfigError(f"{text} with ray.placement_strategy=STRICT_SPREAD: Ray sizes an elastic group by the "
                           f"resources of each node, which a one-worker-per-node placement cannot follow; use PACK or "
@@ -624,8 +660,34 @@ def _long_32k_phases() -> list[dict[str, Any]]:
                            "model.rope_original_max_len": short}}]
 
 
-PRESETS = {"cpu": _cpu, "gpu": _gpu, "fineweb-32k": _fineweb_32k, "long-32k": _long_32k, "test": _test}
-PRESET_PHASES = {"long-32k": _long_32k_phases}  # presets that are several phases (pipeline/train/session/train_session.py)
+def _long_131k() -> dict[str, Any]:
+    """Long-context pretraining's last phase (docs/long-context.md): rows four times longer than one worker holds,
+    split over the workers (train.context_parallel_degree). On GPUs tier B on FineWeb-Edu over 8 workers: 32,768-token
+    rows data-parallel, then 131,072 as data 2 x context 4, the smallest degree the plan gives on 80 GB
+    (`python -m pipeline.train.max_batch --tier B --seq-len 131072 --workers 8 --memory-limit-gib 80`); on a CPU nano
+    on the built-in corpus over 2 workers, 512 then 2,048 tokens as context 2 (_long_131k_phases)."""
+    if _cuda():
+        return {**_gpu(), **FINEWEB_32K, "data.max_documents": 400_000, "train.batch_size": 1, "train.grad_accum": 1,
+                "train.max_steps": 1250, "train.max_epochs": 0.0, "train.eval_every": 250,
+                "train.checkpoint_every": 250, "ray.num_workers": 8}
+    return {"model.tier": "nano", "data.vocab_size": 2000, "data.seq_len": 512, "train.batch_size": 4,
+            "train.grad_accum": 1, "train.max_steps": 130, "train.lr": 3e-3, "train.warmup_steps": 10,
+            "train.eval_every": 50, "train.checkpoint_every": 50, "ray.num_workers": 2}
+
+
+def _long_131k_phases() -> list[dict[str, Any]]:
+    """long-131k's phases: the short rows data-parallel, then 4x longer rows split over the workers, tokens per step
+    kept (GPU: 1,000 steps at 32,768 then 250 at 131,072 over context 4; CPU: 100 at 512 then 30 at 2,048 over 2)."""
+    short, long_, cp, steps = (32768, 131072, 4, (1000, 250)) if _cuda() else (512, 2048, 2, (100, 30))
+    return [{"name": "short", "steps": steps[0]},
+            {"name": "long", "steps": steps[1], "lr_warmup_steps": max(1, steps[1] // 5),
+             "overrides": {"data.seq_len": long_, "train.context_parallel_degree": cp}}]
+
+
+PRESETS = {"cpu": _cpu, "gpu": _gpu, "fineweb-32k": _fineweb_32k, "long-32k": _long_32k, "long-131k": _long_131k,
+           "test": _test}
+# presets that are several phases (pipeline/train/session/train_session.py)
+PRESET_PHASES = {"long-32k": _long_32k_phases, "long-131k": _long_131k_phases}
 
 
 def preset_phases(name: str) -> list[dict[str, Any]] | None:

@@ -21,8 +21,8 @@
     ray job submit --working-dir . -- python pipeline/run.py --address auto --run.storage=s3://bucket/longtrain
 
 Every config field can be overridden by its path (--train.batch_size=8; `--help` lists them with type, default and
-meaning); `--preset` picks a named preset (cpu, gpu, fineweb-32k, long-32k, test) or a YAML file; the default preset
-is gpu when CUDA is present, else cpu. A flag or field the stage would not use is refused, not ignored.
+meaning); `--preset` picks a named preset (cpu, gpu, fineweb-32k, long-32k, long-131k, test) or a YAML file; the
+default preset is gpu when CUDA is present, else cpu. A flag or field the stage would not use is refused, not ignored.
 Every path that names data or results may be a URI (s3://, gs://, ...): data.path, run.storage (one bucket for
 datasets, checkpoints and artifacts), data.dataset_store, ray.storage_path, --checkpoint, validate's target.
 This file parses the command line and dispatches: each subcommand is one module of pipeline/cli/ (prepare.py,
@@ -77,8 +77,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "generate | tune | export | runs (list the runs under run.root)")
     p.add_argument("target", nargs="?", help="validate: a dataset directory, a checkpoint directory or a run "
                                             "directory (its latest checkpoint); a path or a URI")
-    p.add_argument("--preset", help="cpu | gpu | fineweb-32k | long-32k | test | a YAML preset file (default: by "
-                                    "hardware)")
+    p.add_argument("--preset", help="cpu | gpu | fineweb-32k | long-32k | long-131k | test | a YAML preset file "
+                                    "(default: by hardware)")
     p.add_argument("--resume", metavar="RUN", help="a run directory (or its name under run.root): train continues "
                                                    "it (a larger --train.max_steps or more --phases extend a finished "
                                                    "one); eval, generate and export use its latest checkpoint")

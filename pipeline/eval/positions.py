@@ -245,7 +245,9 @@ def evaluate_by_position(engine, batches, row_len: int, max_batches: int | None 
     """Loss by position of `engine`'s model over `batches` ({"tokens": (B, row_len+1), "doc_ids", "pad"?}): one
     forward per batch through the engine's own module (pipeline/train/engine.py LossModule, per_token=True), so
     under FSDP the root and every block gather their shards as in a normal evaluation. Every rank must call it
-    with batches of the same count and shape (eval_reader pads the last one); ends with one all-reduce."""
+    with batches of the same count and shape (eval_reader pads the last one); ends with one all-reduce. Under context
+    parallelism the ranks of a context group read the same rows, each forward returns the whole rows' losses on
+    every one of them, and only the group's first rank (engine.counts_rows) adds them."""
     engine.module.eval()
     stats = PositionStats(row_len, engine.device)
     for i, batch in enumerate(batches):
@@ -256,5 +258,7 @@ def evaluate_by_position(engine, batches, row_len: int, max_batches: int | None 
         pad = pad.to(engine.device) if pad is not None else None
         with engine._autocast():
             losses = engine.module(tokens, doc_ids, pad, per_token=True)  # (B, row_len)
+        if not getattr(engine, "counts_rows", True):  # a row split over a context group: its first rank counts it
+            pad = torch.ones(losses.shape[0], dtype=torch.bool, device=engine.device)
         stats.add(losses, doc_ids, pad, score_from)
     return stats.result()

@@ -9,7 +9,10 @@ and the benchmarks (bench/engine_throughput.py) both drive this same code.
 
 Under a process group (Ray Train workers, or torch.distributed in tests and benchmarks) the engine shares the
 model across the workers by DDP or FSDP2 (train.parallel; pipeline/train/distributed/parallel.py); without one it is the
-plain one-process engine. Checkpoint layouts and loaders: pipeline/train/checkpoints/state.py. The loop that feeds it
+plain one-process engine. With train.context_parallel_degree = d the workers form a (data x context) mesh and each
+row is split over d of them (pipeline/train/distributed/context_parallel.py): the model gets the whole row and a
+RowSplit, returns this rank's tokens, and the loss is scaled so that DDP's or FSDP's mean over all the ranks is the
+mean over every data rank's whole rows: cp = 2 trains as cp = 1. Checkpoint layouts and loaders: pipeline/train/checkpoints/state.py. The loop that feeds it
 (epochs, cursor, logging, evaluation, checkpoints) is pipeline/train/loop.py.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ from model.decoder import build_model
 from model.flops import (attention_flops_per_pair, causal_pairs, matmul_flops_per_token,
                          within_document_causal_pairs)
 from model.flops import flops_per_token, resonance_flops_per_token
+from model.context import NOT_SPLIT, RowSplit
 from model.layers import checkpointed_layers
 from model.rope import RopeConfig
 from model.tiers import get_mixer_tier
@@ -42,6 +46,7 @@ from pipeline.train.checkpoints.state import (CHECKPOINT_FORMAT, CheckpointError
 from pipeline.train.memory.hardware import autocast_dtype, configure_cuda_math, default_device, peak_flops, peak_memory_gib
 from pipeline.train.memory.limit import MemoryLimit
 from pipeline.train.memory.plan import shape_of
+from pipeline.train.distributed.context_parallel import ContextMesh
 from pipeline.train.distributed.parallel import resolve_parallel, shard_model
 
 # Steady state: train/steady_tokens_per_s and train/steady_mfu leave out the first optimizer steps an Engine takes
@@ -63,22 +68,31 @@ class LossModule(nn.Module):
         shape, pipeline/data/shards.py eval_reader) run through the model but count no token.
     per_token=True returns the (B, T) fp32 loss of every target instead (0 in `pad` rows), projected in chunks
     (pipeline/eval/positions.py: loss by position in the document); through this forward, so FSDP gathers as usual.
+    `context` (model/context.py): a row split over ranks. Labels are shifted on the whole row, the model gets the
+    whole row and returns this rank's tokens, the result counts only those (per_token: the whole row's losses, on
+    every rank of the context group).
     """
 
-    def __init__(self, decoder: nn.Module, ce_chunk_size: int):
+    def __init__(self, decoder: nn.Module, ce_chunk_size: int, context: RowSplit = NOT_SPLIT):
         super().__init__()
         self.decoder = decoder
         self.ce_chunk_size = ce_chunk_size
+        self.context = context
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, pad: torch.Tensor | None = None,
                 per_token: bool = False):
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B, T) each: labels shifted on the whole row
         if pad is not None:
             targets = targets.masked_fill(pad[:, None], IGNORE_INDEX)
         doc = doc_ids[:, :-1] if doc_ids is not None else None
-        hidden = self.decoder(inputs, doc)  # (B, T, D)
+        if self.context.degree > 1:
+            hidden = self.decoder(inputs, doc, context=self.context)  # (B, T/d, D): this rank's tokens
+            targets = self.context.take(targets)  # (B, T/d), in the same order
+        else:
+            hidden = self.decoder(inputs, doc)  # (B, T, D)
         if per_token:
-            return token_losses(hidden, self.decoder.output_weight, targets, self.ce_chunk_size)  # (B, T)
+            losses = token_losses(hidden, self.decoder.output_weight, targets, self.ce_chunk_size)  # (B, T/d)
+            return self.context.whole(losses)  # (B, T)
         return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.decoder.output_weight,
                                     targets.reshape(-1), chunk_size=self.ce_chunk_size)
 
@@ -88,7 +102,7 @@ class StepOutcome:
     step: int  # optimizer steps taken so far (after this one, if it counted)
     skipped: bool  # non-finite loss or gradient: no update was applied
     sequences: int  # sequences this worker consumed in the step
-    tokens: int  # tokens this worker trained on in the step
+    tokens: int  # tokens of the rows this worker trained on in the step (its share under context parallelism)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, rewarmup_start: int = 0,
@@ -141,7 +155,10 @@ class Engine:
 
     `parallel` (none | ddp | fsdp) overrides what train.parallel and the process group decide
     (pipeline/train/distributed/parallel.py). `module` is the LossModule itself (sharded in place under FSDP), `model` what
-    a training forward calls (the DDP wrapper under DDP); saving and evaluation use `module`.
+    a training forward calls (the DDP wrapper under DDP); saving and evaluation use `module`. `context` overrides
+    train.context_parallel_degree (1: whole rows in this process, as evaluation and generation from a checkpoint run).
+    world_size counts every worker; data_world_size the data-parallel ranks (world_size / the degree): the workers
+    that read distinct rows.
     """
 
     # The timer of train/tokens_per_s and the steady-state figures (seconds, monotonic). A test swaps it for a clock
@@ -149,7 +166,7 @@ class Engine:
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, cfg: Config, vocab_size: int, device: torch.device | None = None, *, rank: int = 0,
-                 world_size: int = 1, parallel: str | None = None):
+                 world_size: int = 1, parallel: str | None = None, context: int | None = None):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.device = device or default_device()
         self.rank, self.world_size = rank, world_size
@@ -167,11 +184,19 @@ class Engine:
             decoder.compile_blocks()  # before sharding: FSDP's hooks stay outside the compiled graphs
         self.n_params = sum(p.numel() for p in decoder.parameters())
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
-        self.module = LossModule(decoder, cfg.train.ce_chunk_size)
+        # The (data x context) mesh: every rank builds it here (it creates the context groups), before the model is
+        # shared over all the ranks (DDP or FSDP over data x context); one line when the workers cannot form it
+        self.mesh = ContextMesh.build(cfg.train.context_parallel_degree if context is None else context,
+                                      self.device.type)
+        self.data_world_size = max(1, world_size // self.mesh.degree)
+        self.counts_rows = self.mesh.context_rank == 0  # a row's per-token statistics: once per context group
+        self.module = LossModule(decoder, cfg.train.ce_chunk_size, self.mesh.split(decoder.CONTEXT_LAYOUT))
         if parallel is None:
             self.parallel, self.parallel_reason = resolve_parallel(cfg, vocab_size, self.device, shape=self.shape)
         else:
             self.parallel, self.parallel_reason = parallel, "set by the caller"
+        if self.mesh.degree > 1 and self.parallel == "none":  # a context group's gradients must be summed
+            raise ValueError("context parallelism needs DDP or FSDP over its workers (parallel='none' was asked)")
         self.model = shard_model(self.module, self.parallel, self.device, self.amp_dtype)
         self.sharded = self.parallel == "fsdp"
         if cfg.model.mixer == "resonance":  # FFT, reference scan or scan kernel, as the model runs it (model/flops.py)
@@ -286,7 +311,7 @@ class Engine:
         self._steps_run += 1
         if steady:  # the step's one host sync makes its time honest to within the optimizer update it queued
             self._steady["steps"] += 1
-            self._steady["tokens"] += outcome.tokens * self.world_size
+            self._steady["tokens"] += outcome.tokens * self.data_world_size
             self._steady["seconds"] += self.clock() - start
         return outcome
 
@@ -300,7 +325,11 @@ class Engine:
             sync = i == n_micro - 1 or not hasattr(self.model, "no_sync")
             with (contextlib.nullcontext() if sync else self.model.no_sync()), self._autocast():
                 res = self.model(tokens, doc_ids)
-                loss = res.loss_sum / res.n_tokens.clamp(min=1) / n_micro
+                if self.mesh.degree == 1:
+                    loss = res.loss_sum / res.n_tokens.clamp(min=1) / n_micro
+                else:  # this rank's share of the whole rows' mean, x d: the mean over the d ranks is the rows' mean
+                    row_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
+                    loss = res.loss_sum * (self.mesh.degree / row_tokens / n_micro)
             loss.backward()
             loss_total += loss.detach()
             self.train_metrics.add(res.loss_sum.detach(), res.n_tokens, res.n_correct)
@@ -322,8 +351,8 @@ class Engine:
             self.bad_steps_in_row += 1
             self.bad_steps_total += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.tokens_seen += toks * self.world_size
-        self._interval_tokens += toks * self.world_size
+        self.tokens_seen += toks * self.data_world_size
+        self._interval_tokens += toks * self.data_world_size
         if self.bad_steps_in_row >= self.cfg.train.max_bad_steps:
             raise NonFiniteLossError(
                 f"{self.bad_steps_in_row} optimizer steps in a row had a non-finite loss or gradient "
@@ -335,7 +364,7 @@ class Engine:
         """Add the (query, key) pairs this micro-batch's attention computes to an on-device counter: causal pairs
         within each document under doc masking, the whole causal row without. Queued device ops, no host sync.
         tokens, doc_ids: (B, T+1) as the batch carries them; the model sees the first T of each row."""
-        if not self.attention_flops_per_pair:
+        if not self.attention_flops_per_pair or self.mesh.context_rank:  # a row's pairs counted once per group
             return
         if doc_ids is not None:
             pairs = within_document_causal_pairs(doc_ids[:, :-1])
@@ -359,7 +388,7 @@ class Engine:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             scale = 1
         else:
-            scale = self.world_size  # as tokens are counted: every worker runs batches of the same shape
+            scale = self.data_world_size  # as tokens are counted: every worker runs batches of the same shape
         grad_norm, pairs_all, pairs_steady, peak_gib = torch.cat(
             [self._last_grad_norm.double().reshape(1), pairs.double(), peak]).tolist()
         self._interval_attention_pairs.zero_()

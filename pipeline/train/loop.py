@@ -210,7 +210,7 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                     continue
                 waited += time.perf_counter() - w0
                 micro.append(batch)
-                engine.cursor += batch["tokens"].shape[0] * engine.world_size
+                engine.cursor += batch["tokens"].shape[0] * engine.data_world_size  # rows: a context group shares them
             with watch.region(step_collective, engine.step + 1):
                 outcome = engine.train_step(micro)
             if hooks.on_step:

@@ -9,12 +9,17 @@ the memory model for any GPU size and worker count.
     python -m pipeline.train.max_batch --tier F --seq-len 32768 --workers 8 --memory-limit-gib 80   # the plan
     python -m pipeline.train.max_batch --tier E --seq-len 32768 --workers 8 --measure    # plan, then run it here
     python -m pipeline.train.max_batch --tier D E F --seq-len 32768 --workers 1 8 64 --memory-limit-gib 80  # table
+    python -m pipeline.train.max_batch --tier B --seq-len 131072 --workers 8 --memory-limit-gib 80   # which degree
+    python -m pipeline.train.max_batch --tier B --seq-len 131072 --workers 8 --memory-limit-gib 80 \
+        --train.context_parallel_degree=4                                         # the plan at that degree
 
 The plan (--workers N): pipeline/train/memory/plan.py's model of one worker's peak (parameters, gradients and
 AdamW state divided by N under FSDP, the FSDP working set, activations, the loss head) for DDP and FSDP under
 every activation-checkpointing setting, the largest micro-batch of each, and the choice: the least recompute
 that fits one sequence, DDP before FSDP. It runs nothing, so it answers for 64 GPUs on a laptop; --device
-(default cuda) and --memory-limit-gib say what the workers have. --measure then trains that choice for two
+(default cuda) and --memory-limit-gib say what the workers have. It plans at train.context_parallel_degree (each
+row split over that many of the N workers; 1 unless set); when the row does not fit there, or the tier's
+max_seq_len cannot hold it on one worker, it also names the smallest degree at which it fits, with its flags. --measure then trains that choice for two
 steps on N local processes (NCCL on N GPUs, gloo on CPU with tensors counted) and prints each worker's
 measured peak beside the model's.
 
@@ -53,7 +58,7 @@ if __package__ in (None, ""):  # `python pipeline/train/max_batch.py`: make the 
 
 import torch  # noqa: E402
 
-from pipeline.config import Config, ConfigError, load_config  # noqa: E402
+from pipeline.config import Config, ConfigError, load_config, parse_overrides  # noqa: E402
 from pipeline.data.synthetic import synthetic_batches  # noqa: E402
 from pipeline.train.memory.hardware import host_available_gib  # noqa: E402
 
@@ -113,6 +118,10 @@ def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None 
 
     if upper < 1:
         raise ConfigError(f"max-batch upper bound must be >= 1, got {upper}")
+    if cfg.train.context_parallel_degree > 1:
+        raise ConfigError(f"the measured search runs one process, and train.context_parallel_degree="
+                          f"{cfg.train.context_parallel_degree} splits each row over several: plan it with --workers N "
+                          f"(a multiple of the degree), and add --measure to run the plan's choice on N processes")
     device = device or default_device()
     limit = cfg.train.memory_limit_gib if memory_limit_gib is None else memory_limit_gib
     simulated = limit > 0
@@ -216,7 +225,7 @@ def _measure_worker(rank: int, world: int, flat: dict, vocab_size: int, parallel
     b = cfg.train.batch_size
     for i in range(steps):  # the first step creates AdamW's state; the last is the steady state
         batch = next(synthetic_batches(n_sequences=b, seq_len=cfg.data.seq_len, vocab_size=vocab_size, batch_size=b,
-                                       seed=cfg.train.seed + rank + i))
+                                       seed=cfg.train.seed + engine.mesh.data_rank + i))  # a context group: same rows
         if engine.memory_limit is not None:
             engine.memory_limit.reset_peak()
         elif device.type == "cuda":
@@ -242,8 +251,9 @@ def print_plan(p, cfg: Config) -> None:
            (", compiled blocks" if cfg.model.compile != "off" else "") if p.device_type == "cuda" else "CPU, fp32")
     room = (f"{p.limit_gib:g} GiB each, {size_text(p.usable_bytes)} usable" if p.device_type == "cuda"
             else f"{p.limit_gib:g} GiB each")
+    split = f", data {p.workers // p.context} x context {p.context}" if p.context > 1 else ""
     print(f"memory plan (the memory model, pipeline/train/memory/plan.py; not a measurement): {p.mixer} tier {p.tier}, "
-          f"seq_len {p.seq_len:,}, vocab {p.vocab_size:,}, {p.workers} worker(s) x {room} ({dev})")
+          f"seq_len {p.seq_len:,}, vocab {p.vocab_size:,}, {p.workers} worker(s) x {room}{split} ({dev})")
     print(f"  {'parallel':<9}{'checkpointing':<15}{'max micro-batch':>16}  peak per worker")
     for r in p.rows:
         at = f"{size_text(r.peak_bytes)}" + ("" if r.max_batch else " at batch 1")
@@ -255,7 +265,8 @@ def print_plan(p, cfg: Config) -> None:
               f"smaller tier")
         return
     c, parts = p.choice, p.choice.estimate.parts()
-    print(f"fits: yes -- --train.parallel={c.parallel} --model.activation_checkpointing={c.activation_checkpointing} "
+    cp = f"--train.context_parallel_degree={p.context} " if p.context > 1 else ""
+    print(f"fits: yes -- {cp}--train.parallel={c.parallel} --model.activation_checkpointing={c.activation_checkpointing} "
           f"--train.batch_size={c.max_batch} ({size_text(c.peak_bytes)} of {size_text(p.usable_bytes)} per worker: "
           + ", ".join(f"{k} {size_text(v * GIB)}" for k, v in parts.items() if k != "total" and v > 0)
           + f"; the peak is at {c.estimate.moment})")
@@ -263,12 +274,23 @@ def print_plan(p, cfg: Config) -> None:
 
 def plan_main(args, rest: list[str]) -> int:
     from pipeline.config import default_preset
-    from pipeline.train.memory.plan import plan, size_text
+    from pipeline.train.memory.plan import MAX_CONTEXT_DEGREE, plan, size_text
 
     device_type = args.device or "cuda"
-    cfg = load_config(args.preset or ("gpu" if device_type == "cuda" else default_preset()), rest)
-    cfg = cfg.replace({k: v for k, v in (("model.tier", args.tier[0] if args.tier else None),
-                                         ("data.seq_len", args.seq_len)) if v})
+    preset = args.preset or ("gpu" if device_type == "cuda" else default_preset())
+    # the plan's workers are the config's (train.context_parallel_degree must divide them)
+    over = {**parse_overrides(rest), "ray.num_workers": max(args.workers or [1])}
+    over.update({k: v for k, v in (("model.tier", args.tier[0] if args.tier else None),
+                                   ("data.seq_len", args.seq_len)) if v})
+    too_long = None
+    try:
+        cfg = load_config(preset, over)
+    except ConfigError as exc:  # a row longer than one worker holds: plan the smallest degree that takes it (below)
+        if "data.seq_len" not in str(exc) or len(args.workers) > 1 or len(args.tier or []) > 1:
+            raise
+        too_long = str(exc)
+        cfg = load_config(preset, {k: v for k, v in over.items() if k != "data.seq_len"})
+    seq_len = over.get("data.seq_len", cfg.data.seq_len)
     vocab = args.vocab_size or cfg.data.vocab_size
     limit = args.memory_limit_gib
     if limit is None:
@@ -287,10 +309,30 @@ def plan_main(args, rest: list[str]) -> int:
         print(fit_table(cfg, vocab, args.tier or [cfg.model.tier], args.workers, limit_gib=limit,
                         device_type=device_type))
         return 0
-    p = plan(cfg, vocab, workers=args.workers[0], limit_gib=limit, device_type=device_type, upper=args.upper)
-    print_plan(p, cfg)
-    result = {"plan": p.to_dict()}
-    if args.measure and p.choice is not None:
+    from pipeline.train.memory.plan import smallest_context_degree
+
+    p = None
+    if too_long is None:
+        p = plan(cfg, vocab, workers=args.workers[0], limit_gib=limit, device_type=device_type, upper=args.upper)
+        print_plan(p, cfg)
+    else:
+        print(f"memory plan: {too_long.split('; a longer row')[0]} on one worker")
+    result = {"plan": p.to_dict() if p is not None else None}
+    if p is None or not p.fits:
+        q = smallest_context_degree(cfg, vocab, limit_gib=limit, device_type=device_type, workers=args.workers[0],
+                                    seq_len=seq_len, upper=args.upper)
+        result["smallest_context_degree"] = q.to_dict() if q is not None else None
+        if q is None:
+            print(f"context parallelism: it does not fit at any degree up to {MAX_CONTEXT_DEGREE} either")
+        else:
+            c = q.choice
+            print(f"context parallelism: the smallest degree that fits is {q.context} (each row split over {q.context} "
+                  f"workers, {q.workers} in all): --train.context_parallel_degree={q.context} --ray.num_workers="
+                  f"{q.workers} --train.parallel={c.parallel} --model.activation_checkpointing="
+                  f"{c.activation_checkpointing} --train.batch_size={c.max_batch} ({size_text(c.peak_bytes)} per "
+                  f"worker)")
+        p = p if p is not None and p.fits else None
+    if args.measure and p is not None and p.choice is not None:
         from pipeline.train.memory.hardware import default_device
 
         if default_device().type != device_type:

@@ -13,7 +13,9 @@ counters) reported through `ray.train.report`; Ray keeps the newest K by validat
 latest, and FailureConfig restarts the worker group from the latest after a worker dies.
 
 Parallelism (train.parallel; pipeline/train/distributed/parallel.py): the engine shares the model across the workers by DDP or
-FSDP2 and rank 0 prints which and why. Under FSDP every worker writes its own shards of the checkpoint into its
+FSDP2 and rank 0 prints which and why. With train.context_parallel_degree = d the workers form a (data x context)
+mesh (pipeline/train/distributed/context_parallel.py): the d workers of a context group read the same rows (their data
+rank's) and split each row, and rank 0 prints a `context:` line saying how. Under FSDP every worker writes its own shards of the checkpoint into its
 own directory and reports it; Ray Train merges the reported directories into one checkpoint directory in storage
 and registers it only once every worker has reported (pipeline/train/checkpoints/state.py, sharded layout). A run resumed
 with another ray.num_workers reads that checkpoint resharded.
@@ -133,6 +135,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
         torch.cuda.set_device(device)
     engine = Engine(cfg, lc["vocab_size"], device, rank=rank, world_size=world)
+    # The rows this worker reads: its data rank's, shared with the rest of its context group (context parallelism)
+    data_rank, data_world = engine.mesh.data_rank, engine.data_world_size
     # A restart after a storage failure waits here for the store to answer (up to run.storage_retry_s) instead of
     # failing at its first read and spending another attempt (Ray Train restarts at once, without backoff).
     try:
@@ -158,6 +162,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     if resumes is not None:
         _announce_parallel(engine, meta, tracker)
         announce_kernels(engine, tracker, say=worker_print)
+        if engine.mesh.degree > 1:
+            from pipeline.train.distributed.context_parallel import describe_context
+
+            worker_print(f"context: {describe_context(engine)}")
         elastic.announce(resumes.start(engine, meta), tracker)
     t = cfg.train
     dataset_dir = lc["dataset_dir"]
@@ -165,7 +173,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     manifest = Manifest.from_dict(lc["manifest"])
 
     def train_batches(epoch: int, start: int):
-        ds = ray_batches(dataset_dir, "train", t.batch_size, t.seed, epoch, start, rank, world,
+        ds = ray_batches(dataset_dir, "train", t.batch_size, t.seed, epoch, start, data_rank, data_world,
                          retry_s=cfg.run.storage_retry_s, manifest=manifest)
         return ds.iter_torch_batches(batch_size=t.batch_size, prefetch_batches=2, drop_last=True)
 
@@ -173,15 +181,15 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     # per eval (a streaming executor, read tasks on other workers) cost more than the reads. Every row counts, a
     # short last batch included (padded to the batch's shape on every rank). One reader for the whole run: its
     # manifest, open files and row groups are reused by every evaluation (pipeline/data/shards.py EvalSplit).
-    val_batches = EvalSplit(dataset_dir, t.batch_size, rank, world, manifest=manifest)
+    val_batches = EvalSplit(dataset_dir, t.batch_size, data_rank, data_world, manifest=manifest)
 
     evaluate = None
     if (mix := mixture_of(dataset_dir, cfg, manifest)) is not None:  # several sources: one mixed stream, a loss each
-        train_batches = mixed_train_batches(dataset_dir, cfg, rank, world, use_ray=True, manifest=manifest)
-        evaluate = SourceValidation(mix, t.batch_size, rank, world)
+        train_batches = mixed_train_batches(dataset_dir, cfg, data_rank, data_world, use_ray=True, manifest=manifest)
+        evaluate = SourceValidation(mix, t.batch_size, data_rank, data_world)
 
     audit = None
-    if lc.get("audit_data"):
+    if lc.get("audit_data") and engine.mesh.context_rank == 0:  # a context group's rows, recorded once
         import torch
 
         node = ray.get_runtime_context().get_node_id()  # threads: Ray's OMP_NUM_THREADS = the worker's CPUs
@@ -258,22 +266,28 @@ def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
     on a resume with another worker count, what became of the global batch (the data cursor counts global
     sequences, so the resume stays exact either way)."""
     if engine.world_size > 1 or engine.cfg.train.parallel != "auto":
-        worker_print(f"parallel: {engine.parallel} over {engine.world_size} worker(s) ({engine.parallel_reason})")
+        over = (f"{engine.world_size} worker(s)" if engine.mesh.degree == 1 else
+                f"{engine.world_size} workers, {engine.mesh.describe()}")
+        worker_print(f"parallel: {engine.parallel} over {over} ({engine.parallel_reason})")
     if tracker is not None:
         from pipeline.tracking.names import PARALLEL_TAG
 
         tracker.set_tags({PARALLEL_TAG: f"{engine.parallel}: {engine.parallel_reason}"})
     before = (meta or {}).get("world_size")
-    if before and before != engine.world_size:
-        old_cfg = meta.get("config", {}).get("train", {})
+    old_cfg = (meta or {}).get("config", {}).get("train", {})
+    old_cp, cp = old_cfg.get("context_parallel_degree", 1), engine.mesh.degree
+    if before and (before != engine.world_size or old_cp != cp):
         t = engine.cfg.train
-        old_global = old_cfg.get("batch_size", t.batch_size) * old_cfg.get("grad_accum", t.grad_accum) * before
-        new_global = t.batch_size * t.grad_accum * engine.world_size
+        old_global = old_cfg.get("batch_size", t.batch_size) * old_cfg.get("grad_accum", t.grad_accum) * (
+            before // old_cp)  # rows per step: the data ranks' (a context group shares its rows)
+        new_global = t.batch_size * t.grad_accum * engine.data_world_size
         note = "" if old_global == new_global else (f"; the global batch changes from {old_global} to {new_global} "
                                                     f"sequences per step (train.batch_size x train.grad_accum x "
-                                                    f"workers): set them to keep {old_global}")
+                                                    f"workers / train.context_parallel_degree): set them to keep "
+                                                    f"{old_global}")
+        degrees = "" if old_cp == cp else f", context parallel degree {old_cp} -> {cp} (the weights are not split by it)"
         worker_print(f"resume: checkpoint written by {before} worker(s) ({meta.get('layout', 'full')} layout), "
-                     f"resumed on {engine.world_size}{note}")
+                     f"resumed on {engine.world_size}{degrees}{note}")
 
 
 def _gathered(samples):
@@ -319,7 +333,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     dataset_dir = absolute(dataset_dir)
     manifest = manifest if manifest is not None else load_manifest(dataset_dir)
     check_compatible(manifest, seq_len=cfg.data.seq_len)
-    check_trainable(manifest, dataset_dir, cfg.train.batch_size, cfg.ray.num_workers)
+    # rows per micro-batch step: one per data rank (a context group of train.context_parallel_degree shares its rows)
+    check_trainable(manifest, dataset_dir, cfg.train.batch_size, cfg.ray.num_workers // cfg.train.context_parallel_degree)
     if init_from is not None:
         init_from = absolute(init_from)
         with local_copy(init_from) as d:
@@ -347,7 +362,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
           "schedule": dataclasses.asdict(schedule) if schedule is not None else {},
           "resume_from": resume_from, "fit_id": uuid.uuid4().hex}  # fit_id: in meta.json of what this fit writes
     # An error that the next attempt would raise again (a broken checkpoint, a refused config) spends no retry
-    trainer = _without_dataset_manager(trainer_class(TorchTrainer))(
+    trainer = elastic.keeping_context_groups(_without_dataset_manager(trainer_class(TorchTrainer)),
+                                             cfg.train.context_parallel_degree if cfg.ray.min_workers else 1)(
         train_loop_per_worker,
         train_loop_config=lc,
         # A range MIN-MAX runs elastic (pipeline/train/distributed/elastic.py); the backend sets each worker up before its

@@ -136,5 +136,23 @@ def case_nan_stays_nan_in_bf16():
     assert torch.isfinite(s[1]).all() and torch.isfinite(s[0, :2]).all()
 
 
+def case_a_row_split_over_ranks_scans_as_the_whole_row():
+    """Context parallelism on the kernels: the row's 12 tokens as 2, 3 and 4 contiguous slices (split_scan.py
+    emulates the ranks' exchange), each slice in chunks of 1 to 6 tokens and as one chunk (pass 1 then runs only for
+    the exchange), starts inside slices and on their first tokens: the whole row's s and gradients, within fp32."""
+    from split_scan import split_scan
+
+    z, log_lam, gs, starts = inputs(seed=6)
+    z, gs, starts = z[:, :12], gs[:, :12], starts[:, :12].clone()
+    starts[1, 6] = True  # a slice's first token at degrees 2 and 3
+    want = oracle(z, log_lam, gs, starts)
+    for degree, chunks in ((2, (4, 6)), (3, (1, 4)), (4, (2, 3))):
+        for chunk in chunks:
+            got = split_scan(lambda zr, ll, sr, carry: rs._scan(zr, ll, sr, None, "numba", rs.REFERENCE_CHUNK, chunk,
+                                                                carry), z, log_lam, starts, gs, degree)
+            for name, a, b in zip(("s", "dz", "dlog_lam"), got, (want[0], want[2], want[3])):
+                close(a, b, 2e-6, f"degree {degree} chunk {chunk} {name}")
+
+
 if __name__ == "__main__":
     report_cases(globals())

@@ -102,3 +102,25 @@ def test_malformed_inputs_are_one_clear_error(bad, match):
     args = dict(z=torch.zeros(2, 5, 2, 3, 2), log_lam=torch.zeros(2, 3, 2), starts=None, state0=None) | bad
     with pytest.raises(ValueError, match=match):
         rs.resonance_scan(args["z"], args["log_lam"], args["starts"], args["state0"])
+
+
+@pytest.mark.parametrize("degree", [2, 3, 4])
+def test_a_row_split_over_ranks_scans_as_the_whole_row(degree):
+    """Context parallelism on the reference: contiguous slices exchanging (decay, state) summaries forward and the
+    adjoint backward (tests/cuda_ops/split_scan.py emulates the ranks) give the whole row's s and gradients, with
+    documents starting inside a slice, at a slice's first token and at its last, and without documents."""
+    from tests.cuda_ops.split_scan import split_scan
+
+    z, log_lam, starts = inputs(T=24)
+    starts[0, [6, 12, 17]] = True  # slice starts 6, 12 (row 1: 0, 8, 16); 17: the last token of a slice at degree 4
+    gs = torch.randn_like(z)
+    for st in (starts, None):
+        a, b = z.clone().requires_grad_(), log_lam.clone().requires_grad_()
+        want, _ = rs.sequential_scan(a, b, st)
+        (want * gs).sum().backward()
+        s, dz, dlog = split_scan(lambda zr, ll, sr, carry: rs.resonance_scan(zr, ll, sr, backend="reference",
+                                                                              chunk=4, carry=carry),
+                                 z, log_lam, st, gs, degree)
+        torch.testing.assert_close(s, want.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(dz, a.grad, rtol=0, atol=1e-11)
+        torch.testing.assert_close(dlog, b.grad, rtol=0, atol=1e-11)

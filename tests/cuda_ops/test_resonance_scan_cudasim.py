@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("numba")
 
 HERE = Path(__file__).resolve().parent
-CASES = ["case_bf16_io_is_the_fp32_kernel_rounded_once", "case_fp32_forward_backward_match_the_fp64_definition",
+CASES = ["case_a_row_split_over_ranks_scans_as_the_whole_row", "case_bf16_io_is_the_fp32_kernel_rounded_once", "case_fp32_forward_backward_match_the_fp64_definition",
          "case_initial_state_continues_a_row", "case_nan_stays_nan_in_bf16", "case_one_document_matches_the_fft_form",
          "case_strided_views_read_like_contiguous_tensors"]
 KERNELS = [f"{io} {name}" for io in ("f32", "bf16")

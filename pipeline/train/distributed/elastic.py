@@ -29,6 +29,7 @@ the interface holding its Ray node IP before the group starts (pipeline/train/di
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray.train.torch.config import TorchConfig, _TorchBackend
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from pipeline.config import Config
@@ -66,17 +68,50 @@ def worker_count(cfg: Config) -> int | tuple[int, int]:
 
 def at_world_size(cfg: Config, world: int) -> Config:
     """The config one attempt's workers train with: grad_accum re-derived so that `world` workers take the global
-    batch of ray.num_workers workers (train.batch_size x train.grad_accum x ray.num_workers sequences per step), and
-    ray.num_workers = world (that is what this attempt runs). pipeline/config.py already refused any count of the
-    range that cannot keep the global batch."""
+    batch of ray.num_workers workers (train.batch_size x train.grad_accum x ray.num_workers sequences per step, over
+    train.context_parallel_degree: a context group shares its rows), and ray.num_workers = world (that is what this
+    attempt runs). pipeline/config.py already refused any count of the range that cannot keep the global batch, and
+    `keeping_context_groups` starts only whole context groups."""
     r, t = cfg.ray, cfg.train
     if world == r.num_workers:
         return cfg
-    per_step = t.grad_accum * r.num_workers
-    if per_step % world:
+    cp = t.context_parallel_degree
+    per_step = t.grad_accum * (r.num_workers // cp)  # micro-batches per step over all data ranks
+    if world % cp or per_step % (world // cp):
         raise ValueError(f"{world} workers cannot keep the global batch of {t.batch_size * per_step} sequences "
-                         f"(ray.num_workers={r.num_workers}, train.grad_accum={t.grad_accum})")
-    return cfg.replace({"ray.min_workers": 0, "ray.num_workers": world, "train.grad_accum": per_step // world})
+                         f"(ray.num_workers={r.num_workers}, train.grad_accum={t.grad_accum}, "
+                         f"train.context_parallel_degree={cp})")
+    return cfg.replace({"ray.min_workers": 0, "ray.num_workers": world,
+                        "train.grad_accum": per_step // (world // cp)})
+
+
+class WholeContextGroups(ElasticScalingPolicy):
+    """Ray Train's elastic policy, starting or resizing to whole context groups only: the workers it counts room for,
+    rounded down to a multiple of the context-parallel degree (below ray.min_workers it waits, as Ray's does)."""
+
+    def __init__(self, scaling_config, degree: int):
+        super().__init__(scaling_config)
+        self.degree = degree
+
+    def _count_possible_workers(self, reserved_resources) -> int:
+        n = super()._count_possible_workers(reserved_resources)
+        return n - n % self.degree
+
+
+@functools.cache
+def keeping_context_groups(base: type, degree: int) -> type:
+    """`base` (a TorchTrainer class) whose elastic scaling policy is WholeContextGroups(degree); `base` itself for
+    degree 1 (or a fixed worker count, which pipeline/config.py checked)."""
+    if degree == 1:
+        return base
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        if self.scaling_config.elasticity_enabled:
+            controller_init_kwargs["scaling_policy"] = WholeContextGroups(self.scaling_config, degree)
+        return base._initialize_and_run_controller(self, **controller_init_kwargs)
+
+    return type(base.__name__, (base,), {"_initialize_and_run_controller": _initialize_and_run_controller,
+                                         "__module__": __name__})
 
 
 # ------------------------------------------------------------------------------------------ preemption notices

@@ -7,20 +7,24 @@ GPUs from a laptop.
     est = estimate(cfg, 32000, workers=8, parallel="fsdp", device_type="cuda")   # est.total, est.parts()
     p = plan(cfg, 32000, workers=8, limit_gib=80, device_type="cuda")          # p.choice, p.rows
 
-Terms, in bytes per worker (P parameters, W workers; P_w = P / W under FSDP, P under DDP or one process; N = B x T
-tokens of the micro-batch; d, d_ff, q = heads x head_dim, kv = kv_heads x head_dim; V vocabulary):
+Terms, in bytes per worker (P parameters, W workers; P_w = P / W under FSDP, P under DDP or one process; N = B x T / c
+tokens of the micro-batch this worker computes, c the context-parallel degree (train.context_parallel_degree: a row
+of T tokens split over c workers; the W workers shard the state whatever c is); d, d_ff, q = heads x head_dim,
+kv = kv_heads x head_dim; V vocabulary):
 
   state        fp32 master weights 4 P_w and AdamW's two moments 8 P_w; gradients 4 P_w from backward to the
                optimizer step (DDP keeps them in its buckets, gradient_as_bucket_view: 4 P for the whole run).
-  activations  what backward needs, per token and block (the saved-tensor lists of one block, traced with
-               torch.autograd.graph.saved_tensors_hooks: bench/common.py saved_tensor_bytes; `python bench/mixer.py`
-               prints them per tier):
+  activations  what backward needs, per token this worker computes and block (the saved-tensor lists of one block,
+               traced with torch.autograd.graph.saved_tensors_hooks: bench/common.py saved_tensor_bytes; `python
+               bench/mixer.py` prints them per tier):
                  fp32, eager (CPU)            24 d + 12 q + 12 kv + 16 d_ff + 4 heads + 8
                  bf16 autocast, eager         20 d +  6 q +  6 kv +  8 d_ff + 4 heads + 8
                  bf16 autocast, compiled       8 d +  8 q +  6 kv +  6 d_ff + 4 heads + 8   (inductor recomputes
                                               the norms and the SiLU instead of saving them)
                plus, for a dense attention mask, the mask SDPA converts to floats in every block (T per token, in
-               the compute dtype) and once per forward the boolean mask (T bytes per token). A checkpointed block
+               the compute dtype: the whole row's keys) and once per forward the boolean mask (T bytes per token).
+               Context parallelism keeps only this worker's K and V (model/context.py); a block's backward also holds
+               the whole row's K and V gathered again and their gradients (4 B T kv, in the compute dtype). A checkpointed block
                keeps only its input (4 d per token) and one block is recomputed at a time in backward. The
                resonance mixer's own tensors are measured by running one mixer on a short row (`_mixer_bytes`).
   head         the fused cross-entropy computes its gradients in forward: grad_weight (V, d) fp32 and grad_hidden
@@ -68,6 +72,12 @@ class Shape:
     compiled: bool  # regional torch.compile of the blocks
     attention: str  # the backend a training forward runs (model/decoder.py resolve_attention)
     doc_masking: bool
+    context: int = 1  # train.context_parallel_degree: workers that split one row
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the micro-batch one worker computes: its 1/context of each row."""
+        return self.batch_size * self.seq_len // self.context
 
 
 @dataclass
@@ -98,7 +108,7 @@ class MemoryEstimate:
 
 
 def shape_of(cfg, vocab_size: int, device_type: str, *, batch_size: int | None = None,
-             activation_checkpointing: str | None = None) -> Shape:
+             activation_checkpointing: str | None = None, context: int | None = None) -> Shape:
     """The Shape of `cfg` (pipeline/config.py Config) trained on a `device_type` device."""
     from model.decoder import resolve_attention
     from model.tiers import get_mixer_tier
@@ -107,9 +117,12 @@ def shape_of(cfg, vocab_size: int, device_type: str, *, batch_size: int | None =
     bf16 = device_type == "cuda" and t.precision != "fp32"
     compiled = m.compile == "on" or (m.compile == "auto" and device_type == "cuda")
     attention = resolve_attention(m.attention, device_type, m.doc_masking) if m.mixer == "attention" else "none"
+    context = context or t.context_parallel_degree
+    if context > 1 and attention == "sdpa":  # a split row attends through a mask (model/decoder.py _split_mask)
+        attention = "dense"
     return Shape(m.mixer, get_mixer_tier(m.tier, m.mixer), vocab_size, cfg.data.seq_len,
                  batch_size or t.batch_size, activation_checkpointing or m.activation_checkpointing,
-                 m.tie_embeddings, t.ce_chunk_size, device_type, bf16, compiled, attention, m.doc_masking)
+                 m.tie_embeddings, t.ce_chunk_size, device_type, bf16, compiled, attention, m.doc_masking, context)
 
 
 # ------------------------------------------------------------------------------------------- the terms
@@ -228,7 +241,7 @@ def _head(s: Shape) -> tuple[int, int]:
     from cuda_ops.cross_entropy import auto_chunk_rows
 
     d, V = s.tier.d_model, s.vocab_size
-    n = s.batch_size * s.seq_len
+    n = s.tokens
     # the head sees the fp32 residual stream, so its logits chunk is fp32; ce_chunk_size=0 sizes it to the
     # cross-entropy's byte budget (on a GPU also at most a quarter of the free memory, which a plan cannot know)
     rows = min(s.ce_chunk_size, n) if s.ce_chunk_size > 0 else auto_chunk_rows(n, V, torch.float32,
@@ -267,7 +280,7 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
                     activation_checkpointing=activation_checkpointing or shape.activation_checkpointing)
     total_p, root_p, block_p = _param_split(s)
     L, d = s.tier.n_layers, s.tier.d_model
-    n = s.batch_size * s.seq_len
+    n = s.tokens
     fsdp = parallel == "fsdp"
     shard = workers if fsdp else 1
     local = math.ceil(total_p / shard)
@@ -287,6 +300,9 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     # inside a block's backward: the residual stream's gradient in and out (8 d), and one d_ff-wide gradient in the
     # compute dtype live beside the block's activations (the MLP's; fitted on CPU: checkpointed blocks within 5%)
     grad_ff = s.tier.d_ff * (2 if s.bf16 else 4)
+    # context parallelism: the whole row's K and V gathered again in a block's backward, and their gradients
+    gathered = (4 * s.batch_size * s.seq_len * s.tier.n_kv_heads * s.tier.head_dim * (2 if s.bf16 else 4)
+                if s.context > 1 and s.mixer == "attention" else 0)
     kept = 4 * d * n  # a checkpointed block keeps its input
     current = full  # what the block whose backward runs holds: its saved or recomputed activations
     if s.activation_checkpointing == "mixer":  # resonance: every block keeps its MLP half and its input, and the
@@ -303,7 +319,7 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     moments = {"the start of backward": (base + sum(saved) + head_start, sum(saved))}
     for i in reversed(range(L)):
         acts = sum(saved[:i]) + current
-        live = (base + block_working + acts + (8 * d + grad_ff) * n + root_grad
+        live = (base + block_working + acts + (8 * d + grad_ff) * n + root_grad + gathered
                 + grow * (L - i) * math.ceil(4 * block_p / shard))
         if live > moments.get("a block's backward", (0,))[0]:
             moments["a block's backward"] = (live, acts)
@@ -356,6 +372,7 @@ class Plan:
     device_type: str
     rows: list[PlanRow] = field(default_factory=list)
     choice: PlanRow | None = None  # the least recompute that fits one sequence; DDP before FSDP at equal recompute
+    context: int = 1  # train.context_parallel_degree planned for: workers that split one row
 
     @property
     def fits(self) -> bool:
@@ -386,9 +403,14 @@ def max_batch_by_model(cfg, vocab_size: int, *, limit_bytes: float, upper: int =
 def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str = "cuda",
          upper: int = 1024) -> Plan:
     """Every (parallel, activation checkpointing) with its largest micro-batch by the model, and the choice: the
-    least recompute that fits one sequence, DDP before FSDP at equal recompute (one worker: DDP only)."""
+    least recompute that fits one sequence, DDP before FSDP at equal recompute (one worker: DDP only). cfg's
+    train.context_parallel_degree splits each row over that many of the `workers` (a multiple of it)."""
+    from pipeline.train.distributed.context_parallel import check_degree
+
+    check_degree(cfg.train.context_parallel_degree, workers)
     usable = usable_bytes(limit_gib, device_type)
-    out = Plan(cfg.model.tier, cfg.model.mixer, cfg.data.seq_len, vocab_size, workers, limit_gib, usable, device_type)
+    out = Plan(cfg.model.tier, cfg.model.mixer, cfg.data.seq_len, vocab_size, workers, limit_gib, usable, device_type,
+               context=cfg.train.context_parallel_degree)
     modes = ("ddp", "fsdp") if workers > 1 else ("ddp",)
     options = AC_OPTIONS if cfg.model.mixer != "resonance" else ("none", "every_4", "mixer", "every_2", "all")
     shape = shape_of(cfg, vocab_size, device_type)  # the tier resolved once for every estimate below
@@ -402,6 +424,36 @@ def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: s
             if out.choice is None and b >= 1:
                 out.choice = row
     return out
+
+
+MAX_CONTEXT_DEGREE = 64  # the largest degree the plan tries (a row over 64 GPUs: eight 8-GPU nodes)
+
+
+def context_degrees(seq_len: int, upper: int = MAX_CONTEXT_DEGREE) -> list[int]:
+    """The degrees a plan tries for a row of seq_len tokens: powers of two up to `upper` that split it equally."""
+    return [c for c in (2 ** i for i in range(upper.bit_length())) if c <= upper and seq_len % c == 0]
+
+
+def smallest_context_degree(cfg, vocab_size: int, *, limit_gib: float, device_type: str = "cuda", workers: int = 1,
+                            seq_len: int | None = None, upper: int = 1024) -> Plan | None:
+    """The plan at the smallest context-parallel degree at which cfg's tier and row length (or `seq_len`) fit a
+    worker of limit_gib (train.context_parallel_degree 1, 2, 4, ... up to MAX_CONTEXT_DEGREE; `workers`, rounded up
+    to a multiple of the degree, shard the state), or None when even that many do not hold it. Degrees the config
+    refuses (a row longer than the tier's max_seq_len x the degree) are skipped."""
+    from pipeline.config import ConfigError
+
+    seq_len = seq_len or cfg.data.seq_len
+    for c in context_degrees(seq_len):
+        w = -(-max(workers, c) // c) * c
+        try:
+            ccfg = cfg.replace({"train.context_parallel_degree": c, "ray.num_workers": w, "ray.min_workers": 0,
+                                "data.seq_len": seq_len})
+        except ConfigError:
+            continue
+        p = plan(ccfg, vocab_size, workers=w, limit_gib=limit_gib, device_type=device_type, upper=upper)
+        if p.fits:
+            return p
+    return None
 
 
 def choose_parallel(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str,

@@ -163,13 +163,15 @@ def keep_tokens_per_step(before: Config, pcfg: Config, overrides: dict[str, Any]
     context never needs more memory per forward than the math requires) times grad_accum. A phase that sets
     train.batch_size or train.grad_accum itself is taken as it is."""
     b, p = before.train, pcfg.train
-    tokens_before = b.batch_size * b.grad_accum * before.data.seq_len
+    # per data rank, whose count a change of train.context_parallel_degree on the same workers divides or multiplies
+    tokens_before = (b.batch_size * b.grad_accum * before.data.seq_len * p.context_parallel_degree
+                     // b.context_parallel_degree)
     if "train.batch_size" in overrides or "train.grad_accum" in overrides:
         return pcfg, (f"{p.batch_size} x {p.grad_accum} rows of {pcfg.data.seq_len:,} = "
                       f"{p.batch_size * p.grad_accum * pcfg.data.seq_len:,} tokens per step (set explicitly by the "
                       f"phase)")
     rows = max(1, round(tokens_before / pcfg.data.seq_len))
-    most = max(1, b.batch_size * before.data.seq_len // pcfg.data.seq_len)  # rows per micro-batch, no more tokens
+    most = max(1, tokens_before // b.grad_accum // pcfg.data.seq_len)  # rows per micro-batch, no more tokens
     batch = max(d for d in range(1, min(rows, most) + 1) if rows % d == 0)
     shape = f"{batch} x {rows // batch} rows of {pcfg.data.seq_len:,} = {rows * pcfg.data.seq_len:,} tokens per step"
     if (batch, rows // batch) == (b.batch_size, b.grad_accum):

@@ -56,6 +56,25 @@ def test_every_count_of_the_range_keeps_tokens_per_step():
         assert c.train.batch_size * c.train.grad_accum * world == 48
 
 
+def test_an_elastic_range_keeps_whole_context_groups():
+    """train.context_parallel_degree = 2 over 2-6 workers: only whole groups (2, 4, 6 workers: 1, 2, 3 data ranks)
+    keep the global batch of 3 data ranks x 2 x 4 = 24 sequences; Ray's elastic policy is made to count room in whole
+    groups (5 workers' worth of CPUs starts 4), and an attempt's grad_accum is re-derived per data rank."""
+    from ray.train import ScalingConfig
+
+    from pipeline.train.distributed.elastic import WholeContextGroups, at_world_size
+
+    cfg = load_config("test", ["--ray.num_workers=2-6", "--train.grad_accum=2", "--train.context_parallel_degree=2",
+                               "--data.seq_len=64"])
+    assert elastic_worker_counts(cfg) == [2, 4, 6]
+    for world, accum in ((6, 2), (4, 3), (2, 6)):
+        c = at_world_size(cfg, world)
+        assert (c.train.grad_accum, c.ray.num_workers) == (accum, world)
+        assert c.train.batch_size * c.train.grad_accum * world // 2 == 24
+    policy = WholeContextGroups(ScalingConfig(num_workers=(2, 6), resources_per_worker={"CPU": 1}), degree=2)
+    assert [policy._count_possible_workers({"node": {"CPU": n}}) for n in (1, 2, 3, 5, 6, 9)] == [0, 2, 2, 4, 6, 6]
+
+
 def _dataset(tmp_path):
     d = tmp_path / "ds"
     write_synthetic_dataset(d, n_train=96, n_val=8, seq_len=SEQ, vocab_size=VOCAB, seed=1, rows_per_shard=48)

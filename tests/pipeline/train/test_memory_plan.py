@@ -123,3 +123,32 @@ def test_the_fit_table_in_the_docs_is_the_models():
     table = fit_table(load_config("gpu", {}), 32000, ["D", "E", "F"], [1, 8, 64], limit_gib=80)
     for doc in ("docs/scaling.md", "README.md"):
         assert table in (ROOT / doc).read_text(), f"{doc}'s fit table differs from the memory model's; regenerate it:\n" + table
+
+
+def test_the_memory_model_and_the_plan_know_the_context_parallel_degree(capsys):
+    """A worker computes 1/d of each row: at degree 2 a CPU step's activations are half of one worker's whole row
+    (the dense mask per token still spans the row's T keys, so exactly half). The plan names the smallest degree at
+    which a tier and a row length fit: attention tier B at 131,072 needs 4 (a tier's max_seq_len, 32,768, is what one
+    GPU holds of a row), resonance tier B at 262,144 on 16 and 8 GiB GPUs needs 2 and 4, each the first degree whose
+    plan fits (the one below it does not)."""
+    from pipeline.train.memory.plan import plan, smallest_context_degree
+
+    cfg = load_config("test", {"model.compile": "off", "data.seq_len": 256})
+    one = estimate(cfg, cfg.data.vocab_size, device_type="cpu")
+    two = estimate(cfg.replace({"train.context_parallel_degree": 2, "ray.num_workers": 2}), cfg.data.vocab_size,
+                   workers=2, device_type="cpu")
+    assert two.activations == one.activations // 2 and two.total < one.total
+
+    assert max_batch_main(["--tier", "B", "--seq-len", "131072", "--workers", "8", "--memory-limit-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "data.seq_len=131072 is out of range for model.tier=B; allowed 8..32768 on one worker" in out
+    assert "the smallest degree that fits is 4 (each row split over 4 workers, 8 in all): " \
+           "--train.context_parallel_degree=4 --ray.num_workers=8" in out
+
+    res = load_config("gpu", {"model.mixer": "resonance", "model.tier": "B"})
+    for limit, want in ((16, 2), (8, 4)):
+        q = smallest_context_degree(res, 32000, limit_gib=limit, seq_len=262144, upper=8)
+        assert (q.context, q.workers) == (want, want) and q.fits
+        below = res.replace({"data.seq_len": 262144, "train.context_parallel_degree": want // 2,
+                             "ray.num_workers": want // 2})
+        assert not plan(below, 32000, workers=want // 2, limit_gib=limit, upper=8).fits
