@@ -245,7 +245,7 @@ def measure_peaks(cfg: Config, vocab_size: int, workers: int, parallel: str, ste
 
 
 def print_plan(p, cfg: Config) -> None:
-    from pipeline.train.memory.plan import size_text
+    from pipeline.console import size_text
 
     dev = ("CUDA, " + ("fp32" if cfg.train.precision == "fp32" else "bf16") +
            (", compiled blocks" if cfg.model.compile != "off" else "") if p.device_type == "cuda" else "CPU, fp32")

@@ -32,16 +32,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from pipeline.console import size_text
+
 GIB = 2**30
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _oom(needed: int, limit: int, device: str) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(
-        f"{device} out of memory: {_size(needed)} would be live on a simulated {_size(limit)} device "
+        f"{device} out of memory: {size_text(needed)} would be live on a simulated {size_text(limit)} device "
         f"(train.memory_limit_gib); lower train.batch_size or data.seq_len, or raise the limit")
 
 

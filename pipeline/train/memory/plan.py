@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from pipeline.console import size_text
+
 GIB = 2**30
 AC_OPTIONS = ("none", "every_4", "every_2", "all")  # from the least recompute to the most (resonance adds mixer)
 TOKEN_BYTES = 28  # per token: int64 tokens and shifted targets, int32 doc ids, fp32 loss and int32 correct rows
@@ -345,10 +347,6 @@ def usable_bytes(limit_gib: float, device_type: str) -> float:
     """What the plan may fill of a `limit_gib` device: all of a CPU's simulated size (the count is exact), 95% of a
     GPU (the model counts tensors; the device also holds the CUDA context and allocator slack)."""
     return limit_gib * GIB * (1 - CUDA_HEADROOM if device_type == "cuda" else 1.0)
-
-
-def size_text(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 @dataclass
