@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pipeline.console import size_text
+from pipeline.ray_runtime import exception_chain
 from pipeline.storage import StorageError, is_local, resolve
 from pipeline.storage_faults import FULL
 
@@ -49,26 +50,14 @@ class DiskFullError(StorageError):
     repeats_on_retry = True  # Ray Train: another attempt would fill the disk again (failure_policy.py)
 
 
-def _chain(exc: BaseException | None) -> Iterator[BaseException]:
-    """`exc` and its __cause__ / __context__ chain, Ray's `cause` followed."""
-    stack, seen = [exc], set()
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        stack += [e.__cause__, e.__context__, getattr(e, "cause", None)]
-
-
 def _chain_text(exc: BaseException | None) -> str:
-    return "\n".join(str(e) for e in _chain(exc))
+    return "\n".join(str(e) for e in exception_chain(exc))
 
 
 def is_disk_full(exc: BaseException | None) -> bool:
     """Whether `exc` (or anything in its chain) says the disk or the quota is full."""
     return any(isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in _FULL_ERRNOS)
-               or FULL.search(str(e)) for e in _chain(exc))
+               or FULL.search(str(e)) for e in exception_chain(exc))
 
 
 def _existing(path: Path) -> Path:

@@ -279,24 +279,27 @@ def worker_cpus(cfg: "Config") -> int:
     return max(1, (os.cpu_count() or 1) // cfg.ray.num_workers)
 
 
-def find_cause(exc: BaseException | None, predicate) -> BaseException | None:
-    """The first exception in `exc`'s chain for which predicate(e) is true, or None.
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc` and every exception it wraps, each once.
 
     Ray wraps what a task or a Train worker raised (RayTaskError, TrainingFailedError with
     worker_failures, ControllerError); the chain followed here is __cause__, __context__, Ray's
-    `cause`, and Ray Train's controller and worker failures, so a user-facing error or an OOM raised
-    deep inside a worker is still found by type."""
+    `cause`, and Ray Train's controller and worker failures, so a user-facing error, an OOM or a full
+    disk raised deep inside a worker is still found."""
     stack, seen = [exc], set()
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if predicate(e):
-            return e
+        yield e
         stack += [e.__cause__, e.__context__, getattr(e, "cause", None), getattr(e, "controller_failure", None),
                   *(getattr(e, "worker_failures", None) or {}).values()]
-    return None
+
+
+def find_cause(exc: BaseException | None, predicate) -> BaseException | None:
+    """The first exception in `exc`'s chain (exception_chain) for which predicate(e) is true, or None."""
+    return next((e for e in exception_chain(exc) if predicate(e)), None)
 
 
 def workers_may_be_elsewhere(cfg: "Config") -> bool:
