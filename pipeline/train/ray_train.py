@@ -251,10 +251,10 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
         audit.close()
     if res.stopped_early and stop.preempted:  # checkpointed; the next attempt starts on the nodes that remain
         elastic.wait_for_checkpoint()  # registered by Ray Train before this attempt ends, or the next would miss it
-        if rank == 0:
-            elastic.say(f"preemption: {stop.preempted}; checkpointed step {engine.step}, this attempt stops and the "
-                        f"next starts on the nodes that remain")
-        raise elastic.PreemptionStop(f"{stop.preempted}; checkpointed step {engine.step}, stopping this attempt")
+        # Its `preemption:` line comes from Ray Train's controller (elastic.ElasticEvents), which outlives the
+        # attempt: a worker's own line could be lost, its process killed once another rank had raised.
+        raise elastic.PreemptionStop(f"{stop.preempted}; checkpointed step {engine.step}"
+                                     f"{elastic.PREEMPTION_STOP_END}")
     if resumes is not None:  # the last progress record, written in the background
         resumes.flush()
     if tracker is not None:  # samples that waited for storage: logged now, within run.storage_retry_s

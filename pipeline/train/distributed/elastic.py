@@ -56,7 +56,11 @@ WORLD_SIZE, STEPS_REDONE, RESUME_S = TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN
 
 class PreemptionStop(RuntimeError):
     """Raised in every worker after the checkpoint a preemption notice asked for: the attempt ends, and Ray Train
-    starts the next one (from that checkpoint) on the nodes that remain."""
+    starts the next one (from that checkpoint) on the nodes that remain. Its message is `<notice>; checkpointed step
+    N` + PREEMPTION_STOP_END; Ray Train's controller says it on the console (ElasticEvents)."""
+
+
+PREEMPTION_STOP_END = ", stopping this attempt"
 
 
 # ------------------------------------------------------------------------------------------ the worker count
@@ -230,8 +234,11 @@ class ElasticEvents(ControllerCallback):
         name = type(current_state).__name__
         if name in ("RestartingState", "ReschedulingState"):
             if "why" not in _PENDING:  # the first failure since a group ran, not a failed start after it
-                _PENDING.update(why=describe_failure(getattr(current_state, "training_failed_error", None)),
-                                before=self.size)
+                error = getattr(current_state, "training_failed_error", None)
+                _PENDING.update(why=describe_failure(error), before=self.size)
+                notice = preemption_notice(error)
+                if notice:  # said here: the ending attempt's workers are torn down as soon as one of them raises
+                    say(f"preemption: {notice}, this attempt stops and the next starts on the nodes that remain")
             _refresh_reservations(self.requester)
         elif name == "ResizingState":
             n = current_state.scaling_decision.num_workers
@@ -275,11 +282,10 @@ def describe_failure(error: BaseException | None) -> str:
     """One line on why an attempt ended: a preemption notice, a worker whose node was lost, or the first error."""
     if error is None:
         return "the previous attempt ended"
+    notice = preemption_notice(error)
+    if notice:
+        return f"a preemption notice: {notice}, stopping this attempt"
     failures = dict(sorted((getattr(error, "worker_failures", None) or {}).items()))
-    for rank, e in failures.items():
-        text = str(e)
-        if type(e).__name__ == "PreemptionStop" or "PreemptionStop" in text:
-            return f"a preemption notice: {text.split('PreemptionStop: ')[-1].strip().splitlines()[0]}"
     for rank, e in failures.items():
         inner = getattr(e, "health_check_failure", None) or e  # a failed poll of a worker wraps why it failed
         text = f"{e}\n{inner}"
@@ -294,6 +300,17 @@ def describe_failure(error: BaseException | None) -> str:
     if type(error).__name__ == "PreemptionError":
         return f"Ray preempted node(s) of the group: {_first_line(error)[:200]}"
     return _first_line(getattr(error, "controller_failure", None) or error)[:200]
+
+
+def preemption_notice(error: BaseException | None) -> str | None:
+    """What the PreemptionStop that ended an attempt says (`rank 1: SIGTERM to the worker on lt-h2 (pid 501);
+    checkpointed step 11`), from the lowest rank that raised one; None when no rank did."""
+    failures = dict(sorted((getattr(error, "worker_failures", None) or {}).items()))
+    for e in failures.values():
+        text = str(e)
+        if type(e).__name__ == "PreemptionStop" or "PreemptionStop" in text:
+            return text.split("PreemptionStop: ")[-1].strip().splitlines()[0].removesuffix(PREEMPTION_STOP_END)
+    return None
 
 
 def _first_line(e: BaseException) -> str:

@@ -129,6 +129,35 @@ def test_a_preemption_notice_checkpoints_at_the_next_step_boundary(tmp_path):
     assert stop.preempted == "SIGTERM to the worker on host-b (pid 7)"
 
 
+def test_the_controller_says_the_preemption_line_once_and_the_next_attempt_why(capfd):
+    """The attempt a notice ended: its `preemption:` line comes from Ray Train's controller as it restarts the
+    group (the workers are torn down as soon as one rank raises, so rank 0's own line could be lost), once, from
+    the lowest rank's PreemptionStop; the next attempt's `restart:` line gets the same notice."""
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from pipeline.train.distributed import elastic
+
+    stop = elastic.PreemptionStop(f"rank 1: SIGTERM to the worker on lt-h2 (pid 501); checkpointed step 11"
+                                  f"{elastic.PREEMPTION_STOP_END}")
+    error = WorkerGroupError("workers failed", {2: elastic.PreemptionStop("rank 2: other; checkpointed step 11"),
+                                                1: stop})
+    RestartingState = type("RestartingState", (), {"training_failed_error": error})
+    events = elastic.ElasticEvents(None)
+    elastic._PENDING.clear()
+    try:
+        events.after_controller_state_update(None, RestartingState())
+        events.after_controller_state_update(None, RestartingState())  # a failed start after it: no second line
+        assert elastic._PENDING["why"] == ("a preemption notice: rank 1: SIGTERM to the worker on lt-h2 (pid 501); "
+                                           "checkpointed step 11, stopping this attempt")
+    finally:
+        elastic._PENDING.clear()
+    assert capfd.readouterr().out.splitlines() == [
+        "preemption: rank 1: SIGTERM to the worker on lt-h2 (pid 501); checkpointed step 11, this attempt stops "
+        "and the next starts on the nodes that remain"]
+    lost = WorkerGroupError("workers failed", {0: RuntimeError("The actor died because its node has died.")})
+    assert elastic.preemption_notice(lost) is None and elastic.preemption_notice(None) is None
+
+
 def test_the_process_group_binds_to_the_node_ip_interface_or_refuses(monkeypatch):
     """This machine's hostname may resolve to 127.0.0.1 (as here); a node IP no interface holds is refused in one
     line naming the fix; a loopback node IP (every worker on this machine) needs nothing."""
