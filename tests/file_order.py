@@ -12,7 +12,7 @@ The table, tests/slow_files.json, holds each file's seconds (its tests' set-up, 
 fixtures included; a session fixture counts where it first ran) in a whole-suite run on 2 processes, for the files
 over MIN_SECONDS. Refresh it from such a run (a partial run updates the files it ran and keeps the others):
 
-    .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not exclusive" --record-file-seconds tests/slow_files.json
+    .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not exclusive" --record-file-seconds=tests/slow_files.json
 """
 from __future__ import annotations
 

@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 py=.venv/bin/python
 [ -x "$py" ] || py=python3
 "$py" -m pytest -q -n 2 --dist loadfile -m "not exclusive" --durations=15 \
-    --record-file-seconds "${TMPDIR:-/tmp}/longtrain-file-seconds.json" "$@"
+    --record-file-seconds="${TMPDIR:-/tmp}/longtrain-file-seconds.json" "$@"
 "$py" -m pytest -q -m exclusive --durations=5 "$@"

@@ -1,14 +1,18 @@
 """The order the whole suite's files are handed out in under `-n 2 --dist loadfile` (tests/file_order.py): the
 committed table names test files that exist, the longest go first with each file's tests together, and a run that
-records the files' seconds writes a table the next run reads.
+records the files' seconds writes a table the next run reads, and the suite's command runs again where that record is already there.
 
     .venv/bin/python -m pytest -q tests/test_file_order.py
 """
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from dataclasses import dataclass
 from types import SimpleNamespace
+
+import pytest
 
 from tests import file_order
 
@@ -55,3 +59,18 @@ def test_a_recorded_run_updates_the_files_it_ran_and_keeps_the_others(tmp_path):
     assert doc["seconds"] == {"tests/test_gpu_check.py": 120, kept: 50, "tests/test_layout.py": 26}
     assert doc["runs"][0] == "before" and doc["runs"][-1].endswith("3 file(s) of `pytest -n 2`")
     assert file_order.load_table(table) == {"tests/test_gpu_check.py": 120.0, kept: 50.0, "tests/test_layout.py": 26.0}
+
+
+@pytest.mark.system
+def test_the_suite_command_runs_again_where_its_record_of_file_seconds_is_already_there(tmp_path):
+    """tests/suite.sh writes $TMPDIR/longtrain-file-seconds.json; a second run on the same machine finds it there. As
+    `--record-file-seconds PATH` (two arguments), pytest took the existing PATH for a test path, made its folder the
+    root, never read tests/conftest.py and refused the option (exit 4, 'unrecognized arguments'): a CI run did."""
+    (tmp_path / "longtrain-file-seconds.json").write_text(json.dumps({"about": "x", "runs": [], "seconds": {}}))
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    run = subprocess.run(["bash", str(file_order.ROOT / "tests" / "suite.sh"), "--collect-only", "-q"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    # both runs (the parallel one and the exclusive one) collected from the repository's tests
+    assert run.stdout.count("tests/test_file_order.py: 4") == 1, run.stdout[-2000:]
+    assert run.stdout.count("tests/pipeline/test_busy_machine.py: 2") == 1, run.stdout[-2000:]
