@@ -1,6 +1,7 @@
 """The order the whole suite's files are handed out in under `-n 2 --dist loadfile` (tests/file_order.py): the
-committed table names test files that exist, the longest go first with each file's tests together, and a run that
-records the files' seconds writes a table the next run reads, and the suite's command runs again where that record is already there.
+committed table names test files that exist, the longest go first with each file's tests together, a run that
+records the files' seconds writes a table the next run reads, and the suite's command runs again where that record is
+already there.
 
     .venv/bin/python -m pytest -q tests/test_file_order.py
 """
