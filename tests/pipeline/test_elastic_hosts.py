@@ -123,9 +123,12 @@ def _ray_start(hosts: Hosts, i: int) -> None:
               "--temp-dir=/tmp/ray"]  # the host's own (tests/pipeline/hosts.py); short, for Ray's socket paths
     if i == 1:
         cmd = ["ray", "start", "--head", "--port=6379", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-               # a node that stops answering is declared dead after ~3 s, not ~30 s (Ray's defaults)
-               '--system-config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3, '
-               '"health_check_timeout_ms": 1000}', *common]
+               # a node that stops answering is declared dead after 5 checks of 1 s period and 5 s timeout each
+               # (~30 s; Ray's defaults ~65 s). 3 checks of 1 s timeout declared a live node dead on a loaded
+               # machine (load ~20 as the suite's other process started its S3 fixtures): its raylet exited before
+               # step 1, and the run's shrink came at step 0 instead of where the test pulls the cable
+               '--system-config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5, '
+               '"health_check_timeout_ms": 5000}', *common]
     else:
         cmd = ["ray", "start", f"--address={A1}:6379", *common]
     r = hosts.run(i, cmd, timeout=300)
