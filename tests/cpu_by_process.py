@@ -7,8 +7,9 @@ process's CPU-time since the last sample to the kind it has now (Ray retitles a 
 
 Writes {kind: CPU seconds} (largest first) to the JSON file every minute and at the end, and prints the top 25. What
 it cannot see: a process that starts and ends between two samples, and the last 2 s of any process; and a command
-line that holds a known word anywhere (a path under pytest's temporary directory) counts under that word. Every process of
-the machine counts, so run it on an otherwise idle machine. docs/tests.md has what it found on the whole suite.
+line that holds a known word anywhere (a path under pytest's temporary directory) counts under that word. Every
+process of the machine counts, so run it on an otherwise idle machine. docs/tests.md has what it found on the whole
+suite.
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 # processes (pytest-xdist, a test file's tests on one process, so its module set-up runs once), then the `exclusive`
 # ones (tests/pipeline/test_busy_machine.py: their CPU hogs would starve a test beside them) by themselves.
 # Each file's seconds go to $TMPDIR/longtrain-file-seconds.json (copy it over tests/slow_files.json to refresh the
-# order, tests/file_order.py; `=PATH`, one argument: as two, a PATH already there from an earlier run is taken for a test
-# path, pytest roots the run in its folder and never reads tests/conftest.py). docs/tests.md has the tiers, their times
-# and why. Extra arguments go to both runs.
+# order, tests/file_order.py; `=PATH`, one argument: as two, a PATH already there from an earlier run is taken for a
+# test path, pytest roots the run in its folder and never reads tests/conftest.py). docs/tests.md has the tiers, their
+# times and why. Extra arguments go to both runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
