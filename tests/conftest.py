@@ -58,6 +58,17 @@ os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
 # Ray once took longer than 120 s, and every test of a file then failed at set-up. A bound on a hang only;
 # tests/pipeline/test_ray_start.py sets its own to test the line.
 os.environ.setdefault("LONGTRAIN_RAY_START_WAIT_S", "600")
+# Ray's housekeeping in every Ray the tests start (docs/tests.md, "What an idle Ray costs"). A task worker of the
+# test process's own runs (an in-process prepare's Ray Data tasks) is ended after 60 s idle: Ray keeps up to one per
+# logical CPU idle until the session's Ray ends (8 after a prepare, each ~1 % of a core for the rest of a 75-minute
+# run); a run's own workers are still reused within a minute. The log monitor lists the log folder every 0.5 s instead
+# of on every 0.1-s pass (it does below 1,000 files; a session's Ray writes ~500) and still reads its open files on
+# every pass; the dashboard agent's node report and the dashboard's metrics every 60 s instead of 5 s; the agent's
+# event-loop monitor every 5 s instead of 0.25 s. No test checks any of them.
+for _name, _value in (("RAY_num_workers_soft_limit", "0"), ("RAY_idle_worker_killing_time_threshold_ms", "60000"),
+                      ("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0"), ("REPORTER_UPDATE_INTERVAL_MS", "60000"),
+                      ("METRICS_RECORD_INTERVAL_S", "60"), ("RAY_DASHBOARD_AGENT_LOOP_MONITOR_INTERVAL_S", "5")):
+    os.environ.setdefault(_name, _value)
 
 # The session's S3 server: its port is chosen now (outside the ephemeral range, so no outgoing connection takes it
 # before the server binds it) and its settings exported before any Ray starts; the server starts on first use.
