@@ -98,6 +98,7 @@ def _rank_worker(rank, world, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (7.2 s in the quick tier on 2 idle cores)
 def test_all_reduce_sums_over_ranks(tmp_path):
     mp.spawn(_rank_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):

@@ -76,6 +76,7 @@ def test_flops_match_a_measured_forward_count():
     assert flops_per_token(TINY, T, 100) == 3 * measured_fwd_per_token - 3 * attn_fwd_full / 2
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (6.7 s in the quick tier on 2 idle cores)
 def test_python_m_model_prints_every_tier():
     out = subprocess.run([sys.executable, "-m", "model", "--vocab", "32000"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, check=True).stdout

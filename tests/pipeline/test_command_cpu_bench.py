@@ -9,6 +9,7 @@ import pytest
 from bench import command_cpu
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (7.0 s in the quick tier on 2 idle cores)
 def test_counts_the_command_process_and_writes_json(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     assert command_cpu.main(["--no-ray", "--run-root", str(tmp_path / "runs"), "--out", str(out), "--settle-s", "0",

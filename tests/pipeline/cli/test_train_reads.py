@@ -4,9 +4,12 @@ prepared) and hands the Manifest to the run's record, MLflow, the readers of bot
 pipeline/storage.py read_bytes, as tests/pipeline/cli/test_eval_reads.py counts an eval's."""
 from __future__ import annotations
 
+import pytest
+
 from tests.pipeline.cli.test_eval_reads import _count_reads
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (6.8 s in the quick tier on 2 idle cores)
 def test_one_train_reads_the_manifest_once(files_dataset, tmp_path, monkeypatch, capsys):
     import pipeline.cli.train  # noqa: F401 -- the command's modules, so their own names for read_bytes are patched
     import pipeline.data.pack  # noqa: F401

@@ -210,6 +210,7 @@ def test_new_weights_or_a_new_source_tokenize_nothing_already_prepared(mixture_s
     assert all(len(b) == 1 for b in builds.values()), builds  # each source was built once, by the session's prepare
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (5.8 s in the quick tier on 2 idle cores)
 def test_a_source_whose_path_does_not_exist_is_named_with_its_own_field(tmp_path):
     """`prepare` as a user types it: the line names the source and the field it set (`path`), not data.path, which
     the user did not set; nothing is written to the dataset store."""
@@ -285,6 +286,7 @@ def test_two_mixture_prepares_racing_on_one_store_both_succeed_without_a_worker_
     assert not list((tmp_path / "runs").glob("datasets/*/build-*/_parts"))  # every build's parts removed
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (6.0 s in the quick tier on 2 idle cores)
 def test_a_mixture_of_synthetic_datasets_hints_at_no_tokenizer_file(tmp_path):
     """Synthetic datasets are token ids without a tokenizer file: the summary says so instead of hinting at a
     --data.tokenizer that is a directory."""

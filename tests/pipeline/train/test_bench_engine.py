@@ -21,6 +21,7 @@ def run_bench(script: str, out: Path, *extra: str, env: dict | None = None) -> d
     return json.loads(files[0].read_text())
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (8.3 s in the quick tier on 2 idle cores)
 def test_engine_throughput_smoke(tmp_path):
     res = run_bench("engine_throughput.py", tmp_path, "--profile", str(tmp_path / "prof"))
     row = res["rows"][0]
@@ -31,6 +32,7 @@ def test_engine_throughput_smoke(tmp_path):
     assert list((tmp_path / "prof").glob("trace-*.json"))
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (6.8 s in the quick tier on 2 idle cores)
 def test_train_speed_smoke(tmp_path):
     res = run_bench("train_speed.py", tmp_path)
     # two document-length distributions by default (web, and short documents at the smoke's 64 tokens)
@@ -53,6 +55,7 @@ def test_ray_overhead_smoke(tmp_path, ray_address):
     assert res["torch_threads"] == 2  # both sides on the worker's CPUs
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (7.5 s in the quick tier on 2 idle cores)
 def test_fsdp_bench_smoke(tmp_path):
     """The unsharded engine and FSDP on a one-worker group, side by side, with the memory model's prediction."""
     res = run_bench("fsdp.py", tmp_path)

@@ -349,6 +349,7 @@ def test_the_line_survives_a_trip_through_a_worker_process():
                                         "pass --checkpoint s3://b/r/ray/phase0/checkpoint_1")
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (6.1 s in the quick tier on 2 idle cores)
 def test_a_prompts_file_that_is_not_text_is_never_blamed_on_the_whole_checkpoint(source, tmp_path):
     """A gzipped --prompts-file beside a whole checkpoint: its own line, naming the file; no previous checkpoint is
     offered (following that advice would have thrown away good training). A text file then generates."""

@@ -296,6 +296,7 @@ def load_in_place(rank: int, world: int, local: str, uri: str) -> dict:
     return out
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (8.4 s in the quick tier on 2 idle cores)
 def test_each_worker_reads_only_its_shards_from_object_storage(runs, s3_bucket):
     """The two workers' step-4 checkpoint in the session's S3 bucket, loaded in place by two FSDP workers: each
     gets bit for bit what it gets from disk while fetching only its own part of the shards (ranged GETs), and one

@@ -118,6 +118,7 @@ def test_finder_answer_is_exact_on_a_simulated_device(found_6mib):
     assert _fits(n, limit) and not _fits(n + 1, limit)
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (6.7 s in the quick tier on 2 idle cores)
 def test_finder_stops_at_upper_and_reports_zero_when_nothing_fits():
     capped = find_max_batch(_cfg(), memory_limit_gib=1.0, upper=3, device=CPU)
     assert capped.max_batch == 3 and max(t.batch_size for t in capped.tries) == 3
@@ -125,6 +126,7 @@ def test_finder_stops_at_upper_and_reports_zero_when_nothing_fits():
     assert nothing.max_batch == 0
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (7.6 s in the quick tier on 2 idle cores)
 def test_cli_matches_the_function(tmp_path, found_6mib):
     out = tmp_path / "mb.json"
     cmd = [sys.executable, "-m", "pipeline.train.max_batch", "--preset", "test", "--tier", "nano", "--seq-len", str(SEQ),

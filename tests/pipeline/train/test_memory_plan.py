@@ -50,6 +50,7 @@ def test_model_against_the_cpu_counter(over, tol):
     assert est.total == pytest.approx(counted_peak(cfg, cfg.data.vocab_size), rel=tol)
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (8.0 s in the quick tier on 2 idle cores)
 def test_model_max_batch_is_the_measured_search():
     """A limit halfway between the model's estimates at batch 4 and 5: the measured search finds 4 as well."""
     cfg = load_config("test", {"model.compile": "off"})
@@ -60,6 +61,7 @@ def test_model_max_batch_is_the_measured_search():
     assert (found.max_batch, found.model_max_batch) == (4, 4)
 
 
+@pytest.mark.system  # docs/tests.md: over ~5 s (8.5 s in the quick tier on 2 idle cores)
 def test_plan_command_on_two_workers_against_the_counter(tmp_path, capsys):
     """A vocabulary large enough that the state matters: a full copy per worker does not fit 50 MiB, FSDP shards
     over two workers do; --measure trains the choice on two gloo workers and each one's counted peak is the
