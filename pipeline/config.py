@@ -697,10 +697,35 @@ def preset_phases(name: str) -> list[dict[str, Any]] | None:
 
 
 def default_preset() -> str:
-    """`gpu` when CUDA is present, `cpu` otherwise."""
+    """`gpu` when CUDA is present, `cpu` otherwise. A CPU build of torch is told apart by its version file, without
+    importing torch (~3 s on 2 cores: a refused command line should not wait for it)."""
+    if not torch_build_has_gpu(_torch_version_text()):
+        return "cpu"
     import torch
 
     return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_version_text() -> str | None:
+    """The text of the installed torch/version.py (None when it cannot be read: then torch itself is asked)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            return (Path(folder) / "version.py").read_text()
+        except OSError:
+            pass
+    return None
+
+
+def torch_build_has_gpu(version_text: str | None) -> bool:
+    """False for a torch built for neither CUDA nor ROCm (`cuda` and `hip` None in torch/version.py, as in
+    `2.13.0+cpu`), where torch.cuda.is_available() is always False; True otherwise (unknown text included)."""
+    if version_text is None:
+        return True
+    builds = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+?)\s*$", version_text, re.M))
+    return set(builds) != {"cuda", "hip"} or any(v != "None" for v in builds.values())
 
 
 def preset(name: str) -> Config:

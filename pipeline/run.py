@@ -189,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return prepare_command(cfg)
         if args.stage == "tune":
+            if args.space:  # the space file's mistakes in one line before Ray and torch load (run_sweep reads it again)
+                from pipeline.sweep.space import load_space
+
+                load_space(args.space, cfg)
             from pipeline.sweep.tune import tune_main
 
             return tune_main(cfg, args.space)
@@ -225,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         found = user_error(exc)
         if found is None:
             raise
-        from pipeline.train.checkpoints.broken import BrokenCheckpoint, offered_command
-
-        if isinstance(found, BrokenCheckpoint) and found.previous is not None:  # the exact command to run instead
-            line = found.line(offered_command(argv, found.previous, args.stage, args.target))
+        # Only a loaded checkpoints.broken can have raised a BrokenCheckpoint: importing it for any other error would
+        # load torch (~3 s) before a line that does not need it.
+        broken = sys.modules.get("pipeline.train.checkpoints.broken")
+        if broken is not None and isinstance(found, broken.BrokenCheckpoint) and found.previous is not None:
+            line = found.line(broken.offered_command(argv, found.previous, args.stage, args.target))  # what to run
         else:
             line = str(found).strip().splitlines()[0]
         _flush_worker_lines(ray_before)

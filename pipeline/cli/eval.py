@@ -162,11 +162,11 @@ def stage_eval(cfg: Config, checkpoint: Path | str, dataset_dir: Path | str | No
 def long_context_options(args: argparse.Namespace) -> tuple[list[int], list[int] | None] | None:
     """(--seq-len factors, --passkey-lengths) when the eval stage is asked for a long-context measure, else None;
     bad values are one-line errors here, before any model loads."""
+    if not (args.by_position or args.seq_len or args.passkey or args.passkey_lengths):
+        return None  # before the imports below: they load torch, which a refused command line should not wait for
     from pipeline.eval.passkey import parse_lengths
     from pipeline.eval.long_context import parse_factors
 
-    if not (args.by_position or args.seq_len or args.passkey or args.passkey_lengths):
-        return None
     if args.stage != "eval":
         raise UsageError("--by-position, --seq-len and --passkey are options of the eval stage: "
                          "python pipeline/run.py eval --resume RUN --by-position")

@@ -16,11 +16,11 @@ from pipeline.train.session.run_dir import find_run
 
 def stage_export(cfg: Config, args: argparse.Namespace) -> None:
     from pipeline.train.checkpoints.broken import diagnosed
-    from pipeline.train.serve.export import export_checkpoint, register_export
 
     if not args.out:
         raise UsageError("export needs --out DIR: python pipeline/run.py export --resume RUN --out DIR")
     checkpoint = latest_checkpoint(cfg, args)
+    from pipeline.train.serve.export import export_checkpoint, register_export  # torch: once there is a checkpoint
     run = None
     if args.register:  # find the training run before writing anything
         run_dir = find_run(cfg, args.resume) if args.resume else run_dir_of_checkpoint(checkpoint)

@@ -168,3 +168,54 @@ def test_rope_settings_on_resume_of_a_resonance_run_are_refused(tmp_path):
                                    f"(its kernel is its position code), so no RoPE setting is used; drop "
                                    f"model.rope_theta, or train model.mixer=attention")
     assert (run / "run.json").read_text() == before and sorted(p.name for p in run.iterdir()) == ["run.json"]
+
+
+# Command lines refused before anything loads: none of them may import torch, Ray or MLflow on the way to its line
+# (each costs seconds: torch ~3 s on 2 cores). One process runs them in turn, so one import by any fails the test.
+REFUSED_LIGHT = [
+    ["train", "--train.batch_size=0"],  # no --preset: the default preset is chosen without importing torch
+    ["train", "--train.learning_rate=8"],
+    ["tune", "--space", "/nonexistent/space.yaml", "--preset", "test"],
+    ["eval", "--resume", "/nonexistent/run"],
+    ["generate", "--resume", "/nonexistent/run"],
+    ["generate", "--checkpoint", "/nonexistent/run/checkpoints/phase0/step_000008", "--top-p", "90"],
+    ["export", "--resume", "/nonexistent/run", "--out", "/nonexistent/hf"],
+]
+LIGHT_DRIVER = """
+import contextlib, io, json, sys
+from pipeline.run import main
+out = []
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(args)
+    out.append([args, code, err.getvalue(), sorted(m for m in ("torch", "ray", "mlflow") if m in sys.modules)])
+print(json.dumps(out))
+"""
+
+
+def test_refused_command_lines_load_neither_torch_nor_ray_nor_mlflow():
+    import json
+
+    res = subprocess.run([sys.executable, "-c", LIGHT_DRIVER, json.dumps(REFUSED_LIGHT)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    for args, code, err, loaded in json.loads(res.stdout.splitlines()[-1]):  # the last line: after any banner
+        assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, (args, err)
+        assert loaded == [], f"{' '.join(args)} loaded {loaded} before its line: {err}"
+
+
+def test_the_default_preset_is_told_from_torchs_version_file_without_importing_torch():
+    import torch
+
+    from pipeline.config import _torch_version_text, default_preset, torch_build_has_gpu
+
+    cpu = "cuda: Optional[str] = None\nhip: Optional[str] = None\n"
+    assert not torch_build_has_gpu(cpu)
+    assert torch_build_has_gpu("cuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n")
+    assert torch_build_has_gpu("cuda: Optional[str] = None\nhip: Optional[str] = '6.2.41133'\n")  # ROCm: torch.cuda
+    assert torch_build_has_gpu("__version__ = '9.0'\n") and torch_build_has_gpu(None)  # unknown: torch is asked
+    # on this machine: the same answer as torch's own
+    assert default_preset() == ("gpu" if torch.cuda.is_available() else "cpu")
+    assert torch_build_has_gpu(_torch_version_text()) == (torch.version.cuda is not None or torch.version.hip
+                                                           is not None)

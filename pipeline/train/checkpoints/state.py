@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from pipeline.train.checkpoints.errors import CheckpointError  # noqa: F401  (raised here; imported from here too)
 from pipeline.train.checkpoints.index import file_record
 
 CHECKPOINT_FORMAT = 2
@@ -60,10 +61,6 @@ FULL, SHARDED = "full", "sharded"
 SHARDED_DIR = "sharded"  # the DCP directory inside a sharded checkpoint
 TRAIN_STATE = "train_state.pt"  # a full checkpoint's optimizer, scheduler and RNG state
 MODEL_PREFIX = "decoder."  # LossModule's name for the decoder: checkpoint keys are the engine module's FQNs
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or does not fit the configured model."""
 
 
 # ------------------------------------------------------------------------------------------ reading DCP safely
