@@ -227,15 +227,13 @@ class SeaweedS3:
         fs.delete_file(f"{bucket}/.quota-filler")
 
     def stop(self) -> None:
+        """End the server's process group at once. `weed server` (4.48) did not end within 20 s of a SIGTERM or a
+        SIGINT (measured on 2026-11-29), so a grace period only made every stop wait it out (5 s a server) before the
+        SIGKILL that ended it anyway; its data directory is throwaway here."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=grace_s)
-                return
-            except subprocess.TimeoutExpired:
-                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.proc.wait(timeout=30)  # a bound on a hang only

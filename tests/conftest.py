@@ -98,6 +98,14 @@ def pytest_collection_modifyitems(config, items):
         items[:] = file_order.longest_first(items, file_order.load_table())
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadfile`: whole files, and the files that share a costly session fixture together
+    (tests/file_order.py GROUPS), to one process."""
+    if config.getvalue("dist") == "loadfile":
+        return file_order.GroupedFiles(config, log)
+    return None
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray

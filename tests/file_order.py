@@ -1,4 +1,5 @@
-"""The longest test files first, for the whole suite on 2 pytest processes (`-n 2 --dist loadfile`).
+"""The longest test files first, for the whole suite on 2 pytest processes (`-n 2 --dist loadfile`, a unit per file
+but for the files that share a costly fixture: GROUPS).
 
 pytest-xdist hands out whole files, in the order its workers collected them (`--no-loadscope-reorder`, in
 pyproject.toml's addopts; by default it sorts files by their number of tests, which put the three-host elastic run,
@@ -22,6 +23,8 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
+from xdist.scheduler import LoadFileScheduling
+
 TABLE = Path(__file__).resolve().with_name("slow_files.json")
 ROOT = TABLE.parents[1]
 MIN_SECONDS = 20.0  # files under it are left out of the table: their order hardly matters
@@ -38,19 +41,87 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+# Session and package fixtures that build something costly for several files: a dataset prepared on the session's
+# S3 server, three named mixtures, a files dataset, the mixer sweep (~3 min) and the sweeps' shared run root. Each
+# pytest process builds its own, so the files that use one are handed to one process together (GROUPS): the build
+# runs once in the run instead of once per process.
+SHARED_BUILDS = ("s3_dataset", "mixture_setup", "files_dataset", "mixer_sweep", "sweep_files")
+
+# The files linked through SHARED_BUILDS, a group each, named after its first file. A table rather than what the
+# collection shows, because xdist's scheduler runs in the controller, which collects nothing: test_file_order.py
+# checks it against the fixtures the collected tests use (`groups`).
+GROUPS = (
+    ("tests/pipeline/test_object_storage.py", "tests/pipeline/test_storage_faults_train.py",
+     "tests/pipeline/test_ray_cluster.py", "tests/pipeline/test_storage_denied_train.py",
+     "tests/pipeline/test_checkpoint_upload_train.py"),  # s3_dataset
+    ("tests/pipeline/sweep/test_tune.py", "tests/pipeline/sweep/test_mixer_sweep.py",
+     "tests/pipeline/sweep/test_mlflow_ui.py", "tests/pipeline/sweep/test_tune_ctrl_c.py"),  # sweep_files, mixer_sweep
+    ("tests/pipeline/sweep/test_mixture_sweep.py", "tests/pipeline/data/test_mixture.py",
+     "tests/pipeline/train/test_mixture_train.py"),  # mixture_setup
+    ("tests/pipeline/test_full_disk.py", "tests/pipeline/data/test_shards.py", "tests/pipeline/cli/test_train_reads.py",
+     "tests/pipeline/train/test_resume_record.py", "tests/pipeline/train/test_resume_extend.py"),  # files_dataset
+)
+_GROUP_OF = {f: files[0] for files in GROUPS for f in files}
+
+
+def group_of(path: str) -> str:
+    """The group a test file is handed out in: its GROUPS entry's first file, or the file itself."""
+    return _GROUP_OF.get(path, path)
+
+
+def groups(items: list) -> dict[str, str]:
+    """{file: a file standing for its group} as the collected items' fixtures link them: files using one
+    SHARED_BUILDS fixture (directly, or through another file) share one; every other file stands for itself. An
+    item's `fixturenames` holds every fixture it uses, those its fixtures use included."""
+    parent: dict[str, str] = {}
+
+    def root(f: str) -> str:
+        while parent[f] != f:
+            parent[f] = parent[parent[f]]
+            f = parent[f]
+        return f
+
+    first_user: dict[str, str] = {}
+    for item in items:
+        f = file_of(item.nodeid)
+        parent.setdefault(f, f)
+        for name in SHARED_BUILDS:
+            if name in getattr(item, "fixturenames", ()):
+                a, b = sorted((root(f), root(first_user.setdefault(name, f))))
+                parent[b] = a
+    return {f: root(f) for f in parent}
+
+
 def longest_first(items: list, table: dict[str, float]) -> list:
     """items with the table's files first, longest first, each file's tests together and in their own order; the
-    other files after them, in their collected order."""
+    other files after them, in their collected order. The files of a group (GROUPS) go together, the group placed
+    by its files' seconds added up, its files longest first."""
+    group = {file_of(item.nodeid): group_of(file_of(item.nodeid)) for item in items}
+    group_seconds: dict[str, float] = defaultdict(float)
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
-        first_seen.setdefault(file_of(item.nodeid), i)
+        f = file_of(item.nodeid)
+        if f not in first_seen:
+            first_seen[f] = i
+            group_seconds[group[f]] += table.get(f, 0.0)
+    group_first = {g: min(first_seen[f] for f in first_seen if group[f] == g) for g in group_seconds}
 
-    def key(pair: tuple[int, object]) -> tuple[float, int, int]:
+    def key(pair: tuple[int, object]) -> tuple[float, int, float, int, int]:
         i, item = pair
         f = file_of(item.nodeid)
-        return -table.get(f, 0.0), first_seen[f], i
+        g = group[f]
+        return -group_seconds[g], group_first[g], -table.get(f, 0.0), first_seen[f], i
 
     return [item for _, item in sorted(enumerate(items), key=key)]
+
+
+class GroupedFiles(LoadFileScheduling):
+    """xdist's file scheduler (`--dist loadfile`) with GROUPS's files as one unit each: what tests/conftest.py's
+    pytest_xdist_make_scheduler hands xdist. (xdist's own `--dist loadgroup` renames the tests it groups, which
+    pytest 9's nodeids no longer take: it grouped nothing.)"""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(file_of(nodeid))
 
 
 class FileSeconds:

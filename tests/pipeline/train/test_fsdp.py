@@ -3,7 +3,8 @@
 The Ray-free engine and loop run under a real torch.distributed process group in two spawned worker processes
 (pipeline/train/distributed/process_group.py), reading the same shards with the same per-rank split as Ray Train's workers;
 tests/pipeline/train/test_fsdp_ray.py runs the same engine under Ray Train. One spawn runs every two-worker
-scenario; the one-worker runs happen in this process (one of them under a one-worker process group).
+scenario but the compiled one (a spawn of its own, in the system tier); the one-worker runs happen in this process (one
+of them under a one-worker process group).
 
 Tolerance: a change of worker count or of DDP for FSDP changes only the order of floating-point sums (a
 two-worker mean of per-worker means, a reduce-scatter against one mean over the whole batch), so losses agree to
@@ -98,14 +99,20 @@ def two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
     resonance = {"model.mixer": "resonance", "model.tie_embeddings": False, "model.activation_checkpointing": "mixer"}
     runs = {"ddp": ({}, "ddp", {"save_to": f"{tmp}/ddp2"}), "fsdp": ({}, "fsdp", {"save_to": f"{tmp}/fsdp2"}),
             "fsdp_resumed": ({}, "fsdp", {"load": f"{tmp}/fsdp2"}),
-            # regionally compiled blocks (torch.compile on CPU) sharded after compiling, resumed from shards
-            "from_fsdp1": ({"model.compile": "on"}, "fsdp", {"load": f"{tmp}/fsdp1"}),
             # two micro-batches of 2 per step (the global batch stays 8), every block checkpointed, from the
             # one-process full checkpoint
             "from_full1": ({"train.batch_size": 2, "train.grad_accum": 2, "model.activation_checkpointing": "all"},
                            "fsdp", {"load": f"{tmp}/full1"}),
             "resonance_fsdp": (resonance, "fsdp", {})}
     return {name: train(rank, world, dataset, name, over, mode, **kw) for name, (over, mode, kw) in runs.items()}
+
+
+def compiled_two_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
+    """Regionally compiled blocks (torch.compile on CPU) sharded after compiling, resumed from the one-worker FSDP
+    group's shards: a spawn of its own, in the system tier (inductor's first compile of the blocks took ~40 s of the
+    quick tier's FSDP set-up with a fresh TMPDIR, as in a fresh clone)."""
+    return {"from_fsdp1": train(rank, world, dataset, "from_fsdp1", {"model.compile": "on"}, "fsdp",
+                                load=f"{tmp}/fsdp1")}
 
 
 @pytest.fixture(scope="module")
@@ -158,17 +165,28 @@ def test_fsdp_resume_is_bitwise(runs):
 
 
 def test_resharded_resume_equals_an_uninterrupted_run(runs):
-    """2 -> 1: two workers' shards resumed in one process; 1 -> 2: one worker's checkpoint (sharded by a
-    one-worker FSDP group, or the full layout of the one-process engine) resumed by two FSDP workers, the first
-    with regionally compiled blocks (compiled, then sharded: FSDP's hooks outside the graphs), the second with
-    gradient accumulation over two micro-batches (sharded gradients add up across backward passes) and every block
-    checkpointed (its parameters gathered again for the recompute)."""
+    """2 -> 1: two workers' shards resumed in one process; 1 -> 2: the one-process engine's full checkpoint resumed
+    by two FSDP workers with gradient accumulation over two micro-batches (sharded gradients add up across backward
+    passes) and every block checkpointed (its parameters gathered again for the recompute). The compiled case is
+    test_compiled_blocks_resume_a_one_worker_groups_shards."""
     two, one = runs["two"][0], runs["one"]
     assert runs["two_to_one"]["losses"] == pytest.approx(two["fsdp"]["losses"][SAVE_AT:], **TOL)
     assert_same_weights(runs, "two_to_one", "fsdp")
-    for name in ("from_fsdp1", "from_full1"):
-        assert two[name]["losses"] == pytest.approx(one["losses"][SAVE_AT:], **TOL), name
-        assert_same_weights(runs, name, "one")
+    assert two["from_full1"]["losses"] == pytest.approx(one["losses"][SAVE_AT:], **TOL)
+    assert_same_weights(runs, "from_full1", "one")
+
+
+@pytest.mark.system  # a spawn of two workers compiling the blocks: ~40 s with a fresh inductor cache
+def test_compiled_blocks_resume_a_one_worker_groups_shards(runs):
+    """1 -> 2: the checkpoint a one-worker FSDP group sharded, resumed by two FSDP workers with regionally compiled
+    blocks (compiled, then sharded: FSDP's hooks outside the graphs): steps 5-8 and the final weights are the
+    one-process engine's."""
+    from pipeline.train.distributed.process_group import run_workers
+
+    got = run_workers(compiled_two_workers, 2, str(runs["tmp"] / "ds"), str(runs["tmp"]))[0]["from_fsdp1"]
+    assert got["parallel"] == "fsdp"
+    assert got["losses"] == pytest.approx(runs["one"]["losses"][SAVE_AT:], **TOL)
+    assert_same_weights(runs, "from_fsdp1", "one")
 
 
 
