@@ -710,8 +710,7 @@ def _torch_version_text() -> str | None:
     """The text of the installed torch/version.py (None when it cannot be read: then torch itself is asked)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("torch")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+    for folder in getattr(importlib.util.find_spec("torch"), "submodule_search_locations", None) or []:
         try:
             return (Path(folder) / "version.py").read_text()
         except OSError:

@@ -229,11 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         found = user_error(exc)
         if found is None:
             raise
-        # Only a loaded checkpoints.broken can have raised a BrokenCheckpoint: importing it for any other error would
-        # load torch (~3 s) before a line that does not need it.
-        broken = sys.modules.get("pipeline.train.checkpoints.broken")
-        if broken is not None and isinstance(found, broken.BrokenCheckpoint) and found.previous is not None:
-            line = found.line(broken.offered_command(argv, found.previous, args.stage, args.target))  # what to run
+        from pipeline.train.checkpoints.broken import BrokenCheckpoint, offered_command
+
+        if isinstance(found, BrokenCheckpoint) and found.previous is not None:  # the exact command to run instead
+            line = found.line(offered_command(argv, found.previous, args.stage, args.target))
         else:
             line = str(found).strip().splitlines()[0]
         _flush_worker_lines(ray_before)

@@ -96,20 +96,20 @@ def longest_first(items: list, table: dict[str, float]) -> list:
     """items with the table's files first, longest first, each file's tests together and in their own order; the
     other files after them, in their collected order. The files of a group (GROUPS) go together, the group placed
     by its files' seconds added up, its files longest first."""
-    group = {file_of(item.nodeid): group_of(file_of(item.nodeid)) for item in items}
     group_seconds: dict[str, float] = defaultdict(float)
+    group_first: dict[str, int] = {}
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
         f = file_of(item.nodeid)
         if f not in first_seen:
             first_seen[f] = i
-            group_seconds[group[f]] += table.get(f, 0.0)
-    group_first = {g: min(first_seen[f] for f in first_seen if group[f] == g) for g in group_seconds}
+            group_first.setdefault(group_of(f), i)
+            group_seconds[group_of(f)] += table.get(f, 0.0)
 
     def key(pair: tuple[int, object]) -> tuple[float, int, float, int, int]:
         i, item = pair
         f = file_of(item.nodeid)
-        g = group[f]
+        g = group_of(f)
         return -group_seconds[g], group_first[g], -table.get(f, 0.0), first_seen[f], i
 
     return [item for _, item in sorted(enumerate(items), key=key)]
