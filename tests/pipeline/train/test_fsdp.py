@@ -78,7 +78,9 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
     losses: list[float] = []
 
     def on_checkpoint(e, metrics) -> None:
-        if save_to and e.step == SAVE_AT:
+        # as every launcher does (pipeline/train/ray_train.py): every worker writes its shards, a full checkpoint is
+        # rank 0's (two DDP workers publishing one directory race: one's rename meets the other's directory)
+        if save_to and e.step == SAVE_AT and (e.sharded or rank == 0):
             e.save(save_to, extra={"dataset_dir": dataset})
 
     t = cfg.train
