@@ -1,10 +1,11 @@
-"""A run that works shows no traceback, also on a busy machine: `prepare` with its own local Ray, `train` and
-`train --resume` extending it, while two busy-loop processes hold the CPUs at nice 5. What Ray says is safe to ignore
+"""A run that works shows no traceback, also on a busy machine: `prepare` with its own local Ray, and beside it
+`train` and `train --resume` extending it, while two busy-loop processes hold the CPUs at nice 5. What Ray says is safe to ignore
 (a timed-out resource request of Ray Train's controller, with its traceback) and the GCS's `Failed to kill actor` for
 a job's actors that had already exited at its end stay in Ray's log files (pipeline/console.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ NOISE = ("Traceback", "safe to ignore", "Failed to kill actor", "Exception ignor
 
 
 def _hogs(nice: int):
-    """Two busy loops, one per core of the test machine, at `nice`, for the test's duration.
+    """Two busy loops, one per core of the test machine, at `nice`, while the fixture lasts.
 
     They are what makes these tests slow, on purpose: Ray starts its workers at nice 15 (RAY_worker_niceness; its
     daemons stay at 0), and the workers share this process's scheduling group (the kernel's autogroup: one per
@@ -39,32 +40,53 @@ def _hogs(nice: int):
         hog.wait()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cpu_hog_nice5():
-    """At nice 5: the train's safe-to-ignore lines came there in 2 runs of 2, in ~40% of the time the runs take at
-    nice 0 (the extension's in 0 of 2: the train is what makes that test able to fail). Prepare printed none of the
-    lines either beside loops at nice 5 (1 run of 1) or at nice 0 (1 run of 1, 225 s, 2026-11-29), so it runs at
-    nice 5 too, in a fraction of the time."""
+    """At nice 5, for the module: the train's safe-to-ignore lines came there in 2 runs of 2, in ~40% of the time the
+    runs take at nice 0 (the extension's in 0 of 2: the train is what makes that test able to fail). Prepare printed
+    none of the lines either beside loops at nice 5 (1 run of 1) or at nice 0 (1 run of 1, 225 s, 2026-11-29), so it
+    runs at nice 5 too, beside the train (`prepare_beside`)."""
     yield from _hogs(5)
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert res.returncode == 0, res.stdout + res.stderr
-    console = res.stdout + res.stderr
+def _env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)}
+
+
+def _check(returncode: int, console: str) -> None:
+    assert returncode == 0, console
     assert not [n for n in NOISE if n in console], console
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    res = subprocess.run([*RUN, *args], capture_output=True, text=True, timeout=900, cwd=ROOT, env=_env())
+    _check(res.returncode, res.stdout + res.stderr)
     return res
 
 
-@pytest.mark.timeout(900)
-def test_prepare_with_its_own_ray_on_a_busy_machine_prints_no_traceback(cpu_hog_nice5, tmp_path):
-    res = _run("prepare", "--preset", "test", f"--run.root={tmp_path}")  # its own local Ray, started and ended
-    assert res.stdout.strip().splitlines()[-1].startswith("dataset: ")
+@pytest.fixture(scope="module")
+def prepare_beside(cpu_hog_nice5, tmp_path_factory):
+    """`prepare` with its own local Ray (started and ended), in the background on the busy machine while the train
+    test runs beside it: the two are starved by the same loops at once instead of one after the other (each of
+    Ray's workers at nice 15 gets a share of a core beside a loop, so two runs together get about twice what one
+    gets, and the module takes about as long as the train alone). Its output goes to files (a pipe nobody reads
+    could fill and stop it); the prepare test waits for it and checks it."""
+    root = tmp_path_factory.mktemp("busy_prepare")
+    out, err = open(root / "stdout", "w+"), open(root / "stderr", "w+")
+    proc = subprocess.Popen([*RUN, "prepare", "--preset", "test", f"--run.root={root / 'runs'}"], stdout=out,
+                            stderr=err, text=True, cwd=ROOT, env=_env(), start_new_session=True)
+    try:
+        yield proc, out, err
+    finally:
+        if proc.poll() is None:  # a test that never waited for it (run alone, or failed first)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.close()
+        err.close()
 
 
 @pytest.mark.timeout(900)
-def test_train_and_extend_on_a_busy_machine_print_no_traceback(cpu_hog_nice5, ray_address, test_runs_root):
+def test_train_and_extend_on_a_busy_machine_print_no_traceback(prepare_beside, ray_address, test_runs_root):
     common = ["--preset", "test", f"--run.root={test_runs_root}", "--address", ray_address,
               "--tracking.enabled=false", "--train.sample_tokens=0", "--train.checkpoint_every=2",
               "--train.eval_every=2"]
@@ -73,3 +95,14 @@ def test_train_and_extend_on_a_busy_machine_print_no_traceback(cpu_hog_nice5, ra
     _run("train", *common, "--run.name=busy", "--train.max_steps=2")
     res = _run("train", "--resume", str(test_runs_root / "busy"), *common, "--train.max_steps=4")
     assert "checkpoint:" in res.stdout
+
+
+@pytest.mark.timeout(900)
+def test_prepare_with_its_own_ray_on_a_busy_machine_prints_no_traceback(prepare_beside):
+    proc, out, err = prepare_beside
+    proc.wait(timeout=850)
+    out.seek(0)
+    err.seek(0)
+    stdout = out.read()
+    _check(proc.returncode, stdout + err.read())
+    assert stdout.strip().splitlines()[-1].startswith("dataset: ")

@@ -5,7 +5,7 @@ with the global batch (2 data ranks x 2 rows: the same rows at every step as two
 Train runs (the exactness of every degree against one process, in seconds and without Ray, is
 tests/pipeline/train/test_context_parallel.py).
 
-    .venv/bin/python -m pytest -q tests/pipeline/train/test_context_parallel_ray.py      (~3 min on 2 idle cores)
+    .venv/bin/python -m pytest -q tests/pipeline/train/test_context_parallel_ray.py      (~1-3 min on 2 idle cores)
 
 Tolerance: as tests/pipeline/train/test_fsdp.py states for a change of worker count (the order of floating-point sums
 changes, nothing else): the mean training loss of steps 5-8 and the validation loss rel 1e-5, weights 1e-4 absolute
