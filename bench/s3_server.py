@@ -86,19 +86,23 @@ class SeaweedS3:
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION}
 
     def start(self, timeout_s: float = 60, attempts: int = 3) -> "SeaweedS3":
-        """Start the server and wait until its S3 gateway answers. Its internal ports are free when picked and
-        bound a moment later, so another process may take one in between: a start that says so in its log is
-        tried again on fresh ones, up to `attempts` times (the S3 port, already handed out, stays)."""
+        """Start the server (unless `launch` already did) and wait until its S3 gateway answers. Its internal ports
+        are free when picked and bound a moment later, so another process may take one in between: a start that says
+        so in its log is tried again on fresh ones, up to `attempts` times (the S3 port, already handed out, stays)."""
         for attempt in range(attempts):
             try:
-                return self._start(timeout_s)
+                if attempt or self.proc is None or self.proc.poll() is not None:  # not launched, or stopped
+                    self.launch()
+                return self._wait(timeout_s)
             except RuntimeError:
                 lost = "address already in use" in self.log.read_text(errors="replace").lower()
                 if not lost or attempt == attempts - 1:
                     raise
         raise AssertionError("unreachable")
 
-    def _start(self, timeout_s: float) -> "SeaweedS3":
+    def launch(self) -> "SeaweedS3":
+        """Start the server's process and return at once (`start` then waits for it): a caller that knows it will
+        need the server soon starts it early, and its start-up runs beside other work."""
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         identities = self.workdir / "identities.json"
@@ -118,6 +122,9 @@ class SeaweedS3:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
                                          start_new_session=True)
+        return self
+
+    def _wait(self, timeout_s: float) -> "SeaweedS3":
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:

@@ -2,8 +2,8 @@
 
 `mlflow_server`: ONE real MLflow server on 127.0.0.1 for the session (see the fixture).
 
-`s3_server`: ONE real S3 server (SeaweedFS, bench/s3_server.py) on 127.0.0.1 for the session, started on
-first use. Its endpoint and key are in this process's environment from the start (AWS_ENDPOINT_URL,
+`s3_bucket`: ONE real S3 server (SeaweedFS, bench/s3_server.py) on 127.0.0.1 for the session, started on
+first use (or, on one pytest process, as the session begins when a collected test will use it: `started_early`). Its endpoint and key are in this process's environment from the start (AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, ...: the standard AWS settings), so every Ray worker the session starts inherits them, as
 the nodes of a configured cluster have theirs.
 
@@ -213,76 +213,114 @@ def hang_up_server():
         server.close()
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """(tracking URI, artifacts destination) of a real `mlflow server` on 127.0.0.1 for the whole session.
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 and a free port, its store and artifacts under `root`: `launch` starts the
+    process and returns at once, `wait` returns (tracking URI, artifacts destination) once /health answers, `stop`
+    ends its whole process group (it forks a uvicorn).
 
-    Started once (~10 s on 2 cores) with artifacts proxied through it (--serve-artifacts) and without MLflow's
-    job runner; torn down with its whole process group (it forks a uvicorn)."""
-    root = tmp_path_factory.mktemp("mlflow_server")
-    artifacts = root / "artifacts"
-    port = _free_port()
-    uri = f"http://127.0.0.1:{port}"
-    log_path = root / "server.log"
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--serve-artifacts",
-           "--artifacts-destination", str(artifacts), "--workers", "1"]
-    # No job runner: MLflow's server otherwise forks one with ~8 huey consumers that poll the store all session
-    # long, ~0.33 of a core on an idle server (measured: 20 CPU-s a minute), which every CPU-bound test beside
-    # it pays on 2 cores. No test uses MLflow jobs (GenAI evaluation/scorers); tracking and artifacts are the same.
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    Artifacts are proxied through it (--serve-artifacts), and MLflow's job runner is off: the server otherwise forks
+    one with ~8 huey consumers that poll the store all session long, ~0.33 of a core on an idle server (measured: 20
+    CPU-s a minute), which every CPU-bound test beside it pays on 2 cores. No test uses MLflow jobs (GenAI
+    evaluation/scorers); tracking and artifacts are the same."""
 
-    def start() -> subprocess.Popen:
-        with open(log_path, "wb") as log_file:
+    def __init__(self, root: Path):
+        self.root, self.artifacts, self.log_path = root, root / "artifacts", root / "server.log"
+        self.proc: subprocess.Popen | None = None
+        self.port, self.starts = 0, 0
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def launch(self) -> "MlflowServer":
+        self.port, self.starts = _free_port(), self.starts + 1
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--serve-artifacts",
+               "--artifacts-destination", str(self.artifacts), "--workers", "1"]
+        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
+               "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        with open(self.log_path, "wb") as log_file:
             # Own session: the server's uvicorn and job-runner children share its process group, killed together.
-            return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=root, env=env,
-                                    start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=self.root, env=env,
+                                         start_new_session=True)
+        return self
 
-    proc, starts = start(), 1
-    try:
+    def wait(self) -> tuple[str, Path]:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while True:
-            if "address already in use" in log_path.read_text().lower() and starts < SERVER_PORT_ATTEMPTS:
+            if "address already in use" in self.log_path.read_text().lower() and self.starts < SERVER_PORT_ATTEMPTS:
                 # Free when picked, the port was taken before the server bound it (its uvicorn says so and may
                 # linger): stopped, and started again on a fresh one.
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-                port = _free_port()
-                uri = f"http://127.0.0.1:{port}"
-                cmd[cmd.index("--port") + 1] = str(port)
-                proc, starts = start(), starts + 1
+                self.stop(grace_s=0)
+                self.launch()
                 deadline = time.monotonic() + SERVER_START_TIMEOUT_S
                 continue
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            if self.proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(uri + "/health", timeout=2) as resp:
+                with urllib.request.urlopen(self.uri + "/health", timeout=2) as resp:
                     if resp.status == 200:
-                        break
+                        return self.uri, self.artifacts
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 pytest.fail(f"mlflow server not ready after {SERVER_START_TIMEOUT_S} s:\n"
-                            f"{log_path.read_text()[-3000:]}")
+                            f"{self.log_path.read_text()[-3000:]}")
             time.sleep(0.25)
-        yield uri, artifacts
-    finally:
-        # SIGTERM, a short grace period (the data is throwaway), then SIGKILL whatever of the group is left,
-        # so no uvicorn or job runner outlives the module.
-        for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+
+    def stop(self, grace_s: float = 5) -> None:
+        """SIGTERM, a short grace period (the data is throwaway), then SIGKILL whatever of the group is left, so no
+        uvicorn or job runner outlives it."""
+        if self.proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
             try:
-                os.killpg(proc.pid, sig)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 break
             try:
-                proc.wait(timeout=grace_s)
+                self.proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 pass
+
+
+_EARLY: dict[str, MlflowServer] = {}  # the session's MLflow server when started_early started it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started_early(request, tmp_path_factory):
+    """On one pytest process (the quick tier's way): the session's MLflow and S3 servers, when any collected test
+    will use them, are started as the session begins and come up while the first tests run (~10 s and ~4 s of
+    start-up on 2 cores, where the quick tier keeps about one core busy); `mlflow_server` and `s3_bucket` then wait
+    for them. Under xdist a process cannot know which tests it will be handed, so each starts them on first use.
+    Whatever was started is stopped after every other session fixture (this one is set up first)."""
+    if hasattr(request.config, "workerinput"):
+        yield
+        return
+    needs = set().union(set(), *(item.fixturenames for item in request.session.items))
+    if "mlflow_server" in needs:
+        _EARLY["mlflow"] = MlflowServer(tmp_path_factory.mktemp("mlflow_server")).launch()
+    if "s3_bucket" in needs:
+        S3.launch()
+    try:
+        yield
+    finally:
+        if "mlflow" in _EARLY:
+            _EARLY.pop("mlflow").stop()
+        S3.stop()  # nothing when s3_bucket has stopped it, or it never started
+        shutil.rmtree(S3.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """(tracking URI, artifacts destination) of a real `mlflow server` on 127.0.0.1 for the whole session
+    (MlflowServer; started by `started_early` when it could, else here)."""
+    server = _EARLY.get("mlflow") or MlflowServer(tmp_path_factory.mktemp("mlflow_server")).launch()
+    try:
+        yield server.wait()
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
