@@ -121,6 +121,32 @@ def ray_session():
         ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def ray_lines_stay_with_their_test(request):
+    """After a test that used the session's Ray: the worker lines Ray's deduplicator still holds are printed now, into
+    this test's captured output. The deduplicator prints a held line ("[repeated Nx across cluster]") only when a later
+    batch of lines comes, or when the driver disconnects; a command's own driver does that at its end, but the test
+    process is one driver for the whole session, so a test's held lines came out in whichever later test next ran Ray
+    in this process. Seen once (2026-11-30, the whole suite at 6beacf4): a failed sweep trial's controller traceback,
+    held 4 minutes, printed into the next in-process Train run's console and failed that test's "no traceback" check.
+    Ray's own flush at disconnect (ray/_private/worker.py) is what runs here."""
+    yield
+    if "ray_session" not in request.fixturenames:
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray._private import worker
+    from ray._private.ray_logging import stderr_deduplicator, stdout_deduplicator
+
+    ignore_prefix = worker._should_ignore_worker_log_prefix(worker.global_worker)
+    for leftover in stdout_deduplicator.flush():
+        worker.print_worker_logs(leftover, sys.stdout, ignore_prefix)
+    for leftover in stderr_deduplicator.flush():
+        worker.print_worker_logs(leftover, sys.stderr, ignore_prefix)
+
+
 @pytest.fixture(scope="session")
 def ray_address(ray_session) -> str:
     """The session Ray's GCS address: subprocesses (`python pipeline/run.py ... --address ADDR`, benchmarks
