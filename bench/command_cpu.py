@@ -10,9 +10,9 @@ It shows where a system test's time goes on a small machine, where CPU, not wait
 
 The command runs once first, uncounted (it prepares what it needs: a dataset, compiled bytecode), then `--repeat`
 times counted, each with `--run.root` (a temporary directory unless given) and its own `--run.name` added when the
-command is `train`. Prints, per counted run, the wall time and the CPU-s of each process kind (sampled every 0.25 s) with the number of
-processes started during the run, and the command's own process exactly (its CPU time as the kernel counted it when
-it exited, `command_cpu_s`); `--out FILE` writes the same as JSON.
+command is `train`. Prints, per counted run, the wall time and the CPU-s of each process kind (sampled every 0.25 s)
+with the number of processes started during the run, and the command's own process exactly (its CPU time as the
+kernel counted it when it exited, `command_cpu_s`); `--out FILE` writes the same as JSON.
 """
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 `mlflow_server`: ONE real MLflow server on 127.0.0.1 for the session (see the fixture).
 
-`s3_bucket`: ONE real S3 server (SeaweedFS, bench/s3_server.py) on 127.0.0.1 for the session, started on
-first use (or, on one pytest process, as the session begins when a collected test will use it: `started_early`). Its endpoint and key are in this process's environment from the start (AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, ...: the standard AWS settings), so every Ray worker the session starts inherits them, as
-the nodes of a configured cluster have theirs.
+`s3_bucket`: ONE real S3 server (SeaweedFS, bench/s3_server.py) on 127.0.0.1 for the session, started on first use
+(or, on one pytest process, as the session begins when a collected test will use it: `started_early`). Its endpoint
+and key are in this process's environment from the start (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...: the standard AWS
+settings), so every Ray worker the session starts inherits them, as the nodes of a configured cluster have theirs.
 
 `fault_proxy`: ONE fault-injecting TCP proxy (bench/fault_proxy.py) in front of the session's S3 server, healthy
 until a test makes it misbehave; `through_proxy` points this process's S3 clients at it for one test and clears its

@@ -1,7 +1,7 @@
-"""A run that works shows no traceback, also on a busy machine: `prepare` with its own local Ray, and beside it
-`train` and `train --resume` extending it, while two busy-loop processes hold the CPUs at nice 5. What Ray says is safe to ignore
-(a timed-out resource request of Ray Train's controller, with its traceback) and the GCS's `Failed to kill actor` for
-a job's actors that had already exited at its end stay in Ray's log files (pipeline/console.py)."""
+"""A run that works shows no traceback, also on a busy machine: `prepare` with its own local Ray, and beside it `train`
+and `train --resume` extending it, while two busy-loop processes hold the CPUs at nice 5. What Ray says is safe to
+ignore (a timed-out resource request of Ray Train's controller, with its traceback) and the GCS's `Failed to kill
+actor` for a job's actors that had already exited at its end stay in Ray's log files (pipeline/console.py)."""
 from __future__ import annotations
 
 import os
