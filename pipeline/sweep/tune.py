@@ -33,7 +33,9 @@ workers' placement group would not: Ray ties it to the job (the sweep's driver),
 PlacementGroupCleaner, polling the state API, would remove it later. On a machine whose GPUs fit one
 trial that left every later trial waiting for resources that never came back. So the driver's
 `ReleaseTrialResources` callback removes the trial's placement group (every report names it) the moment
-Tune ends the trial.
+Tune ends the trial. A Ctrl+C ends every trial the same way before the driver leaves (`release_placement_groups`):
+left to the end of the driver's job, a Train controller restarting its worker group can register a group after
+Ray has removed the job's, and that group stays held.
 
 At the end: the table (tier, batch size, tokens/s, MFU, peak memory, metric, status) is printed and logged to
 the parent run as markdown and PNG, and the best finished trial's config is written as a preset:
@@ -422,7 +424,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
                        "sweep.token_budget": space.token_budget, "sweep.params": ",".join(space.params)})
     parent.log_artifact(sweep_dir / "space.yaml")
     parent.log_dict(cfg.to_dict(), "base_config.json")
-    status = "FAILED"
+    status, kept = "FAILED", None
     try:
         max_fit = _max_fit_per_tier(cfg, space, manifest.vocab_size) if space.skip_unfit_batch else {}
         env = {k: os.environ[k] for k in (START_TIMEOUT_ENV,) if k in os.environ}
@@ -451,6 +453,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
                                                                  REASON_KEY)]),
         )
         stage("tune", f"sweep {name}: trials")  # after prepare's banner: a Ctrl+C from here is the sweep's
+        kept = job_placement_groups()  # the driver's own, from before the trials (none, from the CLI)
         with _ctrl_c_interrupts():
             grid = tuner.fit()
         rows = _rows(grid, space, cfg)
@@ -460,6 +463,8 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
         return result
     except KeyboardInterrupt:
         status = "KILLED"
+        if kept is not None:  # the trials' actors and Train workers end here, while this driver's job lives
+            release_placement_groups(kept)
         if joined_here:  # the trials (and their Train runs) end first, so none finishes its MLflow run after this
             ray.shutdown()
         _kill_running_children(parent, name)
@@ -482,6 +487,51 @@ def _ctrl_c_interrupts():
             os.environ.pop("TUNE_DISABLE_SIGINT_HANDLER", None)
         else:
             os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = old
+
+
+def job_placement_groups() -> set[str]:
+    """Hex ids of the placement groups this driver's job holds: Tune's trial groups and, inside the trials, their
+    Train runs' groups (a group's id ends in the id of the job that created it)."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    return {pg for pg, info in ray.util.placement_group_table().items()
+            if pg.endswith(job) and info["state"] != "REMOVED"}
+
+
+def release_placement_groups(kept: set[str], quiet_s: float = 2.0, timeout_s: float = 30.0) -> list[str]:
+    """After a Ctrl+C during the trials: every placement group of this job but `kept` is removed, again as new ones
+    come, until none has come for `quiet_s` (at most `timeout_s`); the hex ids removed. Removing a group ends the
+    actors in it: the trials, their Train controllers (their owner gone) and workers.
+
+    Left to Ray, the trials end when the driver's job does, and that is a race: on a long-lived Ray (`tune
+    --address`), a Train controller restarting its worker group as the job ended registered a new group 0.2 s after
+    the GCS had removed the job's, and nothing ever removed it (2026-11-30, docs/tests.md). It held its bundle's
+    CPUs; a GPU, on a one-GPU machine, and every later run there would wait for it. Here the driver is still
+    connected and ends only after no new group has come for `quiet_s`, so a group that a dying controller registers
+    meanwhile is removed by the next pass."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    removed: list[str] = []
+    quiet_since, deadline = None, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = sorted(job_placement_groups() - kept)
+        for pg in left:
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg)))
+            except Exception:  # noqa: BLE001 -- removed meanwhile by Ray (its creator died); the next pass looks again
+                continue
+            removed.append(pg)
+        now = time.monotonic()
+        if left:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= quiet_s:
+            break
+        time.sleep(0.2)
+    return removed
 
 
 def _kill_running_children(parent, sweep_name: str) -> None:

@@ -1,7 +1,7 @@
 """Ctrl+C during `python pipeline/run.py tune` behaves as it does during `train`: exit status 130, one `interrupted:`
 line saying what was kept and how to go on, the sweep's MLflow run and its unfinished trials' runs KILLED, and
 none of Tune's own ending (trials labelled stopped by the scheduler, a table, a Tuner.restore(...) hint the CLI
-cannot follow)."""
+cannot follow). The trials' placement groups are all gone by the time the command exits, on a Ray that outlives it."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.sweep.tune import TAG_SWEEP
+from pipeline.sweep.tune import TAG_SWEEP, job_placement_groups, release_placement_groups
 
 pytestmark = pytest.mark.system  # docs/tests.md: the system tier
 
@@ -30,7 +30,7 @@ SPACE = {
 }
 
 
-def test_ctrl_c_during_a_sweep_ends_it_as_train_does(ray_address, mlflow_server, sweep_files, tmp_path):
+def test_ctrl_c_during_a_sweep_ends_it_as_train_does(ray_session, ray_address, mlflow_server, sweep_files, tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri, _ = mlflow_server
@@ -58,7 +58,11 @@ def test_ctrl_c_during_a_sweep_ends_it_as_train_does(ray_address, mlflow_server,
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    (job,) = [j["JobID"] for j in ray_session._private.state.jobs() if j["DriverPid"] == proc.pid]
+    held = {pg: info["state"] for pg, info in ray_session.util.placement_group_table().items()
+            if pg.endswith(job) and info["state"] != "REMOVED"}  # as the command exits: none of its job's left
     assert proc.returncode == 130, out + err
+    assert held == {}, held
     last = err.strip().splitlines()[-1]
     assert last.startswith("interrupted: during the sweep: its MLflow run and those of its unfinished trials are "
                            "marked KILLED"), err
@@ -68,3 +72,45 @@ def test_ctrl_c_during_a_sweep_ends_it_as_train_does(ray_address, mlflow_server,
     found = client.search_runs([client.get_experiment_by_name("sweep-ctrl-c").experiment_id],
                                f"tags.`{TAG_SWEEP}` = 'ctrl-c'")
     assert sorted(r.info.status for r in found) == ["KILLED"] * 3, [(r.info.run_name, r.info.status) for r in found]
+
+
+def test_groups_registered_while_the_trials_end_are_removed_too(ray_session):
+    """What the Ctrl+C path does before the driver leaves: this job's placement groups but those it held before are
+    removed, and so is one that an actor registers after its last was removed, as a Train controller restarting its
+    worker group does; the groups from before stay."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray = ray_session
+    own = placement_group([{"CPU": 0.01}])
+    ray.get(own.ready(), timeout=60)
+    kept = job_placement_groups()
+    assert own.id.hex() in kept
+
+    @ray.remote(num_cpus=0)
+    class Restarter:  # a group; when it is removed, a new one: three times
+        def run(self, times: int) -> list[str]:
+            from ray.util.placement_group import placement_group_table
+
+            made = []
+            for _ in range(times):
+                pg = placement_group([{"CPU": 0.01}])
+                made.append(pg.id.hex())
+                while placement_group_table(pg)["state"] != "REMOVED":
+                    time.sleep(0.05)
+            return made
+
+    actor = Restarter.remote()
+    made = actor.run.remote(3)
+    deadline = time.monotonic() + 60
+    while not job_placement_groups() - kept:  # the first is registered
+        assert time.monotonic() < deadline, "the actor registered no placement group"
+        time.sleep(0.05)
+    removed = release_placement_groups(kept, quiet_s=3.0, timeout_s=60)
+    try:
+        made = ray.get(made, timeout=30)  # it returns only once its third group was removed
+        assert removed == made and len(set(made)) == 3, (removed, made)
+        assert job_placement_groups() == kept
+        assert ray.util.placement_group_table(own)["state"] == "CREATED"
+    finally:
+        ray.kill(actor)
+        remove_placement_group(own)
