@@ -33,9 +33,10 @@ workers' placement group would not: Ray ties it to the job (the sweep's driver),
 PlacementGroupCleaner, polling the state API, would remove it later. On a machine whose GPUs fit one
 trial that left every later trial waiting for resources that never came back. So the driver's
 `ReleaseTrialResources` callback removes the trial's placement group (every report names it) the moment
-Tune ends the trial. A Ctrl+C ends every trial the same way before the driver leaves (`release_placement_groups`):
-left to the end of the driver's job, a Train controller restarting its worker group can register a group after
-Ray has removed the job's, and that group stays held.
+Tune ends the trial. A Ctrl+C ends the driver's job, and with it every trial at once; on a Ray that outlives the
+command the driver then joins it again for a moment and removes any group that job still holds
+(`release_ended_job`): a Train controller restarting its worker group as the job ended can register a group after
+Ray has removed the job's, and that group would stay held.
 
 At the end: the table (tier, batch size, tokens/s, MFU, peak memory, metric, status) is printed and logged to
 the parent run as markdown and PNG, and the best finished trial's config is written as a preset:
@@ -381,8 +382,9 @@ def _close_stopped_children(parent, rows: list[TrialRow], sweep_name: str) -> No
                     parent.client.delete_tag(run.info.run_id, TAG_REASON)
 
 
-def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
-    """Prepare the data once, run the sweep, then write and log the table and the best preset."""
+def run_sweep(cfg: Config, space_path: str | Path, command: bool = False) -> SweepResult:
+    """Prepare the data once, run the sweep, then write and log the table and the best preset. `command`: called by
+    the CLI, whose process ends after a Ctrl+C (so its Ray connection may end with the sweep)."""
     import ray.tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
@@ -391,7 +393,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
     from pipeline.tracking.tracker import check_tracking_uri, open_tracker, pin_tracking_uri, resolve_tracking_uri
     import ray
 
-    from pipeline.ray_runtime import ensure_ray
+    from pipeline.ray_runtime import ensure_ray, joins_cluster
     from pipeline.storage import absolute, join, ray_storage_args, run_storage
     from pipeline.storage import pin as pin_storage
 
@@ -424,7 +426,7 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
                        "sweep.token_budget": space.token_budget, "sweep.params": ",".join(space.params)})
     parent.log_artifact(sweep_dir / "space.yaml")
     parent.log_dict(cfg.to_dict(), "base_config.json")
-    status, kept = "FAILED", None
+    status = "FAILED"
     try:
         max_fit = _max_fit_per_tier(cfg, space, manifest.vocab_size) if space.skip_unfit_batch else {}
         env = {k: os.environ[k] for k in (START_TIMEOUT_ENV,) if k in os.environ}
@@ -453,7 +455,6 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
                                                                  REASON_KEY)]),
         )
         stage("tune", f"sweep {name}: trials")  # after prepare's banner: a Ctrl+C from here is the sweep's
-        kept = job_placement_groups()  # the driver's own, from before the trials (none, from the CLI)
         with _ctrl_c_interrupts():
             grid = tuner.fit()
         rows = _rows(grid, space, cfg)
@@ -463,10 +464,13 @@ def run_sweep(cfg: Config, space_path: str | Path) -> SweepResult:
         return result
     except KeyboardInterrupt:
         status = "KILLED"
-        if kept is not None:  # the trials' actors and Train workers end here, while this driver's job lives
-            release_placement_groups(kept)
-        if joined_here:  # the trials (and their Train runs) end first, so none finishes its MLflow run after this
+        outlives = joins_cluster(cfg.ray.address)  # a Ray that outlives this command
+        if joined_here or (command and outlives):
+            # the job ends, and every trial (and Train run) with it, so none finishes its MLflow run after this
+            job, gcs = ray.get_runtime_context().get_job_id(), ray.get_runtime_context().gcs_address
             ray.shutdown()
+            if outlives:  # nothing of the ended job stays held there
+                release_ended_job(gcs, job)
         _kill_running_children(parent, name)
         raise
     finally:
@@ -489,34 +493,26 @@ def _ctrl_c_interrupts():
             os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = old
 
 
-def job_placement_groups() -> set[str]:
-    """Hex ids of the placement groups this driver's job holds: Tune's trial groups and, inside the trials, their
-    Train runs' groups (a group's id ends in the id of the job that created it)."""
+def job_placement_groups(job: str) -> set[str]:
+    """Hex ids of the placement groups that job `job` (hex) holds on the connected Ray: for a sweep, Tune's trial
+    groups and, inside the trials, their Train runs' groups (a group's id ends in the id of the job that made it)."""
     import ray
 
-    job = ray.get_runtime_context().get_job_id()
     return {pg for pg, info in ray.util.placement_group_table().items()
             if pg.endswith(job) and info["state"] != "REMOVED"}
 
 
-def release_placement_groups(kept: set[str], quiet_s: float = 2.0, timeout_s: float = 30.0) -> list[str]:
-    """After a Ctrl+C during the trials: every placement group of this job but `kept` is removed, again as new ones
-    come, until none has come for `quiet_s` (at most `timeout_s`); the hex ids removed. Removing a group ends the
-    actors in it: the trials, their Train controllers (their owner gone) and workers.
-
-    Left to Ray, the trials end when the driver's job does, and that is a race: on a long-lived Ray (`tune
-    --address`), a Train controller restarting its worker group as the job ended registered a new group 0.2 s after
-    the GCS had removed the job's, and nothing ever removed it (2026-11-30, docs/tests.md). It held its bundle's
-    CPUs; a GPU, on a one-GPU machine, and every later run there would wait for it. Here the driver is still
-    connected and ends only after no new group has come for `quiet_s`, so a group that a dying controller registers
-    meanwhile is removed by the next pass."""
+def release_placement_groups(job: str, kept: frozenset[str] = frozenset(), quiet_s: float = 2.0,
+                             timeout_s: float = 30.0) -> list[str]:
+    """Every placement group of job `job` but `kept` removed from the connected Ray, again as new ones come, until
+    none has come for `quiet_s` (at most `timeout_s`); the hex ids removed."""
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     removed: list[str] = []
     quiet_since, deadline = None, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        left = sorted(job_placement_groups() - kept)
+        left = sorted(job_placement_groups(job) - kept - set(removed))
         for pg in left:
             try:
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg)))
@@ -532,6 +528,30 @@ def release_placement_groups(kept: set[str], quiet_s: float = 2.0, timeout_s: fl
             break
         time.sleep(0.2)
     return removed
+
+
+def release_ended_job(gcs_address: str, job: str) -> list[str]:
+    """After a Ctrl+C'd sweep's driver left a Ray that outlives it: joins that Ray again for a moment and removes
+    any placement group its ended job still holds (`release_placement_groups`).
+
+    Ending the job is what ends the trials all at once, so their MLflow runs stay RUNNING for the sweep to mark
+    KILLED (removing their groups first, while the job lived, let a trial see its Train run fail and mark its run
+    FAILED). But the end of a job is a race in Ray: a Train controller restarting its worker group as the job ended
+    registered a new group 0.2 s after the GCS had removed the job's, and nothing ever removed it (2026-11-30,
+    docs/tests.md). It held its bundle's CPUs; a GPU, on a one-GPU machine, and every later run there would wait
+    for it. Best effort: a Ray that cannot be joined again is left as it is."""
+    import logging
+
+    import ray
+
+    try:
+        ray.init(address=gcs_address, logging_level=logging.WARNING, log_to_driver=False)
+    except Exception:  # noqa: BLE001 -- the sweep is already interrupted; its own line says so
+        return []
+    try:
+        return release_placement_groups(job)
+    finally:
+        ray.shutdown()
 
 
 def _kill_running_children(parent, sweep_name: str) -> None:
@@ -593,7 +613,7 @@ def tune_main(cfg: Config, space_path: str | None) -> int:
         found = sorted(str(p) for p in Path("tune_spaces").glob("*.yaml")) if Path("tune_spaces").is_dir() else []
         raise SpaceError("tune needs --space FILE" + (f"; for example: {', '.join(found)}" if found else ""))
     stage("tune", f"sweep {space_path}")
-    result = run_sweep(cfg, space_path)
+    result = run_sweep(cfg, space_path, command=True)
     stage("tune", "results")
     print(markdown_table(result.rows, load_space(space_path, cfg).metric))
     print(f"table: {result.table_md}\nchart: {result.table_png}")

@@ -58,11 +58,12 @@ def test_ctrl_c_during_a_sweep_ends_it_as_train_does(ray_session, ray_address, m
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    (job,) = [j["JobID"] for j in ray_session._private.state.jobs() if j["DriverPid"] == proc.pid]
+    # the sweep's job, and the one that joined again after it ended to remove what it still held
+    jobs = [j["JobID"] for j in ray_session._private.state.jobs() if j["DriverPid"] == proc.pid]
     held = {pg: info["state"] for pg, info in ray_session.util.placement_group_table().items()
-            if pg.endswith(job) and info["state"] != "REMOVED"}  # as the command exits: none of its job's left
+            if pg[-8:] in jobs and info["state"] != "REMOVED"}  # as the command exits: none of its jobs' left
     assert proc.returncode == 130, out + err
-    assert held == {}, held
+    assert len(jobs) == 2 and held == {}, (jobs, held)
     last = err.strip().splitlines()[-1]
     assert last.startswith("interrupted: during the sweep: its MLflow run and those of its unfinished trials are "
                            "marked KILLED"), err
@@ -74,16 +75,17 @@ def test_ctrl_c_during_a_sweep_ends_it_as_train_does(ray_session, ray_address, m
     assert sorted(r.info.status for r in found) == ["KILLED"] * 3, [(r.info.run_name, r.info.status) for r in found]
 
 
-def test_groups_registered_while_the_trials_end_are_removed_too(ray_session):
-    """What the Ctrl+C path does before the driver leaves: this job's placement groups but those it held before are
-    removed, and so is one that an actor registers after its last was removed, as a Train controller restarting its
-    worker group does; the groups from before stay."""
+def test_groups_a_job_registers_after_its_last_was_removed_are_removed_too(ray_session):
+    """What a Ctrl+C'd sweep's driver does once it has left a Ray that outlives it (`release_ended_job`): the job's
+    placement groups are removed, and so is one registered after the last was removed, as a Train controller
+    restarting its worker group does as its job ends; groups named as kept stay. Here on this process's own job."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     ray = ray_session
+    job = ray.get_runtime_context().get_job_id()
     own = placement_group([{"CPU": 0.01}])
     ray.get(own.ready(), timeout=60)
-    kept = job_placement_groups()
+    kept = frozenset(job_placement_groups(job))
     assert own.id.hex() in kept
 
     @ray.remote(num_cpus=0)
@@ -102,14 +104,14 @@ def test_groups_registered_while_the_trials_end_are_removed_too(ray_session):
     actor = Restarter.remote()
     made = actor.run.remote(3)
     deadline = time.monotonic() + 60
-    while not job_placement_groups() - kept:  # the first is registered
+    while not job_placement_groups(job) - kept:  # the first is registered
         assert time.monotonic() < deadline, "the actor registered no placement group"
         time.sleep(0.05)
-    removed = release_placement_groups(kept, quiet_s=3.0, timeout_s=60)
+    removed = release_placement_groups(job, kept, quiet_s=3.0, timeout_s=60)
     try:
         made = ray.get(made, timeout=30)  # it returns only once its third group was removed
         assert removed == made and len(set(made)) == 3, (removed, made)
-        assert job_placement_groups() == kept
+        assert job_placement_groups(job) == kept
         assert ray.util.placement_group_table(own)["state"] == "CREATED"
     finally:
         ray.kill(actor)
