@@ -467,7 +467,8 @@ def run_sweep(cfg: Config, space_path: str | Path, command: bool = False) -> Swe
         outlives = joins_cluster(cfg.ray.address)  # a Ray that outlives this command
         if joined_here or (command and outlives):
             # the job ends, and every trial (and Train run) with it, so none finishes its MLflow run after this
-            job, gcs = ray.get_runtime_context().get_job_id(), ray.get_runtime_context().gcs_address
+            ctx = ray.get_runtime_context()
+            job, gcs = ctx.get_job_id(), ctx.gcs_address
             ray.shutdown()
             if outlives:  # nothing of the ended job stays held there
                 release_ended_job(gcs, job)

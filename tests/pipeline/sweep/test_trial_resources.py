@@ -119,12 +119,11 @@ def _remove_placement_groups_of_ended_jobs(ray) -> list[str]:
     the job's id; the GCS log has "Marking job as finished" just before "Registering placement group"). It held one
     of the 8 CPUs for the rest of the session, and this test, which needs all of them, failed at its first check. That
     is not what this test is about, so its set-up gives such a Ray back as the test needs it and says so."""
-    from ray.util import placement_group_table
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    ended = {j["JobID"] for j in ray._private.state.jobs() if j["IsDead"]}
-    left = [pg for pg, info in placement_group_table().items()
-            if info["state"] != "REMOVED" and pg[-8:] in ended]
+    from pipeline.sweep.tune import job_placement_groups
+
+    left = [pg for j in ray._private.state.jobs() if j["IsDead"] for pg in sorted(job_placement_groups(j["JobID"]))]
     for pg in left:
         remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg)))
         print(f"removed placement group {pg}, left by job {pg[-8:]} after it ended", flush=True)
