@@ -1,4 +1,4 @@
-"""Generation speed: prefill and decode tokens/s of model/generate.py at batch 1, 8 and 64, with the
+"""Generation speed: prefill and decode tokens/s of model/decode_loop.py at batch 1, 8 and 64, with the
 kernels' sampler and with the pure-torch reference sampler, side by side in one run; after short and long prompts,
 for either model family.
 
@@ -14,7 +14,7 @@ Random weights (the speed does not depend on them), random prompts of equal leng
 allowed), 128 new tokens, temperature 1 and top-p 0.95. Per prompt length, batch size and sampler: one first call
 (compile and warm-up; its wall time is reported as first_call_s), then --repeat timed calls; the medians are
 reported. Within a call, prefill is the prompt forward, decode the steady-state steps after the warm-up steps (and,
-on CUDA, the compile and graph capture), each phase closed by a device sync (see model/generate.py).
+on CUDA, the compile and graph capture), each phase closed by a device sync (see model/decode_loop.py).
 decode tokens per CPU-second (process time) is reported beside the wall-clock figure: on a shared machine the wall
 clock includes time spent waiting for a core. On CPU the kernels' dispatch resolves to the reference sampler, so
 the two columns run the same code there. --compile (default on CUDA) compiles the decode step before capture.
@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from bench.common import write_result  # noqa: E402
 from cuda_ops.dispatch import resolve_backend  # noqa: E402
 from model.decoder import build_model  # noqa: E402
-from model.generate import generate_ids_timed, generation_autocast  # noqa: E402
-from pipeline.train.serve.generate import prepare_for_generation  # noqa: E402
+from model.decode_loop import generate_ids_timed, generation_autocast  # noqa: E402
+from pipeline.train.handoff.text_generation import prepare_for_generation  # noqa: E402
 from pipeline.train.memory.hardware import default_device  # noqa: E402
 
 SAMPLERS = {"kernels": None, "reference": "reference"}  # name -> sampling_backend passed to generate

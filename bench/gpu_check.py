@@ -111,7 +111,7 @@ STEPS: list[Step] = [
     Step("gpu_tests", "headline", 240, "python -m pytest -q -m gpu tests/cuda_ops tests/model tests/pipeline/train",
          "python -m pytest -q -m gpu tests/cuda_ops tests/model tests/pipeline/train", kind="pytest",
          measures="correctness first: every GPU test (on a CPU they are collected and skipped)"),
-    Step("decoder", "headline", 75, "python bench/decoder.py", "python bench/decoder.py --smoke",
+    Step("decoder", "headline", 75, "python bench/decoder_kernels.py", "python bench/decoder_kernels.py --smoke",
          measures="fused CE vs eager and torch.compile (time, peak memory); top-p vs a torch sort; bytes per kernel"),
     Step("generate_short", "headline", 90, "python bench/generate.py --batch-sizes 1 8 64",
          "python bench/generate.py --smoke --batch-sizes 1 2", measures="tier B decode after 32-token prompts"),

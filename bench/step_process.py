@@ -2,7 +2,7 @@
 own under a time cap, and afterwards nothing it started left running.
 
     site = make_site(tmp / "site", tarball=None)          # the numpy shim (and a Ray + MLflow site, when given)
-    res = run_command([sys.executable, "bench/decoder.py"], cwd=REPO, env=step_env(site, REPO), cap_s=60, log_dir=d)
+    res = run_command([sys.executable, "bench/decoder_kernels.py"], cwd=REPO, env=step_env(site, REPO), cap_s=60, log_dir=d)
     res["status"]                                         # ok | failed | timeout | interrupted
 
 The environment: PYTHONPATH=<site>:<repo>, PYTHONUNBUFFERED=1, and in <site> a sitecustomize.py that gives numpy

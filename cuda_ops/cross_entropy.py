@@ -21,7 +21,7 @@ increment of grad_weight (V, D); the buffer is then reused by the next chunk. Ba
 gradients by the incoming scalar. Peak extra memory is O(chunk * V + N * D + V * D) instead of O(N * V), and there
 is no second pass over the vocabulary. When no gradient is needed (eval, torch.no_grad) the gradient work is skipped.
 
-Bytes moved per logit on the kernel backend (bf16 / fp16 inputs; bench/decoder.py prints this model):
+Bytes moved per logit on the kernel backend (bf16 / fp16 inputs; bench/decoder_kernels.py prints this model):
     the logits matmul writes the chunk in the input dtype (2 B)   -- what torch.compile's full-logits path writes
     sweep 1 reads it once for an online (max, sum exp, argmax)     (2 B; bf16 as 4-byte words of two logits)
     sweep 2 reads it and writes d loss / d logits in place, in the input dtype (2 + 2 B): the gradient matmuls read

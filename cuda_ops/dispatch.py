@@ -1,7 +1,7 @@
 """Which implementation of a cuda_ops kernel runs, and the torch <-> Numba interop every kernel shares.
 
     backend = resolve_backend(hidden.device)            # "numba" on a CUDA tensor with numba-cuda, else "reference"
-    LONGTRAIN_KERNELS=reference python bench/decoder.py # force the pure-torch path everywhere
+    LONGTRAIN_KERNELS=reference python bench/decoder_kernels.py # force the pure-torch path everywhere
 
 Precedence: an explicit `requested` argument ("numba" / "reference") wins, then the LONGTRAIN_KERNELS environment
 variable, then "auto". Forcing "numba" where it cannot run (CPU tensor, numba-cuda missing, no CUDA driver) raises

@@ -30,7 +30,7 @@ Two entry points:
 A Sampler prepares the per-row parameters, the step counter and every kernel buffer once; a call on CUDA is a fixed
 sequence of launches of the sorting-free kernel in cuda_ops/sampling_kernel.py (no sort, no host sync, no
 allocation), so it can be captured in a CUDA graph: inside a capture it records into the caller's graph
-(model/generate.py captures model + sampler as one graph), and called on its own it captures its own
+(model/decode_loop.py captures model + sampler as one graph), and called on its own it captures its own
 graph on the second call and replays it after (one launch per call).
 
 Parts: 1. reference (pure torch: the oracle and the CPU path)  2. the simulator driver of the kernel

@@ -35,7 +35,7 @@ positions start at 0 at the first real token, so each row matches running its pr
 prompts need no left_pad. The cache (model/kv_cache.py) is static: allocated at max_len, in the dtype the keys
 are computed in (the autocast dtype under autocast), with its RoPE tables; a one-token call is a fixed-shape
 masked step over a bucket of filled slots with split-K attention (`decode_step`; `decode_compute` is its
-graph-safe part, what model/generate.py compiles and captures in a CUDA graph), so it never rebuilds an
+graph-safe part, what model/decode_loop.py compiles and captures in a CUDA graph), so it never rebuilds an
 attention plan, and runs the blocks' submodules eagerly even after `compile_blocks`.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ step, and a recompile per step under torch.compile. Here the cache is one (B, n_
 layer for keys and one for values, allocated zeroed once (slots = max_len rounded up to SPAN_QUANTUM); a decode
 step writes its key/value at slot `pos` (a device tensor) and attends over the first `span` slots with a mask
 (slot <= pos and slot >= the row's left pad). The step reads no Python state that changes, so it can be captured
-in a CUDA graph and replayed (model/generate.py does that on CUDA) and a torch.compile'd step does not recompile
+in a CUDA graph and replayed (model/decode_loop.py does that on CUDA) and a torch.compile'd step does not recompile
 while its span stays (tests/model/test_kv_cache.py checks that on CPU).
 
 Span buckets (flash-decoding over the filled slots). `cache.decode_span()` is the number of slots the next step

@@ -10,7 +10,7 @@ per row, and a decode step is s = lambda s + b . u(t) on it plus the block's per
 operations after 10 tokens or 100,000.
 
 Static, like the attention family's KV cache, so the step can be compiled and captured once in a CUDA graph with
-the sampler, and replayed (model/generate.py): the states (n_layers, B, G, K, 2) are fp32 buffers allocated
+the sampler, and replayed (model/decode_loop.py): the states (n_layers, B, G, K, 2) are fp32 buffers allocated
 zeroed here and updated in place with real arithmetic (no complex dtype, which inductor does not fuse); the
 position `pos` is a (1,) int64 device tensor; the left pads (B,) live on the device. There is no attention span:
 the step is the same at every length, so one graph serves the whole generation. Fixed for one generation, and so computed here once from the weights rather than at every step (a dozen small kernels per layer):

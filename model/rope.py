@@ -13,7 +13,7 @@ RopeConfig is a plain base (no scaling).
 The angles are always computed in float64 (fp32 products lose ~3 digits of the angle at position 32k) and
 rounded once to the table's dtype; a table row equals rope_cos_sin at that position bit for bit.
 
-The scalings are those of transformers' modeling_rope_utils.py (the export, pipeline/train/serve/export.py, writes them
+The scalings are those of transformers' modeling_rope_utils.py (the export, pipeline/train/handoff/hf_export.py, writes them
 to config.json as `rope_parameters`, and tests/pipeline/train/test_rope_export.py checks LlamaForCausalLM's logits
 against this model's for each), with inverse frequencies inv_freq_i = theta^(-2i/head_dim), i < head_dim/2:
     linear  inv_freq_i / factor (position interpolation: every position divided by factor)

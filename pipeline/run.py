@@ -46,7 +46,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python pipeline/run.py`: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cli.errors import UsageError, user_error  # noqa: E402
+from pipeline.cli.usage_error import UsageError, user_error  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config, parse_overrides  # noqa: E402
 from pipeline.console import current_stage, plain_worker_prefixes, quiet_mlflow, reset_stage  # noqa: E402
 from pipeline.train.session.run_dir import check_run_root  # noqa: E402
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         long_context_options(args)  # eval's options: checked before any stage runs
         prompts = None
         if args.stage in ("all", "generate"):  # generate's flags and prompts file too
-            from pipeline.train.serve.options import generate_prompts
+            from pipeline.train.handoff.generation_flags import generate_prompts
 
             prompts = generate_prompts(args)
         if args.stage == "validate":

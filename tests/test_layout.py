@@ -19,7 +19,7 @@ FORBIDDEN = {
     "pipeline.data": ("pipeline.train", "pipeline.sweep", "pipeline.tracking", "pipeline.run", "pipeline.cli"),
     "pipeline.tracking": ("pipeline.data", "pipeline.train", "pipeline.sweep", "pipeline.run", "pipeline.cli", "ray"),
     # the measures beyond the mean loss: handed an engine, a model or a manifest by the eval command (pipeline/cli/);
-    # the decode loop they use is model/generate.py's
+    # the decode loop they use is model/decode_loop.py's
     "pipeline.eval": ("pipeline.train", "pipeline.sweep", "pipeline.run", "pipeline.cli", "ray"),
     "pipeline.train": ("pipeline.sweep", "pipeline.run", "pipeline.cli"),
     "pipeline.sweep": ("pipeline.run", "pipeline.cli"),

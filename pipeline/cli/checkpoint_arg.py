@@ -17,7 +17,7 @@ from pipeline.train.session.run_dir import (CHECKPOINT_HINT, find_run, read_run_
 def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path | str:
     """--checkpoint, else the --resume run's latest: a local directory (Path) or a URI on object storage."""
     from pipeline.storage import native
-    from pipeline.train.checkpoints.errors import CheckpointError
+    from pipeline.train.checkpoints.checkpoint_error import CheckpointError
 
     if args.checkpoint:
         run_dir = run_dir_of(cfg, args.checkpoint)  # a run directory: its latest checkpoint

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.cli.checkpoint_arg import latest_checkpoint, run_dir_of_args, run_dir_of_checkpoint, tracked_run
-from pipeline.cli.errors import UsageError
+from pipeline.cli.usage_error import UsageError
 from pipeline.config import Config, from_dict
 from pipeline.console import stage
 

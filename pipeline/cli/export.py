@@ -1,5 +1,5 @@
 """`python pipeline/run.py export`: a checkpoint of an attention model to the Hugging Face Llama format
-(pipeline/train/serve/export.py), optionally registered in the MLflow Model Registry.
+(pipeline/train/handoff/hf_export.py), optionally registered in the MLflow Model Registry.
 
     python pipeline/run.py export --resume runs/<run> --out hf/<name> [--overwrite] [--register NAME]
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.cli.checkpoint_arg import latest_checkpoint, run_dir_of_checkpoint, tracked_run
-from pipeline.cli.errors import UsageError
+from pipeline.cli.usage_error import UsageError
 from pipeline.config import Config
 from pipeline.console import stage
 from pipeline.train.session.run_dir import find_run
@@ -20,7 +20,7 @@ def stage_export(cfg: Config, args: argparse.Namespace) -> None:
     if not args.out:
         raise UsageError("export needs --out DIR: python pipeline/run.py export --resume RUN --out DIR")
     checkpoint = latest_checkpoint(cfg, args)
-    from pipeline.train.serve.export import export_checkpoint, register_export  # torch: once there is a checkpoint
+    from pipeline.train.handoff.hf_export import export_checkpoint, register_export  # torch: once there is a checkpoint
     run = None
     if args.register:  # find the training run before writing anything
         run_dir = find_run(cfg, args.resume) if args.resume else run_dir_of_checkpoint(checkpoint)

@@ -1,4 +1,4 @@
-"""`python pipeline/run.py generate`: text from a checkpoint (pipeline/train/serve/generate.py), with the prefill and
+"""`python pipeline/run.py generate`: text from a checkpoint (pipeline/train/handoff/text_generation.py), with the prefill and
 decode speeds.
 
     python pipeline/run.py generate --checkpoint runs/<run> --prompt "Once upon a time"
@@ -13,9 +13,9 @@ from pipeline.console import stage
 
 
 def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: list[str]) -> list[str]:
-    """`prompts`: pipeline/train/serve/options.py generate_prompts (the flags checked before anything loads)."""
+    """`prompts`: pipeline/train/handoff/generation_flags.py generate_prompts (the flags checked before anything loads)."""
     from pipeline.train.checkpoints.broken import diagnosed
-    from pipeline.train.serve.generate import generate_texts, load_for_generation
+    from pipeline.train.handoff.text_generation import generate_texts, load_for_generation
 
     stage("generate", f"{len(prompts)} prompt(s), {args.max_new_tokens} new tokens, top-p {args.top_p}")
     with diagnosed(checkpoint):  # the checkpoint's own files only: a file that does not load, the previous offered

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.errors import UsageError
+from pipeline.cli.usage_error import UsageError
 from pipeline.config import Config, from_flat, load_config
 from pipeline.train.session.run_dir import find_run, new_run_dir, read_run_file
 

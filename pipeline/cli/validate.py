@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.errors import UsageError
+from pipeline.cli.usage_error import UsageError
 from pipeline.config import Config
 from pipeline.train.session.run_dir import checkpoint_to_resume, run_dir_of
 
@@ -17,7 +17,7 @@ def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> in
     """validate TARGET: a dataset (its manifest), a checkpoint (its meta.json: every file against it, and that it
     loads) or a run directory (its latest checkpoint); 0 when whole, 1 with the report's reasons."""
     from pipeline.train.checkpoints.broken import is_checkpoint, offered_command
-    from pipeline.train.checkpoints.validate import validate_checkpoint
+    from pipeline.train.checkpoints.validate_checkpoint import validate_checkpoint
 
     target, run_dir = args.target, run_dir_of(cfg, args.target)
     if run_dir is not None:

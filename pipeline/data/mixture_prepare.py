@@ -271,7 +271,7 @@ def _manifest(settings: dict, key: str, specs: list[SourceSpec], datasets: dict[
 @dataclass
 class MixtureReport:
     dataset_dir: str
-    reports: dict[str, object] = field(default_factory=dict)  # source name -> pipeline.data.validate's report
+    reports: dict[str, object] = field(default_factory=dict)  # source name -> pipeline.data.validate_dataset's report
     errors: list[str] = field(default_factory=list)  # of the mixture itself
 
     @property
@@ -291,7 +291,7 @@ class MixtureReport:
 def validate_mixture(dataset_dir: str | Path) -> MixtureReport:
     """Validate every source dataset of a mixture directory and that they share one tokenizer and one seq_len."""
     from pipeline.data.tokenizer import file_sha256
-    from pipeline.data.validate import validate_dataset
+    from pipeline.data.validate_dataset import validate_dataset
 
     dataset_dir = absolute(dataset_dir)
     m = load_manifest(dataset_dir)

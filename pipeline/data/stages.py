@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline.console import quiet_ray_data, stage
 from pipeline.data.dedup import mixture_dedup_line, summary_line
 from pipeline.data.shards import Manifest, load_manifest, tokenizer_location
-from pipeline.data.validate import validate_dataset
+from pipeline.data.validate_dataset import validate_dataset
 
 log = logging.getLogger("longtrain.data")
 

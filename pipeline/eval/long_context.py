@@ -151,7 +151,7 @@ def log_long_context(report: LongContextReport, tracking_uri: str, run_id: str, 
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking.lineage import log_metrics_to_run
-    from pipeline.tracking.long_context import (PASSKEY_GRID, PASSKEY_HEATMAP, POSITION_PLOT, log_position_plot,
+    from pipeline.tracking.long_context_plots import (PASSKEY_GRID, PASSKEY_HEATMAP, POSITION_PLOT, log_position_plot,
                                                 plot_passkey_heatmap)
 
     log_metrics_to_run(tracking_uri, run_id, {k: v for k, v in report.metrics.items() if math.isfinite(v)},

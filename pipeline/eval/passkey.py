@@ -16,7 +16,7 @@ and ProLong reuse, under shorter instructions, so that a CPU model's short rows 
 The haystack is the validation split's own text (its tokens, special ids removed, from a random offset; no
 download), cut so that the whole prompt is exactly `length` tokens, with the key sentence after `depth` of it
 (0 = right after the instructions, 1 = right before the question). The model decodes greedily (KV cache,
-model/generate.py); a trial is right when the continuation, leading spaces stripped, starts with the key.
+model/decode_loop.py); a trial is right when the continuation, leading spaces stripped, starts with the key.
 Chance is 1e-5 for the exact key; `digit_accuracy` (the share of the 5 digits right in place, chance 0.1 for a
 model that answers digits) says how close a wrong answer came. Lengths shorter than the instructions, key
 sentence and question plus MIN_HAYSTACK tokens are left out (`skipped`).
@@ -144,7 +144,7 @@ def passkey_grid(decoder, tokenizer, haystack: np.ndarray, lengths: list[int], d
     model/resonance.py, in eval mode, on its device) for every (length, depth) cell, `trials` random keys each.
     The keys and offsets are drawn from `seed`, so two models face the same prompts. `progress`: None, or
     progress(total) -> a bar (update(n), close()) counting the generation batches (pipeline/console.py progress)."""
-    from model.generate import generate_ids, generation_autocast
+    from model.decode_loop import generate_ids, generation_autocast
 
     head, question = prompt_parts(tokenizer)
     fixed = len(head) + len(question) + len(tokenizer.encode(NEEDLE.format(key="12345")))

@@ -39,7 +39,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `eval/loss`, `eval/ppl`, `eval/accuracy` | the `eval` stage on the whole validation split, at the checkpoint's step |
 | metric | `val/pos_loss/<lo>-<hi>`, `val/pos_docs/…`, `val/pos_tokens/…`, `val/cum_ppl/<L>` | loss by position in the document at each evaluation (train.eval_by_position; pipeline/eval/positions.py) |
 | metric | `eval/pos_*`, `eval_<k>x/*`, `passkey/*` | the eval stage's --by-position, --seq-len kx and --passkey (pipeline/eval/long_context.py) |
-| artifact | `position_loss.png`, `passkey_heatmap.png`, `passkey_grid.json` | pipeline/tracking/long_context.py |
+| artifact | `position_loss.png`, `passkey_heatmap.png`, `passkey_grid.json` | pipeline/tracking/long_context_plots.py |
 | metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
 | metric | `train/world_size`         | training workers at the step (an elastic run's changes with the nodes it has) |
 | metric | `train/steps_redone`       | after a restart: steps between its checkpoint and the last step logged before it |

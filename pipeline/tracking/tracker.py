@@ -388,8 +388,8 @@ class Tracker:
                             self.storage_retry_s)
 
     def log_position_plot(self, title: str | None = None) -> bool:
-        """Redraw position_loss.png from this run's val/pos_loss/* history (pipeline/tracking/long_context.py)."""
-        from pipeline.tracking.long_context import log_position_plot
+        """Redraw position_loss.png from this run's val/pos_loss/* history (pipeline/tracking/long_context_plots.py)."""
+        from pipeline.tracking.long_context_plots import log_position_plot
 
         return log_position_plot(self.client, self._run_id, title=title)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
-from pipeline.train.serve.generate import eval_samples_hook
+from pipeline.train.handoff.text_generation import eval_samples_hook
 from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
 from pipeline.data.mixture import mixture_of
 from pipeline.data.mixture import train_batches as mixed_train_batches

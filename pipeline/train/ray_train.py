@@ -109,7 +109,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.train.distributed import elastic
     from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
     from pipeline.train.distributed.failure_policy import quiet_repeating_tracebacks
-    from pipeline.train.serve.generate import eval_samples_hook
+    from pipeline.train.handoff.text_generation import eval_samples_hook
     from pipeline.train.loop import AuditLog, StopRequest, evaluate_timed, fit, standard_hooks
     from pipeline.data.mixture import mixture_of
     from pipeline.data.mixture import train_batches as mixed_train_batches

@@ -146,7 +146,7 @@ def test_sampler_graph_replays_equal_eager_calls_and_advance_the_step():
 
 
 def test_sampler_records_into_a_callers_graph():
-    """What model/generate.py does: the sampler's launches inside the caller's capture, on its stream."""
+    """What model/decode_loop.py does: the sampler's launches inside the caller's capture, on its stream."""
     x = torch.randn(4, 32000, device="cuda")
     sampler = S.Sampler(4, 32000, device="cuda", temperature=0.7, top_k=50, seed=1, graph=False)
     ref = S.Sampler(4, 32000, device="cuda", temperature=0.7, top_k=50, seed=1, graph=False)

@@ -222,7 +222,7 @@ def test_left_padded_rows_equal_each_prompt_alone():
 
 
 def test_generate_ids_runs_the_resonance_model():
-    from model.generate import generate_ids
+    from model.decode_loop import generate_ids
 
     model = tiny_model().float()
     out = generate_ids(model, [[1, 2, 3, 4], [5, 6]], max_new_tokens=5, temperature=0.0)

@@ -1,6 +1,6 @@
 """The resonance family on a real GPU: the Numba scan kernel inside the model (bf16 autocast, compiled blocks)
 against the FFT form and the reference scan, document isolation through the kernel, and the recurrent decode step
-captured in a CUDA graph by model/generate.py.
+captured in a CUDA graph by model/decode_loop.py.
 
     .venv/bin/python -m pytest tests/model/test_resonance_gpu.py -q -m gpu
 
@@ -56,7 +56,7 @@ def test_documents_stay_isolated_through_the_kernel():
 
 
 def test_decode_is_captured_in_a_cuda_graph_and_matches_eager():
-    from model.generate import generate_ids_timed
+    from model.decode_loop import generate_ids_timed
 
     torch.manual_seed(0)
     model = build_resonance_model("nano", 300).cuda().eval()

@@ -1,6 +1,6 @@
 """model/resonance_state.py: the resonance family's static generation state and its fixed-shape decode step —
 allocated once, updated in place, the same step (and the same FLOPs) after any prompt length, compiled once without
-a recompile (what lets model/generate.py replay it as a CUDA graph), and equal to the full forward."""
+a recompile (what lets model/decode_loop.py replay it as a CUDA graph), and equal to the full forward."""
 from __future__ import annotations
 
 import pytest

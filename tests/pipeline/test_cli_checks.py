@@ -1,5 +1,5 @@
 """Command lines as users type them, refused (or taken) in one line before anything loads, Ray-free:
-generate's sampling flags and --prompts-file (pipeline/train/serve/options.py), YAML booleans for fields whose
+generate's sampling flags and --prompts-file (pipeline/train/handoff/generation_flags.py), YAML booleans for fields whose
 choices are a yes/no pair, and the names other projects give to config fields and sweep keys.
 
     .venv/bin/python -m pytest -q tests/pipeline/test_cli_checks.py

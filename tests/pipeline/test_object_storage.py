@@ -21,7 +21,7 @@ from pipeline import storage
 from pipeline.config import load_config
 from pipeline.data.pack import prepare
 from pipeline.data.shards import MANIFEST_FILE, ShardReader, load_manifest
-from pipeline.data.validate import validate_dataset
+from pipeline.data.validate_dataset import validate_dataset
 from pipeline.run import main
 from tests.pipeline.data.helpers import sample_docs
 

@@ -29,7 +29,7 @@ import shlex
 from typing import Any, Iterator
 
 from pipeline.storage import StorageError, basename, first_line, join
-from pipeline.train.checkpoints.errors import CheckpointError
+from pipeline.train.checkpoints.checkpoint_error import CheckpointError
 from pipeline.train.checkpoints.index import checkpoint_names, incomplete, run_folder, step_of
 
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from pipeline.train.checkpoints.errors import CheckpointError  # noqa: F401  (raised here; imported from here too)
+from pipeline.train.checkpoints.checkpoint_error import CheckpointError  # noqa: F401  (raised here; imported from here too)
 from pipeline.train.checkpoints.index import file_record
 
 CHECKPOINT_FORMAT = 2

@@ -38,7 +38,7 @@ PEAK_BF16_FLOPS: list[tuple[str, float]] = [
 ]
 
 
-# Peak memory bandwidth in bytes/s by the same kind of name substring (vendors' HBM/GDDR figures); bench/decoder.py
+# Peak memory bandwidth in bytes/s by the same kind of name substring (vendors' HBM/GDDR figures); bench/decoder_kernels.py
 # reports each kernel's achieved GB/s as a share of it.
 PEAK_MEMORY_BYTES_PER_S: list[tuple[str, float]] = [
     ("GH200", 4.0e12),  # before H200, which it contains

@@ -266,7 +266,7 @@ class TrainSession:
             check_tracking_uri(resolve_tracking_uri(cfg))  # fail fast, before any data or worker work
             check_artifact_location(cfg)
         if cfg.tracking.register_model:  # and not after hours of training
-            from pipeline.train.serve.export import check_exportable, require_tokenizers
+            from pipeline.train.handoff.hf_export import check_exportable, require_tokenizers
 
             check_exportable({"config": cfg.to_dict()}, "tracking.register_model: this run")
             require_tokenizers()
@@ -394,7 +394,7 @@ class TrainSession:
 
     def _register(self, tracker, checkpoint: Path | str, name: str) -> None:
         """Export the final checkpoint to <run_dir>/hf_model and register it as a version of `name`."""
-        from pipeline.train.serve.export import export_checkpoint, register_export
+        from pipeline.train.handoff.hf_export import export_checkpoint, register_export
 
         result = export_checkpoint(checkpoint, self.run_dir / "hf_model", overwrite=True)
         version = register_export(result, tracker.tracking_uri, tracker.run_id, name)

@@ -15,7 +15,7 @@ def test_one_train_reads_the_manifest_once(files_dataset, tmp_path, monkeypatch,
     import pipeline.data.pack  # noqa: F401
     import pipeline.data.stages  # noqa: F401
     import pipeline.train.local  # noqa: F401
-    import pipeline.train.serve.generate  # noqa: F401
+    import pipeline.train.handoff.text_generation  # noqa: F401
     from pipeline.run import main
 
     reads = _count_reads(monkeypatch)

@@ -12,7 +12,7 @@ import pytest
 from pipeline.data.corpus import DataSourceError
 from pipeline.data.pack import prepare
 from pipeline.data.shards import load_manifest
-from pipeline.data.validate import validate_dataset
+from pipeline.data.validate_dataset import validate_dataset
 from tests.pipeline.data.helpers import data_cfg, sample_docs, write_jsonl
 
 REPO = Path(__file__).resolve().parents[3]

@@ -16,7 +16,7 @@ from pipeline.data.corpus import DataSourceError
 from pipeline.data.pack import prepare
 from pipeline.data.shard_plan import (PARTS_DIR, SegmentIndex, ShardPlanner, SplitRule, TokenStream,
                                          plan_shards)
-from pipeline.data.validate import validate_dataset
+from pipeline.data.validate_dataset import validate_dataset
 from pipeline.data.shards import MANIFEST_FILE, DatasetError, load_manifest
 from pipeline.data.tokenizer import Tokenizer
 from tests.pipeline.data.helpers import (SEQ_LEN, data_cfg, expected_stream, long_doc, read_rows,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.data.stages import validate_main
-from pipeline.data.validate import validate_dataset
+from pipeline.data.validate_dataset import validate_dataset
 from pipeline.data.shards import (DatasetError, ShardReader, check_compatible, check_trainable, epoch_order,
                                   eval_reader, load_manifest, ray_batches)
 from pipeline.data.tokenizer import train_tokenizer

@@ -118,7 +118,7 @@ def test_token_losses_equal_full_logits(chunk):
 
 
 def test_plot_lines_group_the_history_by_evaluation_and_draw(tmp_path):
-    from pipeline.tracking.long_context import plot_passkey_heatmap, plot_position_loss, position_lines
+    from pipeline.tracking.long_context_plots import plot_passkey_heatmap, plot_position_loss, position_lines
 
     history = {"val/pos_loss/1-64": [(50, 5.0), (100, 4.5)], "val/pos_loss/64-256": [(50, 4.8), (100, 4.2)],
                "val/cum_ppl/256": [(100, 90.0)], "eval_2x/pos_loss/256-513": [(100, 4.9)],

@@ -18,7 +18,7 @@ from pipeline.config import Config, load_config
 from pipeline.data.pack import dataset_settings, settings_hash
 from pipeline.data.shards import SCHEMA_VERSION, Manifest, shard_schema, windows_table, write_manifest, write_shard
 from pipeline.data.tokenizer import Tokenizer, file_sha256, train_tokenizer
-from pipeline.train.serve.generate import generate_from_checkpoint, load_for_generation
+from pipeline.train.handoff.text_generation import generate_from_checkpoint, load_for_generation
 
 # ASCII, code, CJK, emoji (incl. ZWJ sequences), control characters, text with invalid UTF-8 replaced (U+FFFD),
 # and the special pieces' spellings, which SentencePiece encodes as plain characters.

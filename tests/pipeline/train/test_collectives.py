@@ -52,7 +52,7 @@ def _fit(rank: int, world: int, dataset: str, over: dict, parallel: str, on_eval
 
 def samples_under_fsdp(rank: int, world: int, dataset: str) -> dict:
     """Both families under FSDP with rank-0 samples at every evaluation: the steps reached and what was generated."""
-    from model.generate import generate_ids
+    from model.decode_loop import generate_ids
     from pipeline.train.ray_train import _gathered
 
     out = {}

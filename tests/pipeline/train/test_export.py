@@ -17,8 +17,8 @@ import torch
 import transformers  # the dev extra installs it (pip install -e '.[dev]')
 
 from model.tiers import TIERS, Tier
-from pipeline.train.serve.export import ExportError, export_checkpoint
-from pipeline.train.serve.generate import generate_from_checkpoint
+from pipeline.train.handoff.hf_export import ExportError, export_checkpoint
+from pipeline.train.handoff.text_generation import generate_from_checkpoint
 from pipeline.train.local import train_local
 from tests.pipeline.train.hf_helpers import TOKENIZER_CHECK_TEXTS, assert_same_model, build_dataset, hf_greedy, load_hf
 

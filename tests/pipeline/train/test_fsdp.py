@@ -64,7 +64,7 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, parallel: 
     from pipeline.data.shards import ShardReader, eval_reader
     from pipeline.eval.positions import evaluate_by_position
     from pipeline.train.engine import Engine
-    from model.generate import generate_ids
+    from model.decode_loop import generate_ids
     from pipeline.train.loop import Hooks, fit
 
     cfg = cfg_for(**over)
@@ -284,7 +284,7 @@ def test_generation_from_gathered_fsdp_weights(runs):
     """Engine.full_model() (the eval-time samples under FSDP): every worker gathers the whole weights and greedy
     generation with the KV cache gives what the consolidated weights give in a plain decoder."""
     from model.decoder import build_model
-    from model.generate import generate_ids
+    from model.decode_loop import generate_ids
 
     decoder = build_model("nano", VOCAB)
     decoder.load_state_dict({k.removeprefix("decoder."): v for k, v in load_weights(runs, "fsdp").items()})

@@ -35,7 +35,7 @@ def test_fsdp_sweep_trial_resumed_on_one_worker_and_exported(ray_session, s3_buc
     from pipeline.sweep.tune import run_sweep
     from pipeline.train.checkpoints.state import load_model_state, read_checkpoint_meta
     from pipeline.train.engine import Engine
-    from pipeline.train.serve.export import export_checkpoint
+    from pipeline.train.handoff.hf_export import export_checkpoint
     from pipeline.train.loop import fit
     from pipeline.train.ray_train import run_training
 

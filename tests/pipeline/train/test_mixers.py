@@ -45,7 +45,7 @@ def test_both_families_train_evaluate_and_generate_on_the_builtin_corpus(test_ru
     from pipeline.data.pack import prepare
     from pipeline.data.shards import ShardReader, load_manifest
     from pipeline.cli.eval import evaluate_checkpoint
-    from pipeline.train.serve.generate import generate_from_checkpoint
+    from pipeline.train.handoff.text_generation import generate_from_checkpoint
     from pipeline.train.local import train_local
 
     base = load_config("test", [f"--run.root={test_runs_root}", "--tracking.enabled=false"])

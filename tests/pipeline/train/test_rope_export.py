@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from model.generate import generate_ids
+from model.decode_loop import generate_ids
 from pipeline.train.engine import Engine
-from pipeline.train.serve.export import export_checkpoint
-from pipeline.train.serve.generate import load_for_generation
+from pipeline.train.handoff.hf_export import export_checkpoint
+from pipeline.train.handoff.text_generation import load_for_generation
 from tests.pipeline.train.hf_helpers import build_dataset, load_hf
 
 ORIGINAL = 64  # the "trained" context the scalings extend from

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model.decoder import build_model
-from model.generate import generate_ids, generate_ids_timed
+from model.decode_loop import generate_ids, generate_ids_timed
 
 
 def full_recompute_greedy(decoder, prompt: list[int], n: int) -> list[int]:
@@ -136,7 +136,7 @@ def test_timings_count_every_phase_and_cpu_decodes_eagerly():
 def test_cuda_graph_decoding_equals_eager_decoding_in_bf16():
     """The captured decode step replays real steps: the same greedy and sampled tokens as the eager loop, for a
     left-padded batch (tiny model with head_dim 16, in bf16 as load_for_generation prepares it)."""
-    from pipeline.train.serve.generate import prepare_for_generation
+    from pipeline.train.handoff.text_generation import prepare_for_generation
     from tests.model.tiny import TINY_GPU, make_model
 
     decoder = prepare_for_generation(make_model(TINY_GPU), torch.device("cuda"))
@@ -176,7 +176,7 @@ def test_compiled_whole_step_graph_equals_eager_across_span_buckets():
     """A 250-token prompt and 40 new tokens cross the 256-slot span bucket: two graphs of the inductor-compiled
     step, and the same greedy and sampled tokens as the same compiled step run eagerly (inductor's fused kernels
     round differently from the uncompiled ops, so the comparison is compiled against compiled)."""
-    from pipeline.train.serve.generate import prepare_for_generation
+    from pipeline.train.handoff.text_generation import prepare_for_generation
     from tests.model.tiny import TINY_GPU, make_model
 
     decoder = prepare_for_generation(make_model(TINY_GPU), torch.device("cuda"))
@@ -197,7 +197,7 @@ def test_a_decode_graph_is_captured_only_for_a_span_that_ran_at_every_prompt_len
     span is captured only after a step ran it eagerly (never compiled or first launched inside a capture; prompt
     lengths 254, 510, 766, ... cross a bucket right after the warm-up), captured once, and replayed after."""
     from model.kv_cache import KVCache
-    from model.generate import CAPTURE, EAGER, REPLAY, WARMUP_STEPS, _DecodeLoop, decode_plan
+    from model.decode_loop import CAPTURE, EAGER, REPLAY, WARMUP_STEPS, _DecodeLoop, decode_plan
 
     new = 64
     crossing = 0
@@ -225,7 +225,7 @@ def test_a_decode_graph_is_captured_only_for_a_span_that_ran_at_every_prompt_len
 
 
 def test_a_model_without_spans_captures_after_the_warm_up():
-    from model.generate import CAPTURE, EAGER, REPLAY, decode_plan
+    from model.decode_loop import CAPTURE, EAGER, REPLAY, decode_plan
 
     assert decode_plan([None] * 6, warmup=2) == [EAGER, EAGER, CAPTURE, REPLAY, REPLAY, REPLAY]
     assert decode_plan([None] * 2, warmup=2) == [EAGER, EAGER]

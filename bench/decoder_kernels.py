@@ -1,8 +1,8 @@
 """Decoder-head kernels vs torch, side by side in one run, with the bytes each kernel moves.
 
-    python bench/decoder.py                            # GPU: {4096, 32768} tokens x {768, 1024} hidden x 32000, bf16
-    python bench/decoder.py --tokens 4096 --hidden 768 --iters 50
-    python bench/decoder.py --smoke --out /tmp/results # tiny shapes on CPU in seconds (used by a test)
+    python bench/decoder_kernels.py                            # GPU: {4096, 32768} tokens x {768, 1024} hidden x 32000, bf16
+    python bench/decoder_kernels.py --tokens 4096 --hidden 768 --iters 50
+    python bench/decoder_kernels.py --smoke --out /tmp/results # tiny shapes on CPU in seconds (used by a test)
 
 Cross-entropy, forward + backward of the summed loss w.r.t. hidden and weight, per shape:
     eager     full (N, V) logits + F.cross_entropy(logits.float())      (the nanoGPT / torchtitan recipe)

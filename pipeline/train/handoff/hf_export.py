@@ -4,7 +4,7 @@
     python pipeline/run.py export --checkpoint runs/<run>/checkpoints/phase0/step_000200 --out hf/x --overwrite
     python pipeline/run.py export --resume runs/<run> --out hf/x --register my-model    # + MLflow Model Registry
 
-    from pipeline.train.serve.export import export_checkpoint
+    from pipeline.train.handoff.hf_export import export_checkpoint
     result = export_checkpoint("runs/<run>/checkpoints/phase0/step_000200", "hf/x")   # full or sharded (FSDP)
     # then, anywhere with transformers:  AutoModelForCausalLM.from_pretrained("hf/x"), AutoTokenizer...
 

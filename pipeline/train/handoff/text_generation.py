@@ -1,5 +1,5 @@
 """Generation from a checkpoint: load it (full or sharded, local or on object storage) with its dataset's tokenizer,
-and text in, text out through the decode loop over the model (model/generate.py).
+and text in, text out through the decode loop over the model (model/decode_loop.py).
 
     python pipeline/run.py generate --checkpoint runs/<run>/checkpoints/phase0/step_000200 \
         --prompt "Once upon a time" --prompt "def main" --max-new-tokens 64 --top-p 0.95
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from model.generate import GenerationOutput, generate_ids_timed, generation_autocast
+from model.decode_loop import GenerationOutput, generate_ids_timed, generation_autocast
 from pipeline.data.shards import dataset_tokenizer
 
 

@@ -1,12 +1,12 @@
 """The decode loop over a model alone: KV-cached batched generation with the cuda_ops sampler, token ids in, token
 ids out (as litgpt's generate/base.py: `generate(model, prompt, ...)`; this module needs only torch and cuda_ops).
 
-    from model.generate import generate_ids, generation_autocast
+    from model.decode_loop import generate_ids, generation_autocast
     with generation_autocast(model):
         new = generate_ids(model, [[2, 17, 33], [2, 5]], max_new_tokens=64, top_p=0.95)  # (2, 64) int64
     python bench/generate.py                          # decode tokens/s at batch 1, 8, 64
 
-Loading a checkpoint, its tokenizer and text in and out belong to the command (pipeline/train/serve/generate.py:
+Loading a checkpoint, its tokenizer and text in and out belong to the command (pipeline/train/handoff/text_generation.py:
 `python pipeline/run.py generate --checkpoint ... --prompt ...`).
 
 Prompts of different lengths are left-padded into one batch; the KV cache masks the pads and starts each row's
