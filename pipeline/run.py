@@ -26,8 +26,7 @@ default preset is gpu when CUDA is present, else cpu. A flag or field the stage 
 Every path that names data or results may be a URI (s3://, gs://, ...): data.path, run.storage (one bucket for
 datasets, checkpoints and artifacts), data.dataset_store, ray.storage_path, --checkpoint, validate's target.
 This file parses the command line and dispatches: each subcommand is one module of pipeline/cli/ (prepare.py,
-train.py for train and the default all, eval.py, generate.py, export.py, validate.py, runs_list.py; tune is
-pipeline/sweep/tune.py).
+train.py for train and the default all, eval.py, generate.py, export.py, validate.py, runs_list.py, tune.py).
 
 Where a run keeps things (pipeline/train/session/run_dir.py LAYOUT):
 
@@ -189,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return prepare_command(cfg)
         if args.stage == "tune":
-            if args.space:  # the space file's mistakes in one line before Ray and torch load (run_sweep reads it again)
-                from pipeline.sweep.space import load_space
-
-                load_space(args.space, cfg)
-            from pipeline.sweep.tune import tune_main
+            from pipeline.cli.tune import tune_main
 
             return tune_main(cfg, args.space)
         if args.stage == "eval":

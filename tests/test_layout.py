@@ -26,6 +26,9 @@ FORBIDDEN = {
     # the Ray-free engine: a plain process with torch, pyarrow and sentencepiece runs it
     "pipeline.train.engine": ("ray", "mlflow", "pipeline.tracking.tracker"),
     "pipeline.train.loop": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    "pipeline.train.stop_request": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    "pipeline.train.audit_log": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    "pipeline.train.checkpoints.local_dir": ("ray", "mlflow", "pipeline.tracking.tracker"),
     # the config sits below every stage; the mixture spec beside it and the stable tracking names import nothing of
     # the project (the engine, the workers and the config read them without MLflow, Ray or the data room)
     "pipeline.config": ("pipeline.data", "pipeline.eval", "pipeline.train", "pipeline.sweep", "pipeline.tracking",

@@ -1,7 +1,7 @@
 """Which checkpoint a command is about (--checkpoint, else the --resume run's latest) and which run trained it (the
 MLflow run its results are logged to): what eval, generate and export share.
 
-    checkpoint = latest_checkpoint(cfg, args)        # a local directory (Path) or a URI on object storage
+    checkpoint = checkpoint_of_args(cfg, args)        # a local directory (Path) or a URI on object storage
     run = tracked_run(run_dir_of_checkpoint(checkpoint), cfg.tracking.tracking_uri)   # (tracking URI, run id)
 """
 from __future__ import annotations
@@ -10,11 +10,10 @@ import argparse
 from pathlib import Path
 
 from pipeline.config import Config
-from pipeline.train.session.run_dir import (CHECKPOINT_HINT, find_run, read_run_file, recorded_checkpoint,
-                                            run_dir_of)
+from pipeline.train.session.run_dir import CHECKPOINT_HINT, find_run, latest_of_run, read_run_file, run_dir_of
 
 
-def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path | str:
+def checkpoint_of_args(cfg: Config, args: argparse.Namespace) -> Path | str:
     """--checkpoint, else the --resume run's latest: a local directory (Path) or a URI on object storage."""
     from pipeline.storage import native
     from pipeline.train.checkpoints.checkpoint_error import CheckpointError
@@ -23,14 +22,14 @@ def latest_checkpoint(cfg: Config, args: argparse.Namespace) -> Path | str:
         run_dir = run_dir_of(cfg, args.checkpoint)  # a run directory: its latest checkpoint
         if run_dir is None:
             return native(args.checkpoint)
-        ckpt = recorded_checkpoint(run_dir)
+        ckpt = latest_of_run(run_dir)[0]
         if ckpt is None:
             raise CheckpointError(f"--checkpoint {args.checkpoint}: run {run_dir} has no checkpoint yet (status "
                                   f"{read_run_file(run_dir).get('status', '?')}); {CHECKPOINT_HINT}")
         return native(ckpt)
     if args.resume:
         run_dir = find_run(cfg, args.resume)
-        ckpt = recorded_checkpoint(run_dir)
+        ckpt = latest_of_run(run_dir)[0]
         if ckpt:
             return native(ckpt)
         raise CheckpointError(f"--resume {args.resume}: run {run_dir} has no checkpoint yet; {CHECKPOINT_HINT}")

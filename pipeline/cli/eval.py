@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline.cli.checkpoint_arg import latest_checkpoint, run_dir_of_args, run_dir_of_checkpoint, tracked_run
+from pipeline.cli.checkpoint_arg import checkpoint_of_args, run_dir_of_args, run_dir_of_checkpoint, tracked_run
 from pipeline.cli.usage_error import UsageError
 from pipeline.config import Config, from_dict
 from pipeline.console import stage
@@ -233,7 +233,7 @@ def eval_command(cfg: Config, args: argparse.Namespace) -> int:
     from pipeline.train.checkpoints.broken import diagnosed
 
     long_context = long_context_options(args) is not None
-    checkpoint = latest_checkpoint(cfg, args)
+    checkpoint = checkpoint_of_args(cfg, args)
     run_dir = run_dir_of_args(cfg, args)  # the run to log to, also for a bucket's checkpoint
     with diagnosed(checkpoint):  # a file that does not load: one line, the previous checkpoint offered
         stage("eval", f"{checkpoint} on the validation split")

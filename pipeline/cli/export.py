@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.checkpoint_arg import latest_checkpoint, run_dir_of_checkpoint, tracked_run
+from pipeline.cli.checkpoint_arg import checkpoint_of_args, run_dir_of_checkpoint, tracked_run
 from pipeline.cli.usage_error import UsageError
 from pipeline.config import Config
 from pipeline.console import stage
@@ -19,7 +19,7 @@ def stage_export(cfg: Config, args: argparse.Namespace) -> None:
 
     if not args.out:
         raise UsageError("export needs --out DIR: python pipeline/run.py export --resume RUN --out DIR")
-    checkpoint = latest_checkpoint(cfg, args)
+    checkpoint = checkpoint_of_args(cfg, args)
     from pipeline.train.handoff.hf_export import export_checkpoint, register_export  # torch: once there is a checkpoint
     run = None
     if args.register:  # find the training run before writing anything

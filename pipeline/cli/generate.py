@@ -33,7 +33,7 @@ def stage_generate(checkpoint: Path | str, args: argparse.Namespace, prompts: li
 
 
 def generate_command(cfg, args: argparse.Namespace, prompts: list[str]) -> int:
-    from pipeline.cli.checkpoint_arg import latest_checkpoint
+    from pipeline.cli.checkpoint_arg import checkpoint_of_args
 
-    stage_generate(latest_checkpoint(cfg, args), args, prompts)
+    stage_generate(checkpoint_of_args(cfg, args), args, prompts)
     return 0

@@ -4,7 +4,7 @@
     checkpoint yet; continue with: python pipeline/run.py train --resume runs/nano-...
 
 The first Ctrl+C during training is not this: the workers checkpoint and stop, and the run says where
-(pipeline/train/ray_train.py fit_with_clean_stop, pipeline/train/loop.py StopRequest). This is for a Ctrl+C anywhere
+(pipeline/train/ray_train.py fit_with_clean_stop, pipeline/train/stop_request.py StopRequest). This is for a Ctrl+C anywhere
 else, or a second one during training, which aborts at once.
 """
 from __future__ import annotations

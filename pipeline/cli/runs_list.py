@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.train.session.run_dir import RUN_FILE, read_run_file, recorded_checkpoint
+from pipeline.train.session.run_dir import RUN_FILE, latest_of_run, read_run_file
 from pipeline.train.session.resume import checkpoint_counters, trained_without_ray
 
 
@@ -53,7 +53,7 @@ def list_runs(root: str | Path) -> list[RunRow]:
             record = read_run_file(f.parent)
         except (OSError, ValueError):
             continue  # not a run's record (a crash cannot leave half of one: it is written atomically)
-        ckpt = recorded_checkpoint(f.parent)  # the newest complete, also of a run that crashed
+        ckpt = latest_of_run(f.parent)[0]  # the newest complete, also of a run that crashed
         phases = record.get("phases") or [{"steps": (record.get("config") or {}).get("train.max_steps", 0)}]
         counters = checkpoint_counters(ckpt)
         rows.append(RunRow(f.parent.name, f.parent, str(record.get("status", "?")), counters.get("step"),

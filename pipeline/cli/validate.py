@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.cli.usage_error import UsageError
 from pipeline.config import Config
-from pipeline.train.session.run_dir import checkpoint_to_resume, run_dir_of
+from pipeline.train.session.run_dir import latest_of_run, run_dir_of
 
 
 def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
@@ -21,7 +21,7 @@ def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> in
 
     target, run_dir = args.target, run_dir_of(cfg, args.target)
     if run_dir is not None:
-        target, problem = checkpoint_to_resume(run_dir)
+        target, problem = latest_of_run(run_dir)
         if target is None:
             raise UsageError(f"validate {args.target}: run {run_dir} has no checkpoint yet; validate a dataset "
                              f"directory or a checkpoint")

@@ -1,5 +1,5 @@
 """What a sweep leaves behind: one row per trial, the table as markdown and as a PNG chart, and the best
-trial's config as a preset file `python pipeline/run.py --preset` accepts. Ray-free; pipeline/sweep/tune.py
+trial's config as a preset file `python pipeline/run.py --preset` accepts. Ray-free; pipeline/sweep/results.py
 fills the rows.
 
     rows = [TrialRow("a1_00000", {"train.batch_size": 4}, "nano", 4, 9.1e3, 0.012, 3.91, "ok", steps=32), ...]

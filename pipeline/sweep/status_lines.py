@@ -36,7 +36,7 @@ class StatusLines(Callback):
 
     def __init__(self, metric: str, searched: list[str], status_key: str, reason_key: str):
         """`status_key`, `reason_key`: where a trial's final report puts its status and failure reason
-        (pipeline/sweep/tune.py's STATUS_KEY and REASON_KEY)."""
+        (pipeline/sweep/trial.py's STATUS_KEY and REASON_KEY)."""
         self.metric, self.searched = metric, list(searched)
         self.status_key, self.reason_key = status_key, reason_key
         self.lines: list[str] = []  # what was printed, in order

@@ -10,7 +10,10 @@ from pathlib import Path
 from pipeline.config import Config
 from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
 from pipeline.train.handoff.text_generation import eval_samples_hook
-from pipeline.train.loop import AuditLog, LocalCheckpoints, StopRequest, fit, standard_hooks
+from pipeline.train.audit_log import AuditLog
+from pipeline.train.checkpoints.local_dir import LocalCheckpoints
+from pipeline.train.loop import fit, standard_hooks
+from pipeline.train.stop_request import StopRequest
 from pipeline.data.mixture import mixture_of
 from pipeline.data.mixture import train_batches as mixed_train_batches
 from pipeline.data.shards import EvalSplit, Manifest, ShardReader, check_trainable, load_manifest
@@ -18,7 +21,7 @@ from pipeline.eval.sources import SourceValidation
 from pipeline.storage import absolute, local_copy
 from pipeline.train.checkpoints.broken import diagnosed
 from pipeline.train.checkpoints.state import CheckpointError, warn_if_no_room_for_checkpoints
-from pipeline.train.checkpoints.index import resume_point
+from pipeline.train.checkpoints.index import latest_complete, skipped_line
 from pipeline.train.session.run_dir import AUDIT_DIR
 
 
@@ -41,18 +44,18 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     announce_kernels(engine, tracker)
     ckpts = LocalCheckpoints(run_dir / "checkpoints" / f"phase{phase}", cfg.train.keep_checkpoints)
     warn_if_no_room_for_checkpoints(cfg, manifest.vocab_size, str(ckpts.directory))
-    resume, note = resume_point(str(ckpts.directory)) if ckpts.directory.is_dir() else (None, None)
+    resume, skipped = latest_complete(str(ckpts.directory)) if ckpts.directory.is_dir() else (None, None)
     if resume_from is not None:
         with diagnosed(resume_from), local_copy(resume_from) as d:  # a chosen one, here or on object storage
             engine.load(d)
         print(f"resume: from {resume_from} (step {engine.step}), as --checkpoint asks", flush=True)
     elif resume is not None:
-        if note:
-            print(note, flush=True)
+        if skipped:
+            print(skipped_line(skipped, resume), flush=True)
         with diagnosed(resume):  # complete by its listing, yet it may not load: one line offering the previous
             engine.load(resume)
-    elif note:
-        raise CheckpointError(f"{note}, and {ckpts.directory} holds no complete checkpoint; start the run anew "
+    elif skipped:
+        raise CheckpointError(f"resume: {skipped}, and {ckpts.directory} holds no complete checkpoint; start the run anew "
                               f"(another --run.name) or pass a complete one with --checkpoint")
     elif init_from is not None:
         with local_copy(init_from) as d:  # the previous phase's checkpoint may be on object storage
@@ -83,4 +86,4 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     finally:
         if audit is not None:
             audit.close()
-    return ckpts.last_saved or ckpts.latest(), res.stopped_early
+    return ckpts.last_saved or latest_complete(str(ckpts.directory))[0], res.stopped_early

@@ -1,6 +1,8 @@
-"""The training loop around the engine: epochs and the data cursor, logging, evaluation, checkpoints,
-a rank-0 progress bar and a clean stop on Ctrl+C. Ray-free; pipeline/train/ray_train.py calls `fit` from each
-Ray Train worker with hooks that report to Ray, and `train_local` runs it in a plain process.
+"""The training loop around the engine: epochs and the data cursor, logging, evaluation, checkpoints, a rank-0
+progress bar and a clean stop on Ctrl+C (the request: pipeline/train/stop_request.py; the data audit each step
+writes: pipeline/train/audit_log.py; a --no-ray run's checkpoints: pipeline/train/checkpoints/local_dir.py). Ray-free;
+pipeline/train/ray_train.py calls `fit` from each Ray Train worker with hooks that report to Ray, and `train_local`
+runs it in a plain process.
 
     python pipeline/run.py train --no-ray ...     # this loop without Ray (one process, one device)
 """
@@ -8,13 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -22,7 +20,9 @@ from pipeline.console import progress as console_progress
 from pipeline.train.distributed.collectives import CollectiveWatch
 from pipeline.eval.positions import evaluate_by_position
 from pipeline.tracking.names import EVAL_DATA_WAIT, TRAIN_DATA_WAIT
+from pipeline.train.audit_log import AuditLog
 from pipeline.train.engine import Engine, StepOutcome
+from pipeline.train.stop_request import StopRequest
 
 BatchIter = Iterator[dict[str, torch.Tensor]]
 # Share of the logging window's wall-clock time spent waiting for the next batch (starting an epoch's
@@ -43,92 +43,6 @@ class Hooks:
     on_log: Callable[[Engine, dict[str, float]], None] | None = None
     on_eval: Callable[[Engine, dict[str, float]], None] | None = None
     on_checkpoint: Callable[[Engine, dict[str, float]], None] | None = None
-
-
-class StopRequest:
-    """A request to checkpoint and stop after the current step.
-
-    In a plain process the first Ctrl+C (or SIGTERM) sets it and a second Ctrl+C interrupts at once;
-    handlers are installed only in the main thread. Ray Train workers cannot see the driver's Ctrl+C,
-    so the driver creates `stop_file` and workers look for it: a local path, or a URI in the run's storage
-    when the workers run on other machines (a look costs one HEAD request, at log steps only; a failed look
-    counts as no request). On object storage the look runs in a background thread and a poll takes the answer of
-    the last look that finished, so a stalled or unreachable store never holds up a step (a stop is seen one log
-    step later). `poll` is collective under DDP (every rank calls it at the same steps and they agree), so all
-    workers stop at the same step.
-
-    `notices` are preemption notices a worker may get (pipeline/train/distributed/elastic.py: a SIGTERM to a Ray Train worker,
-    Ray draining its node), each a callable returning a reason or None; with any, the loop asks at every step, so
-    the checkpoint lands at the next step boundary. `preempted` is then the reason, the same on every rank ("rank 1:
-    SIGTERM to the worker on host-b (pid 7)" under a process group), and the launcher stops that attempt rather
-    than the run.
-    """
-
-    def __init__(self, stop_file: str | Path | None = None,
-                 notices: Iterable[Callable[[], str | None]] = ()) -> None:
-        self.requested = False
-        self.stop_file = str(stop_file) if stop_file else None
-        self.notices = list(notices)
-        self.preempted: str | None = None
-        self._previous: dict[int, Any] = {}
-        self._look: threading.Thread | None = None
-        self._seen = False  # what the last finished look in the background found
-
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nstop requested: finishing this step and writing a checkpoint (Ctrl+C again to abort)", flush=True)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _stop_file_seen(self) -> bool:
-        from pipeline.storage import is_local
-
-        if self.stop_file is None:
-            return False
-        if is_local(self.stop_file):
-            return _stop_file_exists(self.stop_file)
-        if self._look is None or not self._look.is_alive():
-            def look() -> None:
-                self._seen = _stop_file_exists(self.stop_file)
-
-            self._look = threading.Thread(target=look, name="stop-request-look", daemon=True)
-            self._look.start()
-        return self._seen
-
-    def poll(self, device: torch.device) -> bool:
-        return self.boundary(device)[0]
-
-    def boundary(self, device: torch.device, *, look: bool = True, checkpoint_due: bool = False) -> tuple[bool, bool]:
-        """(stop now, checkpoint now), agreed by every rank in one all-reduce under a process group: a stop request
-        (the stop file looked for only when `look`), a preemption notice on any rank, and `checkpoint_due` (rank 0's
-        clock: CheckpointClock)."""
-        local = self.requested or (look and self._stop_file_seen())
-        reasons = [n() for n in self.notices]  # every one, every time: a notice may itself be a collective
-        notice = next((why for why in reasons if why), None)
-        flags = [local or notice is not None, notice is not None, checkpoint_due]
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed:
-            t = torch.tensor([float(f) for f in flags], device=device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            flags = [bool(v) for v in t.tolist()]
-        self.requested = flags[0]
-        if flags[1] and self.preempted is None:
-            if distributed:  # once per run at most: every rank learns which worker got the notice and what it was
-                notices: list[Any] = [None] * torch.distributed.get_world_size()
-                torch.distributed.all_gather_object(notices, notice)
-                notice = next(f"rank {r}: {n}" for r, n in enumerate(notices) if n)
-            self.preempted = notice
-        return flags[0], flags[2]
 
 
 class CheckpointClock:
@@ -282,43 +196,6 @@ def _hold() -> None:
         os.remove(held)
 
 
-class LocalCheckpoints:
-    """Checkpoints of a plain-process run: <dir>/step_000050, keeping the `keep` newest."""
-
-    def __init__(self, directory: str | Path, keep: int):
-        self.directory, self.keep = Path(directory), keep
-        self.last_saved: Path | None = None
-
-    def save(self, engine: Engine, extra: dict | None = None) -> Path:
-        path = engine.save(self.directory / f"step_{engine.step:06d}", extra=extra)
-        self.last_saved = path
-        for old in self.all()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        for left in self.directory.glob(".step_*.tmp-*"):  # what a crash mid-save left: never a checkpoint
-            shutil.rmtree(left, ignore_errors=True)
-        return path
-
-    def all(self) -> list[Path]:
-        if not self.directory.is_dir():
-            return []
-        return sorted(p for p in self.directory.glob("step_*") if (p / "meta.json").is_file())
-
-    def latest(self) -> Path | None:
-        found = self.all()
-        return found[-1] if found else None
-
-
-def _stop_file_exists(location: str) -> bool:
-    from pipeline import storage_faults
-    from pipeline.storage import StorageError, exists
-
-    try:
-        with storage_faults.retry_window_of(0):  # one look, no waiting: training goes on while the store is away
-            return exists(location)
-    except (StorageError, OSError):  # a blip of the object store is not a stop request
-        return False
-
-
 def evaluate_timed(engine: Engine, batches: Iterable[dict[str, torch.Tensor]], max_batches: int) -> dict[str, float]:
     """engine.evaluate over `batches`, plus EVAL_DATA_WAIT: the share of the evaluation's wall-clock time spent
     waiting for the next batch (reading the validation split, from object storage possibly)."""
@@ -338,59 +215,6 @@ def evaluate_timed(engine: Engine, batches: Iterable[dict[str, torch.Tensor]], m
     metrics = engine.evaluate(timed(), max_batches=max_batches)
     metrics[EVAL_DATA_WAIT] = waited[0] / max(time.perf_counter() - start, 1e-9)
     return metrics
-
-
-class AuditLog:
-    """Append-only record of the seq_ids each step consumed (one JSON line per step), so a run's data order can
-    be checked after the fact: exactly once per epoch, across restarts. Over a mixture each line also has `sources`
-    and `passes` beside `seq_ids` (the row's source index in data.mixture and its pass over that source).
-
-    On a local path every line is flushed as it is written. Object storage cannot append: the log is kept in
-    memory and the whole object rewritten at `flush` (each checkpoint, and at the end), starting from what an
-    earlier attempt of the same rank left; lines after the last flush belong to steps that a restart redoes."""
-
-    def __init__(self, path: str | Path, extra: dict | None = None):
-        from pipeline.storage import is_local, read_bytes, resolve
-
-        self.path, self.extra = str(path), dict(extra or {})
-        self._f, self._lines, self._dirty = None, [], False
-        if is_local(self.path):
-            local = Path(resolve(self.path)[1])
-            local.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(local, "a", buffering=1)
-        else:
-            try:
-                self._lines.append(read_bytes(self.path).decode())
-            except FileNotFoundError:
-                pass
-
-    def write(self, engine: Engine, outcome: StepOutcome, micro: list[dict[str, torch.Tensor]]) -> None:
-        import json
-        import os
-
-        ids = [int(i) for b in micro for i in b["seq_id"]]
-        # A mixture's rows: seq_ids are per source dataset, so each row also names its source and pass
-        mixed = {k: [int(i) for b in micro for i in b[k]] for k in ("source", "pass") if k in micro[0]}
-        line = json.dumps({"step": engine.step, "time": time.time(), "skipped": outcome.skipped, "epoch": engine.epoch,
-                           "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids,
-                           **({"sources": mixed["source"], "passes": mixed["pass"]} if mixed else {})}) + "\n"
-        if self._f is not None:
-            self._f.write(line)
-        else:
-            self._lines.append(line)
-            self._dirty = True
-
-    def flush(self) -> None:
-        if self._f is None and self._dirty:
-            from pipeline.storage import write_text
-
-            write_text(self.path, "".join(self._lines))
-            self._dirty = False
-
-    def close(self) -> None:
-        self.flush()
-        if self._f is not None:
-            self._f.close()
 
 
 def standard_hooks(tracker=None, audit: AuditLog | None = None,

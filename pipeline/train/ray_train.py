@@ -55,7 +55,7 @@ from pipeline.train.session.run_dir import AUDIT_DIR
 
 STOP_FILE = "STOP"  # <run storage>/STOP: the driver's Ctrl+C, seen by every worker
 # Every report carries the worker group's placement group, so whoever ends the run early (a sweep's scheduler
-# stopping a trial) can give its resources back: pipeline/sweep/tune.py's ReleaseTrialResources.
+# stopping a trial) can give its resources back: pipeline/sweep/placement_groups.py's ReleaseTrialResources.
 PLACEMENT_GROUP_KEY = "ray/placement_group"
 # Ray Train's own setting: seconds one attempt waits for its workers' resources (Ray's default: 60).
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
@@ -110,7 +110,9 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.train.engine import Engine, PhaseSchedule, announce_kernels
     from pipeline.train.distributed.failure_policy import quiet_repeating_tracebacks
     from pipeline.train.handoff.text_generation import eval_samples_hook
-    from pipeline.train.loop import AuditLog, StopRequest, evaluate_timed, fit, standard_hooks
+    from pipeline.train.audit_log import AuditLog
+    from pipeline.train.loop import evaluate_timed, fit, standard_hooks
+    from pipeline.train.stop_request import StopRequest
     from pipeline.data.mixture import mixture_of
     from pipeline.data.mixture import train_batches as mixed_train_batches
     from pipeline.data.shards import EvalSplit, Manifest, ray_batches
@@ -310,7 +312,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
     """Train with Ray Train. Checks inputs before any worker starts; returns the latest checkpoint. `manifest`: the
     dataset's, as the session read it (read here otherwise); the workers are handed it.
 
-    `callbacks` go to Ray Train's RunConfig (a Tune trial passes TuneReportCallback: pipeline/sweep/tune.py).
+    `callbacks` go to Ray Train's RunConfig (a Tune trial passes TuneReportCallback: pipeline/sweep/trial.py).
     `required_metric`: every report must carry it, or the workers fail with MissingMetricError (a sweep's metric).
 
     Rerunning with the same run_dir resumes from the latest checkpoint in its Ray storage (Ray Train

@@ -12,8 +12,8 @@ import torch
 from pipeline import disk_space, storage
 from pipeline.disk_space import DiskFullError, is_disk_full, one_line_when_full
 from pipeline.train.checkpoints.state import checkpoint_bytes
-from pipeline.train.loop import LocalCheckpoints
-from pipeline.train.session.run_dir import read_run_file, recorded_checkpoint, write_run_file
+from pipeline.train.checkpoints.local_dir import LocalCheckpoints
+from pipeline.train.session.run_dir import read_run_file, latest_of_run, write_run_file
 from tests.pipeline.train.test_engine import VOCAB, make_cfg
 
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
@@ -121,9 +121,8 @@ def test_a_checkpoint_that_fills_the_disk_is_never_counted_and_the_earlier_ones_
     assert f"needs ~{disk_space.size_text(checkpoint_bytes(engine.cfg, VOCAB))}" in line
     assert "lower train.keep_checkpoints; then continue with --resume" in line and "\n" not in line
     assert sorted(p.name for p in ckpts.directory.iterdir()) == ["step_000004", "step_000008"]
-    assert ckpts.latest() == ckpts.directory / "step_000008"
     write_run_file(tmp_path, {"phase": 0, "no_ray": True, "config": engine.cfg.flat(), "status": "failed"})
-    assert recorded_checkpoint(tmp_path) == str(ckpts.directory / "step_000008")
+    assert latest_of_run(tmp_path)[0] == str(ckpts.directory / "step_000008")
 
 
 def test_the_run_s_latest_checkpoint_is_its_newest_complete_one_not_only_what_run_json_records(engine, tmp_path):
@@ -131,12 +130,12 @@ def test_the_run_s_latest_checkpoint_is_its_newest_complete_one_not_only_what_ru
     folder that lacks a file is skipped; a run with none in its phase yet falls back to run.json's."""
     ckpts = LocalCheckpoints(tmp_path / "checkpoints" / "phase1", keep=3)
     write_run_file(tmp_path, {"phase": 1, "no_ray": True, "config": engine.cfg.flat(), "checkpoint": "phase0-end"})
-    assert recorded_checkpoint(tmp_path) == "phase0-end"
+    assert latest_of_run(tmp_path)[0] == "phase0-end"
     for step in (10, 20, 30):
         engine.step = step
         ckpts.save(engine)
     (ckpts.directory / "step_000030" / "train_state.pt").unlink()
-    assert recorded_checkpoint(tmp_path) == str(ckpts.directory / "step_000020")
+    assert latest_of_run(tmp_path)[0] == str(ckpts.directory / "step_000020")
 
 
 def test_checkpoint_bytes_is_what_the_tier_writes(engine, tmp_path):

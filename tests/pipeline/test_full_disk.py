@@ -202,7 +202,7 @@ def test_a_bucket_over_its_quota_refuses_a_checkpoint_in_one_line_and_never_hold
     from pipeline.storage import StorageError
     from pipeline.train.checkpoints.index import incomplete, publish
     from pipeline.train.engine import Engine
-    from pipeline.train.loop import LocalCheckpoints
+    from pipeline.train.checkpoints.local_dir import LocalCheckpoints
     from tests.conftest import S3
     from tests.pipeline.train.test_engine import VOCAB, make_cfg
 

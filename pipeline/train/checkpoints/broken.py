@@ -18,7 +18,7 @@ tier, a bug, a text or JSON error while every file is whole: another file read b
 No silent fallback past a file that lies about itself: a checkpoint whose listing is whole but whose bytes are
 wrong ends the command with the previous checkpoint offered, `--checkpoint PREV` in the same command line (the CLI,
 pipeline/run.py, fills in the exact command). A checkpoint the listing already shows incomplete is a different case:
-`train --resume` skips it for the newest complete one in one line (pipeline/train/checkpoints/index.py resume_point).
+`train --resume` skips it for the newest complete one in one line (pipeline/train/checkpoints/index.py latest_complete).
 """
 from __future__ import annotations
 

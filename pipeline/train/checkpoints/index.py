@@ -1,12 +1,14 @@
 """A run's checkpoints in storage: what a complete checkpoint holds, which of a run's checkpoints are complete, the
-newest complete one, publishing a checkpoint so that it is complete before anything registers it, and removing the
-folders nothing registered. The one place that answers "is this checkpoint whole?" for training, resume and the
-commands that read checkpoints (eval, generate, export can offer the previous complete one from here).
+latest complete one, publishing a checkpoint so that it is complete before anything registers it, and removing the
+folders nothing registered. The one place that answers "is this checkpoint whole?" and "which is the latest complete
+checkpoint?" (`latest_complete`) for training, resume and the commands that read checkpoints (validate, eval,
+generate and export take a run's latest through pipeline/train/session/run_dir.py `latest_of_run`, which finds the
+run's folder of checkpoints and asks `latest_complete`).
 
     record = file_record(local_dir)                   # {"model.safetensors": {"bytes": n, "sha256": hex}, ...}
     problem = incomplete("s3://b/run/ray/phase0/checkpoint_2026-01-02_03-04-05.678901")   # None, or one line
     for c in list_checkpoints("s3://b/run/ray/phase0"): ...   # newest first: Found(location, name, problem)
-    best = newest_complete("s3://b/run/ray/phase0")   # Found, or None
+    location, note = latest_complete("s3://b/run/ray/phase0")   # the latest complete one, and what was skipped
     publish(local_dir, location, window_s=300)        # upload, verify every file by listing, retry; or StorageError
     prune("s3://b/run/ray/phase0", keep={...}, older_than="checkpoint_...")   # unregistered and incomplete folders
 
@@ -147,7 +149,7 @@ def list_checkpoints(directory: str) -> list[Found]:
     return [Found(join(directory, n), n, incomplete(join(directory, n))) for n in checkpoint_names(directory)]
 
 
-def newest_complete(directory: str, skip: Iterable[str] = ()) -> Found | None:
+def _newest_complete(directory: str, skip: Iterable[str] = ()) -> Found | None:
     """The newest complete checkpoint under `directory` (folders named in `skip` left out), checking from the
     newest down until one is complete; None when there is none."""
     skipped = {basename(s) for s in skip}
@@ -160,23 +162,26 @@ def newest_complete(directory: str, skip: Iterable[str] = ()) -> Found | None:
     return None
 
 
-def resume_point(directory: str, preferred: str | None = None) -> tuple[str | None, str | None]:
-    """(the checkpoint a resume loads, a line saying what was skipped or None): `preferred` (the latest in Ray
-    Train's record) when it is complete, else the newest complete checkpoint in `directory` (the run's folder of
-    them). (None, what is wrong) when there is none to resume from, (None, None) when the folder holds none at all."""
+def latest_complete(directory: str, preferred: str | None = None) -> tuple[str | None, str | None]:
+    """(the latest complete checkpoint in `directory` (a run's folder of them), the one a resume loads; what was
+    wrong with a newer one it skipped, or None): `preferred` (the latest in Ray Train's record) when it is complete,
+    else the newest complete checkpoint there. (None, what is wrong) when there is none to resume from, (None, None)
+    when the folder holds none at all. The project's one answer to "which is the latest complete checkpoint?";
+    `skipped_line` says what a resume skipped."""
     problem = incomplete(preferred) if preferred is not None else None
     if preferred is not None and problem is None:
         return preferred, None
-    found = newest_complete(directory, skip=[preferred] if preferred else [])
+    found = _newest_complete(directory, skip=[preferred] if preferred else [])
     if problem is None:  # no record: the newest folder, unless it is incomplete
         newer = [n for n in checkpoint_names(directory) if found is None or n > found.name]
         problem = incomplete(join(directory, newer[0])) if newer else None
-    if found is None:
-        return None, problem
-    if problem is None:
-        return found.location, None
-    return found.location, (f"resume: {problem}; resuming from {found.location} (step {step_of(found.location)}), "
-                            f"the newest complete checkpoint of the run")
+    return (None if found is None else found.location), problem
+
+
+def skipped_line(problem: str, location: str) -> str:
+    """The one line a resume prints when `latest_complete` skipped a newer checkpoint for the one at `location`."""
+    return (f"resume: {problem}; resuming from {location} (step {step_of(location)}), the newest complete checkpoint "
+            f"of the run")
 
 
 def step_of(location: str) -> int | None:

@@ -43,21 +43,21 @@ from pipeline.storage import StorageError, is_local, location_of
 def load_restored(engine, restored, ray_storage: str) -> dict[str, Any]:
     """Ray Train's checkpoint into the engine. A checkpoint Ray registered that is not complete (a file lost in
     storage, or registered by a version that did not verify its uploads) is skipped for the newest complete one
-    in the run's folder, said in one line (pipeline/train/checkpoints/index.py resume_point). On object storage a
+    in the run's folder, said in one line (pipeline/train/checkpoints/index.py latest_complete). On object storage a
     sharded (FSDP) checkpoint is read in place: each worker fetches only the byte ranges of its own shards, so no
     node downloads the whole model and optimizer. A full checkpoint, which every worker needs whole, comes through
     Ray's as_directory (one download per node, shared by its workers)."""
     from pipeline.train.checkpoints.broken import diagnosed
     from pipeline.train.checkpoints.state import CheckpointError
-    from pipeline.train.checkpoints.index import resume_point, run_folder
+    from pipeline.train.checkpoints.index import latest_complete, run_folder, skipped_line
 
     location = location_of(restored.filesystem, restored.path, ray_storage)
-    chosen, note = resume_point(run_folder(location), preferred=location)
+    chosen, skipped = latest_complete(run_folder(location), preferred=location)
     if chosen is None:
-        raise CheckpointError(f"resume: {note}, and {run_folder(location)} holds no complete checkpoint; start the "
+        raise CheckpointError(f"resume: {skipped}, and {run_folder(location)} holds no complete checkpoint; start the "
                               f"run anew (another --run.name) or pass a complete one with --checkpoint")
-    if note and engine.rank == 0:
-        worker_print(note)
+    if skipped and engine.rank == 0:
+        worker_print(skipped_line(skipped, chosen))
     with diagnosed(chosen):  # complete by its listing, yet it may not load: one line offering the previous
         return _load_location(engine, chosen, via=restored if chosen == location else None)
 

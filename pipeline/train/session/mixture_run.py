@@ -3,7 +3,7 @@ refused in one line), printed, logged to MLflow and kept beside the run; for one
 
     cfg = record_data(cfg, dataset_dir, manifest, tracker, steps=200, phase=0, run_dir=run_dir)  # train with this cfg
 
-The session (pipeline/train/session/train_session.py) calls it for each phase, a sweep's trial (pipeline/sweep/tune.py) for
+The session (pipeline/train/session/train_session.py) calls it for each phase, a sweep's trial (pipeline/sweep/trial.py) for
 itself. What a mixture logs: params `mixture/block_rows`, `mixture/<source>/weight`, `mixture/<source>/share` (what
 the run trains on), `mixture/<source>/repetitions` and `mixture/<source>/dataset_hash` (phase i > 0:
 `phase<i>/mixture/...`), one MLflow dataset input per source

@@ -104,9 +104,9 @@ def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[
         how = "with --no-ray (its checkpoints are under checkpoints/)" if was_local else \
             "on Ray Train (its checkpoints are under its Ray storage, ray/)"
         raise ResumeError(f"run {run_dir} trained {how}; resume it the same way: {resume_command(run_dir, was_local)}")
-    from pipeline.train.session.run_dir import recorded_checkpoint
+    from pipeline.train.session.run_dir import latest_of_run
 
-    latest = checkpoint or recorded_checkpoint(run_dir)  # the newest complete one, also of a run that crashed
+    latest = checkpoint or latest_of_run(run_dir)[0]  # the newest complete one, also of a run that crashed
     meta = checkpoint_meta(latest)
     check_kept_settings(run_dir, record, cfg, typed, meta, latest)
     recorded = [Phase(**p) for p in record["phases"]] if record.get("phases") else load_phases(None, cfg)

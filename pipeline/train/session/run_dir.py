@@ -94,26 +94,20 @@ def run_dir_of(cfg: Config, value: str) -> Path | None:
     return None
 
 
-def recorded_checkpoint(run_dir: Path) -> str | None:
-    """The run's latest complete checkpoint: checkpoint_to_resume's location."""
-    return checkpoint_to_resume(run_dir)[0]
-
-
-def checkpoint_to_resume(run_dir: Path) -> tuple[str | None, str | None]:
+def latest_of_run(run_dir: Path) -> tuple[str | None, str | None]:
     """The run's latest complete checkpoint (a local path or a URI), the one `train --resume RUN` continues from,
-    whether the run finished, crashed (a full disk at its third checkpoint) or was killed: the newest complete
-    checkpoint of the phase in progress (run.json's `phase`), in the run's folder of them (<run>/checkpoints/phase<i>
-    for a --no-ray run, Ray Train's <ray storage>/phase<i> otherwise; complete as pipeline/train/checkpoints/index.py
-    says: meta.json and every file it records); else the one run.json records (the previous phase's last); None
-    before the first.
+    whether the run finished, crashed (a full disk at its third checkpoint) or was killed: the latest complete
+    checkpoint of the phase in progress (run.json's `phase`) in the run's folder of them (<run>/checkpoints/phase<i>
+    for a --no-ray run, Ray Train's <ray storage>/phase<i> otherwise), as pipeline/train/checkpoints/index.py
+    `latest_complete` finds it; else the one run.json records (the previous phase's last); None before the first.
 
-    The one place `--checkpoint RUN`, `--resume RUN` (eval, generate, export) and `validate RUN` turn a run into a
-    checkpoint. run.json's own `checkpoint` is written when a phase ends or stops: a run that crashed has newer
-    complete checkpoints than it records. Returns (that location, what was wrong with a newer incomplete one or
-    None)."""
+    The one place a run becomes a checkpoint: `train --resume RUN`, `--checkpoint RUN` and `--resume RUN` of eval,
+    generate and export, `validate RUN` and `runs`. run.json's own `checkpoint` is written when a phase ends or
+    stops: a run that crashed has newer complete checkpoints than it records. Returns (that location, what was wrong
+    with a newer incomplete one or None)."""
     from pipeline.config import ConfigError, from_flat
     from pipeline.storage import StorageError, join, ray_storage
-    from pipeline.train.checkpoints.index import checkpoint_names, incomplete, newest_complete
+    from pipeline.train.checkpoints.index import latest_complete
 
     record = read_run_file(run_dir)
     if record.get("phase") is not None and record.get("config"):
@@ -121,11 +115,9 @@ def checkpoint_to_resume(run_dir: Path) -> tuple[str | None, str | None]:
         try:
             folder = (str(run_dir / "checkpoints" / phase) if record.get("no_ray")
                       else join(ray_storage(from_flat(record["config"]), run_dir), phase))
-            found = newest_complete(folder)
-            newer = [n for n in checkpoint_names(folder) if found is None or n > found.name]
-            problem = incomplete(join(folder, newer[0])) if newer else None
+            found, problem = latest_complete(folder)
         except (ConfigError, StorageError, FileNotFoundError, NotADirectoryError):
             found = problem = None  # the folder is not there (no checkpoint yet) or cannot be listed: run.json's says
         if found is not None:
-            return found.location, problem
+            return found, problem
     return record.get("checkpoint") or None, None

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.sweep.space import load_space
-from pipeline.sweep.tune import TAG_SWEEP
+from pipeline.sweep.trial import TAG_SWEEP
 from pipeline.tracking.names import PARENT_RUN_TAG
 from tests.pipeline.sweep.conftest import MIXER_BUDGET, MIXER_SPACE, PASSKEY_LENGTHS
 

@@ -16,7 +16,7 @@ import yaml
 from pipeline.config import load_config
 from pipeline.mixture_spec import parse_mixture
 from pipeline.sweep.space import DirichletWeights, SpaceError, load_space, resolve_mixture
-from pipeline.sweep.tune import TAG_SWEEP
+from pipeline.sweep.trial import TAG_SWEEP
 from pipeline.tracking.names import PARENT_RUN_TAG
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -8,7 +8,7 @@ max_t) by terminating the trial's actor. The Ray Train controller the trial star
 shutting its worker group down, and the workers' placement group outlives it (Ray ties it to the job, the
 sweep's driver); only Ray Train's PlacementGroupCleaner, polling the state API, would remove it. On one GPU
 the next trial then waited for a GPU that never came back. The sweep now removes the trial's placement group
-when Tune ends the trial (pipeline/sweep/tune.py ReleaseTrialResources).
+when Tune ends the trial (pipeline/sweep/placement_groups.py ReleaseTrialResources).
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from pipeline.sweep.report import FAILED, OK, STOPPED
-from pipeline.sweep.tune import TAG_REASON, TAG_STATUS, TAG_SWEEP, ReleaseTrialResources
+from pipeline.sweep.placement_groups import ReleaseTrialResources
+from pipeline.sweep.trial import TAG_REASON, TAG_STATUS, TAG_SWEEP
 from pipeline.train.ray_train import PLACEMENT_GROUP_KEY, START_TIMEOUT_ENV
 from tests.conftest import _free_ports
 
@@ -121,7 +122,7 @@ def _remove_placement_groups_of_ended_jobs(ray) -> list[str]:
     is not what this test is about, so its set-up gives such a Ray back as the test needs it and says so."""
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-    from pipeline.sweep.tune import job_placement_groups
+    from pipeline.sweep.placement_groups import job_placement_groups
 
     left = [pg for j in ray._private.state.jobs() if j["IsDead"] for pg in sorted(job_placement_groups(j["JobID"]))]
     for pg in left:

@@ -22,7 +22,8 @@ from pipeline.config import Config, field_types, load_config
 from pipeline.train.engine import STEADY_AFTER_STEPS
 from pipeline.sweep.report import FAILED, OK, OOM, STOPPED, TrialRow, best_row, markdown_table, write_best_preset
 from pipeline.tracking.names import METRICS, PARENT_RUN_TAG
-from pipeline.sweep.tune import TAG_REASON, TAG_STATUS, TAG_SWEEP, TAG_TRIAL, SweepContext, TrialFailed, is_oom
+from pipeline.sweep.trial import TAG_REASON, TAG_STATUS, TAG_SWEEP, TAG_TRIAL, SweepContext, TrialFailed
+from pipeline.sweep.trial_failure import is_oom
 from pipeline.sweep.space import DISTRIBUTIONS, SpaceError, load_space
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -174,7 +175,7 @@ def test_trial_that_ends_before_training_is_recorded_without_training(mlflow_ser
 
     import pipeline.train.ray_train
     from pipeline.tracking.tracker import Tracker
-    from pipeline.sweep.tune import run_trial
+    from pipeline.sweep.trial import run_trial
 
     cfg = load_config("test", {"run.root": str(tmp_path), "tracking.tracking_uri": mlflow_server[0],
                                "tracking.experiment": "skip-path"})
@@ -205,13 +206,13 @@ def test_trial_that_ends_before_training_is_recorded_without_training(mlflow_ser
 @pytest.mark.system
 def test_finder_runs_as_a_ray_task_per_tier(ray_session, tmp_path):
     from pipeline.train.max_batch import find_max_batch
-    from pipeline.sweep.tune import _max_fit_per_tier
+    from pipeline.sweep.batch_fit import max_fit_per_tier
 
     cfg = load_config("test", {"data.seq_len": 32, "data.vocab_size": 300, "train.memory_limit_gib": 6 / 1024,
                                "ray.use_gpu": "false"})
     space = load_space(_space(tmp_path, {"skip_unfit_batch": True, "params": {
         "train.batch_size": {"grid": [1, 4, 256]}, "model.tier": {"grid": ["nano"]}}}), cfg)
-    found = _max_fit_per_tier(cfg, space, vocab_size=300)
+    found = max_fit_per_tier(cfg, space, vocab_size=300)
     here = find_max_batch(cfg, vocab_size=300, upper=256, device=torch.device("cpu"))
     assert found == {"nano": here.max_batch} and 4 <= here.max_batch < 256
 
@@ -333,7 +334,7 @@ def test_status_lines_are_one_compact_line_per_trial_status_change(capsys):
     from types import SimpleNamespace
 
     from pipeline.sweep.status_lines import StatusLines
-    from pipeline.sweep.tune import REASON_KEY, STATUS_KEY
+    from pipeline.sweep.trial import REASON_KEY, STATUS_KEY
 
     lines = StatusLines("val/loss", ["model.tier", "train.lr"], STATUS_KEY, REASON_KEY)
     a = SimpleNamespace(trial_id="t_00000", config={"model.tier": "nano", "train.lr": 0.00123}, status="RUNNING",

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.sweep.tune import TAG_SWEEP, job_placement_groups, release_placement_groups
+from pipeline.sweep.placement_groups import job_placement_groups, release_placement_groups
+from pipeline.sweep.trial import TAG_SWEEP
 
 pytestmark = pytest.mark.system  # docs/tests.md: the system tier
 

@@ -16,8 +16,8 @@ from pipeline import storage_faults as faults
 from pipeline.config import load_config
 from pipeline.storage import StorageError
 from pipeline.train.checkpoints.state import CheckpointError, read_checkpoint_meta
-from pipeline.train.checkpoints.index import (incomplete, list_checkpoints, prune, publish, resume_point,
-                                              newest_complete)
+from pipeline.train.checkpoints.index import (incomplete, latest_complete, list_checkpoints, prune, publish,
+                                              skipped_line)
 from pipeline.train.engine import Engine
 
 # the request that completes model.safetensors's upload: its one PutObject (a file under one part, as here), or the
@@ -99,12 +99,13 @@ def test_resume_skips_an_incomplete_checkpoint_and_cleanup_removes_what_nothing_
     assert [f.complete for f in found] == [False, False, True, True]
     assert found[0].problem == f"checkpoint {run}/{names[3]} lacks model.safetensors"
 
-    chosen, note = resume_point(run, preferred=f"{run}/{names[3]}")  # Ray's record names the broken one
+    chosen, skipped = latest_complete(run, preferred=f"{run}/{names[3]}")  # Ray's record names the broken one
     assert chosen == f"{run}/{names[1]}"
-    assert note == (f"resume: checkpoint {run}/{names[3]} lacks model.safetensors; resuming from {run}/{names[1]} "
-                    f"(step 1), the newest complete checkpoint of the run")
-    assert resume_point(run) == (chosen, note)  # no record: by listing the run's checkpoints
-    assert newest_complete(run).name == names[1]
+    assert skipped == f"checkpoint {run}/{names[3]} lacks model.safetensors"
+    assert skipped_line(skipped, chosen) == (
+        f"resume: checkpoint {run}/{names[3]} lacks model.safetensors; resuming from {run}/{names[1]} "
+        f"(step 1), the newest complete checkpoint of the run")
+    assert latest_complete(run) == (chosen, skipped)  # no record: by listing the run's checkpoints
 
     # Ray's record holds names[1] and names[3]; names[0] and names[2] were never registered (or were dropped)
     removed = prune(run, keep={names[1], names[3]}, older_than=names[3])

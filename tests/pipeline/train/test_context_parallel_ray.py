@@ -55,7 +55,7 @@ def one_process_reference(tmp_path: Path, ds: Path):
     engine = Engine(cfg, load_manifest(ds).vocab_size, torch.device("cpu"), parallel="none")
     rows: dict[int, list[int]] = {}
 
-    def on_step(e, outcome, micro) -> None:  # what pipeline/train/loop.py AuditLog records
+    def on_step(e, outcome, micro) -> None:  # what pipeline/train/audit_log.py AuditLog records
         rows[e.step] = sorted(int(i) for b in micro for i in b["seq_id"])
 
     result = fit(engine, lambda e, s: ShardReader(ds, "train", t.batch_size, seed=t.seed, epoch=e, start=s),

@@ -115,7 +115,7 @@ def test_time_based_checkpoints_come_from_rank_0s_clock(tmp_path, monkeypatch):
 def test_a_preemption_notice_checkpoints_at_the_next_step_boundary(tmp_path):
     """A notice (what a SIGTERM to a Ray Train worker becomes) arriving during step 5 is seen at its end, between
     log steps: the checkpoint is step 5's and the loop stops there, saying why."""
-    from pipeline.train.loop import StopRequest
+    from pipeline.train.stop_request import StopRequest
 
     calls = {"n": 0}
 

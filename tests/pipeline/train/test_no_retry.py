@@ -48,7 +48,7 @@ def _train_workers_started(class_name: str = "RayTrainWorker") -> int:
 
 @pytest.mark.system
 def test_a_corrupt_train_state_under_ray_train_is_one_attempt_and_one_line(test_runs_root, ray_address):
-    from pipeline.train.session.run_dir import recorded_checkpoint
+    from pipeline.train.session.run_dir import latest_of_run
 
     common = ["--preset", "test", f"--run.root={test_runs_root}", "--address", ray_address, "--tracking.enabled=false"]
     managers = _train_workers_started("DatasetManager")
@@ -59,7 +59,7 @@ def test_a_corrupt_train_state_under_ray_train_is_one_attempt_and_one_line(test_
     # the workers read their own rows: Ray Train started no DatasetManager actor for the run (ray_train.py)
     assert _train_workers_started("DatasetManager") == managers
     run = test_runs_root / "no-retry"
-    state = Path(recorded_checkpoint(run)) / "train_state.pt"
+    state = Path(latest_of_run(run)[0]) / "train_state.pt"
     state.write_bytes(b"\x5a" * state.stat().st_size)  # whole by its listing; its bytes are wrong
     before = _train_workers_started()
     res = subprocess.run([*RUN, "train", "--resume", str(run), *common, "--train.max_steps=6",

@@ -1,0 +1,90 @@
+"""From Tune's results to what a sweep leaves behind: one row per trial (`rows_of`), then the table as markdown and
+PNG, the best trial's config as a preset and the counts, logged to the sweep's parent MLflow run (`report_sweep`;
+the writers are pipeline/sweep/report.py's).
+
+    rows = rows_of(tuner.fit(), space, cfg)
+    result = report_sweep(cfg, space, rows, sweep_dir, name, parent)     # SweepResult
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config
+from pipeline.sweep.report import (FAILED, OK, OOM, STOPPED, TrialRow, best_row, plot_sweep, write_best_preset,
+                                   write_markdown)
+from pipeline.sweep.space import Space
+from pipeline.sweep.trial import REASON_KEY, RUN_ID_KEY, STATUS_KEY, resolved, with_token_budget
+from pipeline.sweep.trial_failure import failure_reason, is_oom
+
+
+@dataclass
+class SweepResult:
+    name: str
+    sweep_dir: Path
+    rows: list[TrialRow]
+    best: TrialRow | None
+    best_preset: Path | None
+    parent_run_id: str | None
+    table_md: Path
+    table_png: Path
+
+
+def is_source_loss(key: str) -> bool:
+    """val/<source>/loss: a mixture source's validation loss (a column of the sweep table)."""
+    return key.startswith("val/") and key.endswith("/loss") and key.count("/") == 2
+
+
+def rows_of(grid, space: Space, base: Config) -> list[TrialRow]:
+    rows = []
+    for result in grid:
+        df = result.metrics_dataframe
+        records = df.to_dict("records") if df is not None else []
+        last: dict[str, Any] = {}
+        for rec in records:  # last non-missing value of every column
+            last.update({k: v for k, v in rec.items() if v is not None and not (isinstance(v, float) and math.isnan(v))})
+        status = last.get(STATUS_KEY) or (FAILED if result.error else STOPPED)
+        params = {k: result.config[k] for k in space.params}
+        full = resolved(params, base.flat(), space.mixtures())
+        if status == STOPPED and last.get("step", 0) >= with_token_budget(base.replace(full),
+                                                                          space.token_budget).train.max_steps:
+            status = OK  # stopped at its last report (an ASHA rung at the budget): it trained every step
+        reason = last.get(REASON_KEY, "")
+        if status == FAILED and not reason and result.error is not None:
+            reason = OOM if is_oom(result.error) else failure_reason(result.error)
+            status = OOM if reason == OOM else FAILED
+        if status == STOPPED:
+            reason = "early, by the scheduler"
+        rows.append(TrialRow(
+            trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
+            tier=str(params.get("model.tier", base.model.tier)),
+            batch_size=int(params.get("train.batch_size", base.train.batch_size)),
+            tokens_per_s=last.get("train/steady_tokens_per_s"), peak_mem_gib=last.get("train/peak_mem_gib"),
+            metric_value=last.get(space.metric), status=status, reason=str(reason or ""),
+            mlflow_run_id=last.get(RUN_ID_KEY) or None, steps=last.get("step"),
+            tokens_seen=last.get("train/tokens_seen"), mfu=last.get("train/steady_mfu"),
+            steady_steps=last.get("train/steady_steps"),
+            extra={k: v for k, v in last.items() if is_source_loss(k)}))  # a mixture: each source's val loss
+    return rows
+
+
+def report_sweep(cfg: Config, space: Space, rows: list[TrialRow], sweep_dir: Path, name: str, parent) -> SweepResult:
+    title = f"sweep {name} ({space.path.name}): {space.metric}, {space.mode}"
+    md = write_markdown(rows, space.metric, sweep_dir / "sweep_table.md", title=title)
+    x_key = "train.batch_size" if "train.batch_size" in space.params else next(iter(space.params))
+    png = plot_sweep(rows, sweep_dir / "sweep_table.png", space.metric, x_key=x_key, title=title)
+    best = best_row(rows, space.mode)
+    preset = None
+    if best is not None:
+        best_cfg = with_token_budget(cfg.replace(resolved(best.params, cfg.flat(), space.mixtures())),
+                                     space.token_budget)
+        preset = write_best_preset(best_cfg.flat(), Config().flat(), sweep_dir / "best_preset.yaml", sweep=name,
+                                   row=best, metric=space.metric)
+    for path in (md, png) + ((preset,) if preset else ()):
+        parent.log_artifact(path)
+    counts = {s: sum(r.status == s for r in rows) for s in (OK, OOM, STOPPED, FAILED)}
+    parent.log_metrics({"sweep/trials": len(rows), **{f"sweep/trials_{s}": n for s, n in counts.items()},
+                        **({"sweep/best_metric": best.metric_value} if best else {})}, step=0)
+    return SweepResult(name, sweep_dir, rows, best, preset, parent.run_id, md, png)
