@@ -35,6 +35,7 @@ from bench.common import write_result  # noqa: E402
 from pipeline import storage  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data.synthetic import write_synthetic_dataset  # noqa: E402
+from pipeline.tracking.names import TRAIN_DATA_WAIT, TRAIN_TOKENS_PER_S  # noqa: E402
 
 CACHE_MIB = 128  # ShardReader's default row-group cache per reader (pipeline/data/shards.py)
 
@@ -77,8 +78,8 @@ def one_run(cfg, dataset: str, run_dir: Path, name: str) -> dict:
     wall = time.perf_counter() - t0
     tracker.finish("FINISHED")
     history = {m: [x.value for x in sorted(tracker.client.get_metric_history(tracker.run_id, m), key=lambda x: x.step)]
-               for m in ("train/data_wait", "train/tokens_per_s")}
-    wait, tps = history["train/data_wait"], history["train/tokens_per_s"]
+               for m in (TRAIN_DATA_WAIT, TRAIN_TOKENS_PER_S)}
+    wait, tps = history[TRAIN_DATA_WAIT], history[TRAIN_TOKENS_PER_S]
     return {"startup_window_data_wait": wait[0], "steady_data_wait": statistics.fmean(wait[1:]),
             "steady_tokens_per_s": statistics.fmean(tps[1:]), "windows": wait, "fit_seconds": wall}
 

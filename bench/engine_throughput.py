@@ -34,6 +34,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.train.engine import Engine  # noqa: E402
 from pipeline.data.shards import ShardReader  # noqa: E402
 from pipeline.data.synthetic import parse_doc_lengths, write_synthetic_dataset  # noqa: E402
+from pipeline.tracking import names  # noqa: E402
 
 DEFAULT_DOC_LEN = "web"
 
@@ -106,19 +107,19 @@ def measure(tier: str, seq_len: int, batch_size: int, *, steps: int, warmup: int
         if profile_dir is not None:
             profile_steps(engine, reader, grad_accum, Path(profile_dir))
         step_time = wall / steps
-        executed = m["train/executed_flops_per_token"]
+        executed = m[names.TRAIN_EXECUTED_FLOPS_PER_TOKEN]
         attention_causal = engine.flops_per_token - engine.matmul_flops_per_token
         row.update(
             params=engine.n_params, flops_per_token=engine.flops_per_token, executed_flops_per_token=executed,
             # computed attention pairs over the row's causal T^2/2 (1 + 1/T without doc masking)
             attn_pairs_frac=((executed - engine.matmul_flops_per_token) / attention_causal
                              if attention_causal else float("nan")),
-            tokens_per_s=m["train/tokens_per_s"], tokens_per_s_per_gpu=m["train/tokens_per_s_per_gpu"],
-            mfu=m.get("train/mfu", float("nan")), hfu=m.get("train/hfu", float("nan")),
-            tflops_per_gpu=m["train/tflops_per_gpu"], mfu_causal_equiv=m.get("train/mfu_causal_equiv", float("nan")),
-            peak_mem_gib=m["train/peak_mem_gib"], step_time_s=step_time,
+            tokens_per_s=m[names.TRAIN_TOKENS_PER_S], tokens_per_s_per_gpu=m[names.TRAIN_TOKENS_PER_S_PER_GPU],
+            mfu=m.get(names.TRAIN_MFU, float("nan")), hfu=m.get(names.TRAIN_HFU, float("nan")),
+            tflops_per_gpu=m[names.TRAIN_TFLOPS_PER_GPU], mfu_causal_equiv=m.get(names.TRAIN_MFU_CAUSAL_EQUIV, float("nan")),
+            peak_mem_gib=m[names.TRAIN_PEAK_MEM_GIB], step_time_s=step_time,
             first_step_s=t_first, compile_s_estimate=max(0.0, (t_first or 0) - step_time),
-            data_wait_frac=data_wait / wall, loss=m["train/loss"], device=str(engine.device),
+            data_wait_frac=data_wait / wall, loss=m[names.TRAIN_LOSS], device=str(engine.device),
             peak_flops=engine.peak_flops)
         del engine, reader
         gc.collect()

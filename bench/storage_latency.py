@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import write_result  # noqa: E402
 from bench.fault_proxy import FaultProxy  # noqa: E402
 from bench.s3_server import SeaweedS3  # noqa: E402
+from pipeline.tracking.names import TRAIN_LOSS  # noqa: E402
 
 RUN = [sys.executable, str(ROOT / "pipeline" / "run.py")]
 
@@ -42,7 +43,7 @@ def training_seconds(run_root: Path, run_name: str) -> tuple[float, int]:
 
     record = json.loads((run_root / run_name / "run.json").read_text())
     client = MlflowClient(f"sqlite:///{run_root / 'mlflow.db'}")
-    history = sorted(client.get_metric_history(record["mlflow_run_id"], "train/loss"), key=lambda m: m.step)
+    history = sorted(client.get_metric_history(record["mlflow_run_id"], TRAIN_LOSS), key=lambda m: m.step)
     return (history[-1].timestamp - history[0].timestamp) / 1000, history[-1].step - history[0].step
 
 

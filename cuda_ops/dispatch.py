@@ -9,7 +9,7 @@ one KernelBackendError naming the cause and the fix, instead of failing later in
 
 Numba is imported lazily, inside functions, so `import cuda_ops` never needs numba or a GPU.
 
-Interop (DESIGN.md, Kernels): torch CUDA tensors are handed to Numba through __cuda_array_interface__ WITHOUT the
+Interop (docs/design.md, Kernels): torch CUDA tensors are handed to Numba through __cuda_array_interface__ WITHOUT the
 implicit stream synchronisation (`as_cuda_array(t, sync=False)`), and kernels launch on torch's current stream
 (`torch_stream()`), so a Numba kernel orders with the surrounding cuBLAS matmuls like any torch op and nothing
 waits on the host.

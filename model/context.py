@@ -4,7 +4,7 @@
     hidden = model(tokens, doc_ids, context=split)   # tokens, doc_ids: the WHOLE row (B, T); hidden: this rank's
                                                      # tokens only, (B, T / d, D), in split.positions(T) order
 
-The model stays single-device code (DESIGN.md, "Parallelism stays apart from the model"). Its forward takes the whole
+The model stays single-device code (docs/design.md, "Parallelism stays apart from the model"). Its forward takes the whole
 row's token and document ids, so RoPE positions, document ids and masks are computed on the whole row before it is
 split, and one RowSplit that says which of the row's tokens this rank computes and does the two cross-rank steps a
 model cannot do alone:

@@ -278,3 +278,75 @@ def test_every_module_a_docstring_names_exists():
                         where = getattr(node, "name", "the module")
                         stale.append(f"{source.relative_to(ROOT)} ({where}): {name}")
     assert not stale, "docstrings name modules that do not exist:\n" + "\n".join(stale)
+
+
+# A metric name: a stage prefix, a slash, then no spaces (prose that mentions one, "train/data_wait reading ...", is
+# not a name). The families names.py builds (`{prefix}/loss`, `{prefix}/pos_loss/{bucket}`) are found in f-strings.
+_METRIC = re.compile(r"^(train|val|eval|passkey|sweep|dedup|mixture|system|eval_\d+x)/\S*$")
+_FAMILY = re.compile(r"\{\}/(\{\}/)?(loss|ppl|accuracy|bpb|rows|pos_loss|pos_docs|pos_tokens|cum_ppl)(/|$)")
+
+
+def _string_literals(tree) -> list[tuple[int, str]]:
+    """(line, text) of every string in the code that is not a docstring; an f-string as its literal parts with `{}`
+    for each value."""
+    import ast
+
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    found, parts = [], set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.JoinedStr):
+            parts.update(id(v) for v in n.values)
+            found.append((n.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in n.values)))
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs | parts:
+            found.append((n.lineno, n.value))
+    return found
+
+
+def test_metric_names_are_spelled_only_in_names_py():
+    """pipeline/tracking/names.py is the one spelling of every metric name: the engine, the loop, evaluation, sweeps
+    and benchmarks use its constants and functions, so a rename cannot miss a place."""
+    import ast
+
+    names_py = ROOT / "pipeline" / "tracking" / "names.py"
+    written = []
+    for room in ("pipeline", "model", "cuda_ops", "bench"):
+        for source in sorted((ROOT / room).rglob("*.py")):
+            if source == names_py:
+                continue
+            for line, text in _string_literals(ast.parse(source.read_text())):
+                if _METRIC.match(text) or _FAMILY.search(text):
+                    written.append(f"{source.relative_to(ROOT)}:{line}: {text!r}")
+    assert not written, "metric names written outside pipeline/tracking/names.py:\n" + "\n".join(written)
+
+
+def test_a_metric_name_written_out_is_found():
+    """The check above is not blind: a metric name and a family written in a module are both found."""
+    import ast
+
+    code = 'LOSS = "val/loss"\nx = f"{prefix}/pos_loss/{b}"\n"""train/loss in a docstring is prose"""\n'
+    hits = [t for _, t in _string_literals(ast.parse(code)) if _METRIC.match(t) or _FAMILY.search(t)]
+    assert hits == ["{}/pos_loss/{}", "val/loss"]
+
+
+def test_the_docs_stand_alone():
+    """No doc, README or docstring points outside the repository: no relative link that leaves it, no design
+    document or shared folder beside the checkout (what was decided is written in docs/design.md)."""
+    outside = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            resolved = (doc.parent / target).resolve()
+            if ROOT not in resolved.parents and resolved != ROOT:
+                outside.append(f"{doc.relative_to(ROOT)}: link {target}")
+        outside += [f"{doc.relative_to(ROOT)}: {m}" for m in re.findall(r"\.\./shared\S*|\bDESIGN\.md\b", text)
+                    if doc.name != "benchmarks.md"]  # the GPU-machine packing: pipeline/bench, below
+    for room in ("pipeline", "model", "cuda_ops"):
+        for source in sorted((ROOT / room).rglob("*.py")):
+            for m in re.findall(r"\.\./shared\S*|\bDESIGN\.md\b", source.read_text()):
+                outside.append(f"{source.relative_to(ROOT)}: {m}")
+    assert not outside, "points outside the repository:\n" + "\n".join(outside)

@@ -31,6 +31,7 @@ from pipeline.cli.checkpoint_arg import checkpoint_of_args, run_dir_of_args, run
 from pipeline.cli.usage_error import UsageError
 from pipeline.config import Config, from_dict
 from pipeline.console import stage
+from pipeline.tracking.names import EVAL, EVAL_ACCURACY, EVAL_LOSS, EVAL_PPL, VAL_ACCURACY, VAL_LOSS, VAL_PPL
 
 if TYPE_CHECKING:  # the engine (torch) and the shards (pyarrow) load with a checkpoint, not with the options' check
     from pipeline.data.shards import Manifest
@@ -84,10 +85,10 @@ def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None =
     engine, cfg, dataset_dir = loaded.engine, loaded.cfg, loaded.dataset_dir
     mix = mixture_of(dataset_dir, cfg, manifest=loaded.manifest)
     if mix is not None:  # a mixture: every source's split, and the aggregate weighted by the run's mixture
-        return SourceValidation(mix, cfg.train.batch_size, prefix="eval")(engine, max_batches)
+        return SourceValidation(mix, cfg.train.batch_size, prefix=EVAL)(engine, max_batches)
     m = engine.evaluate(eval_reader(dataset_dir, cfg.train.batch_size, manifest=loaded.manifest),
                         max_batches=max_batches)
-    return {"eval/loss": m["val/loss"], "eval/ppl": m["val/ppl"], "eval/accuracy": m["val/accuracy"]}
+    return {EVAL_LOSS: m[VAL_LOSS], EVAL_PPL: m[VAL_PPL], EVAL_ACCURACY: m[VAL_ACCURACY]}
 
 
 def eval_report(checkpoint: str | Path, metrics: dict[str, float], meta: dict[str, Any] | None = None) -> str:

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.tracking.names import VAL_LOSS
 from pipeline.train.session.run_dir import RUN_FILE, latest_of_run, read_run_file
 from pipeline.train.session.resume import checkpoint_counters, trained_without_ray
 
@@ -41,7 +42,7 @@ def _val_loss(checkpoint: str | None) -> float | None:
         metrics = json.loads(read_text(join(checkpoint, "meta.json"))).get("metrics") or {}
     except (OSError, ValueError):
         return None
-    return float(metrics["val/loss"]) if "val/loss" in metrics else None
+    return float(metrics[VAL_LOSS]) if VAL_LOSS in metrics else None
 
 
 def list_runs(root: str | Path) -> list[RunRow]:

@@ -15,7 +15,7 @@ Stages, overlapped (shards are written while the corpus is still being tokenized
      is a hash of (seq_id, data.split_seed): val below data.val_fraction (if no window lands in val, the
      last one does). Shard k of a split holds that split's windows k*R .. (k+1)*R-1 (R = data.rows_per_shard)
      so it is final as soon as the stream reaches the first window of shard k+1: ShardPlanner hands it out
-     then, and a Ray task cuts it from the parts (memory-mapped, or ranged reads on object storage) and writes
+     then, and a Ray task (pipeline/data/shard_plan.py: write_planned_shard, TokenStream.windows) cuts it from the parts (memory-mapped, or ranged reads on object storage) and writes
      it into the build directory (Parquet, zstd, page checksums;
      doc_starts = the positions after each EOS) while tokenization goes on. The last shard of each split
      waits for the end of the stream. The driver keeps only the batches a pending shard still needs: its

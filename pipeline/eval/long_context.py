@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pipeline.eval.passkey import PasskeyGrid
 from pipeline.eval.positions import PositionResult
+from pipeline.tracking.names import LOSS, PPL, ROWS, longer_rows_prefix, split_metric
 
 if TYPE_CHECKING:
     from pipeline.data.shards import Manifest
@@ -104,13 +105,15 @@ def measure_long_context(engine, dataset_dir: str | Path, seq_len: int, batch_si
     for k in factors:
         rows = LongRows(dataset_dir, k, max(1, batch // k), manifest=manifest)
         res = evaluate_by_position(engine, counted(rows, f"eval {k}x"), rows.row_len, score_from=rows.score_from)
-        prefix = f"eval_{k}x"
+        prefix = longer_rows_prefix(k)
         report.positions[prefix] = res
-        report.metrics.update({f"{prefix}/loss": res.loss, f"{prefix}/ppl": math.exp(min(res.loss, 700.0)),
-                               f"{prefix}/rows": float(len(rows.rows)), **res.metrics(prefix)})
+        report.metrics.update({split_metric(prefix, LOSS): res.loss,
+                               split_metric(prefix, PPL): math.exp(min(res.loss, 700.0)),
+                               split_metric(prefix, ROWS): float(len(rows.rows)), **res.metrics(prefix)})
         echo(f"eval {k}x: rows of {rows.row_len} tokens ({k} windows of the stream), scoring the last window's "
              f"{T} targets of {len(rows.rows)} validation rows ({rows.skipped} without enough stream before them): "
-             f"{prefix}/loss={res.loss:.4f}  {prefix}/ppl={math.exp(min(res.loss, 700.0)):.2f}\n{res.table()}\n"
+             f"{split_metric(prefix, LOSS)}={res.loss:.4f}  {split_metric(prefix, PPL)}="
+             f"{math.exp(min(res.loss, 700.0)):.2f}\n{res.table()}\n"
              f"{_cumulative_line(res)}")
     if passkey:
         lengths = passkey_lengths or default_lengths(T)

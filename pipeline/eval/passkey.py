@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.tracking.names import ACCURACY, DIGIT_ACCURACY, PASSKEY, accuracy_at_length, split_metric
+
 INTRO = "There is a pass key hidden in this text. Find it and remember it.\n"
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"
@@ -85,12 +87,12 @@ class PasskeyGrid:
     def mean_accuracy(self) -> float:
         return float(self.accuracy.mean()) if self.accuracy.size else float("nan")
 
-    def metrics(self, prefix: str = "passkey") -> dict[str, float]:
+    def metrics(self, prefix: str = PASSKEY) -> dict[str, float]:
         """passkey/accuracy (every cell), passkey/digit_accuracy, passkey/accuracy/<length> (over the depths)."""
-        out = {f"{prefix}/accuracy": self.mean_accuracy,
-               f"{prefix}/digit_accuracy": float(self.digit_accuracy.mean())}
+        out = {split_metric(prefix, ACCURACY): self.mean_accuracy,
+               split_metric(prefix, DIGIT_ACCURACY): float(self.digit_accuracy.mean())}
         for i, length in enumerate(self.lengths):
-            out[f"{prefix}/accuracy/{length}"] = float(self.accuracy[i].mean())
+            out[accuracy_at_length(prefix, length)] = float(self.accuracy[i].mean())
         return out
 
     def to_dict(self) -> dict:

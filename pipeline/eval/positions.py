@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pipeline.tracking.names import CUM_PPL, POS_DOCS, POS_LOSS, POS_TOKENS, position_metric
+
 FIRST_BUCKET_END = 64  # bucket 1-64: the first sentence or two of a document
 BUCKET_GROWTH = 4  # each bucket ends 4x further than the one before (log-spaced)
 CUM_FIRST = 16  # the cumulative curve's first context length; then doubling up to the row length
@@ -133,12 +135,12 @@ class PositionResult:
         out: dict[str, float] = {}
         for b in self.buckets:
             if b.tokens:
-                out[f"{prefix}/pos_loss/{b.name}"] = b.loss
-                out[f"{prefix}/pos_docs/{b.name}"] = float(b.docs)
-                out[f"{prefix}/pos_tokens/{b.name}"] = float(b.tokens)
+                out[position_metric(prefix, POS_LOSS, b.name)] = b.loss
+                out[position_metric(prefix, POS_DOCS, b.name)] = float(b.docs)
+                out[position_metric(prefix, POS_TOKENS, b.name)] = float(b.tokens)
         for c in self.cumulative:
             if c.tokens:
-                out[f"{prefix}/cum_ppl/{c.length}"] = c.ppl
+                out[position_metric(prefix, CUM_PPL, str(c.length))] = c.ppl
         return out
 
     def table(self) -> str:

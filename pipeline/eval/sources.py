@@ -32,6 +32,7 @@ from pipeline.data.mixture import Mixture
 from pipeline.data.shards import EVAL_CACHE_BYTES, EvalSplit
 from pipeline.data.tokenizer import Tokenizer
 from pipeline.storage import join
+from pipeline.tracking.names import ACCURACY, BPB, EVAL, LOSS, PPL, VAL, VAL_ACCURACY, VAL_LOSS, VAL_PPL, split_metric
 
 
 class _Counted:
@@ -83,37 +84,38 @@ class SourceValidation:
             c = _Counted(batches, self.size, self.lead, self.eos_id) if self.size is not None else None
             m = engine.evaluate(c if c is not None else batches, max_batches=max_batches)
             counted.append([c.tokens, c.bytes] if c is not None else [0, 0])
-            out.update({f"{p}/{src.name}/loss": m["val/loss"], f"{p}/{src.name}/ppl": m["val/ppl"],
-                        f"{p}/{src.name}/accuracy": m["val/accuracy"]})
+            out.update({split_metric(p, LOSS, src.name): m[VAL_LOSS], split_metric(p, PPL, src.name): m[VAL_PPL],
+                        split_metric(p, ACCURACY, src.name): m[VAL_ACCURACY]})
         totals = torch.tensor(counted, dtype=torch.int64, device=engine.device)  # (sources, 2): tokens, bytes
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(totals)
         for src, (tokens, nbytes) in zip(self.mixture.sources, totals.tolist()):
             if self.size is not None:
-                loss = out[f"{p}/{src.name}/loss"]
-                out[f"{p}/{src.name}/bpb"] = loss * tokens / math.log(2) / nbytes if nbytes else float("nan")
+                loss = out[split_metric(p, LOSS, src.name)]
+                out[split_metric(p, BPB, src.name)] = loss * tokens / math.log(2) / nbytes if nbytes else float("nan")
         weighted = [s for s in self.mixture.sources if s.weight > 0]
         total = sum(s.weight for s in weighted)
-        loss = sum(s.weight * out[f"{p}/{s.name}/loss"] for s in weighted) / total
-        out[f"{p}/loss"] = loss
-        out[f"{p}/ppl"] = math.exp(loss) if loss < 700 else float("inf")
-        out[f"{p}/accuracy"] = sum(s.weight * out[f"{p}/{s.name}/accuracy"] for s in weighted) / total
+        loss = sum(s.weight * out[split_metric(p, LOSS, s.name)] for s in weighted) / total
+        out[split_metric(p, LOSS)] = loss
+        out[split_metric(p, PPL)] = math.exp(loss) if loss < 700 else float("inf")
+        out[split_metric(p, ACCURACY)] = sum(s.weight * out[split_metric(p, ACCURACY, s.name)]
+                                             for s in weighted) / total
         return out
 
 
-def source_names(metrics: dict[str, float], prefix: str = "val") -> list[str]:
+def source_names(metrics: dict[str, float], prefix: str = VAL) -> list[str]:
     """The sources that `metrics` has per-source values for, in their order."""
-    return [k[len(prefix) + 1:-len("/loss")] for k in metrics
-            if k.startswith(prefix + "/") and k.endswith("/loss") and k.count("/") == 2]
+    return [k.split("/")[1] for k in metrics
+            if k.count("/") == 2 and k == split_metric(prefix, LOSS, k.split("/")[1])]
 
 
-def source_table(metrics: dict[str, float], weights: dict[str, float], prefix: str = "eval") -> str:
+def source_table(metrics: dict[str, float], weights: dict[str, float], prefix: str = EVAL) -> str:
     """The per-source metrics as a table (one row per source, then the weighted mixture)."""
     rows = ["source        weight     loss      ppl      bpb  accuracy"]
     for name in source_names(metrics, prefix):
-        m = {k: metrics.get(f"{prefix}/{name}/{k}", float("nan")) for k in ("loss", "ppl", "bpb", "accuracy")}
-        rows.append(f"{name:<12} {weights.get(name, 0.0):6.1%} {m['loss']:8.4f} {m['ppl']:8.2f} {m['bpb']:8.4f} "
-                    f"{m['accuracy']:9.4f}")
-    rows.append(f"{'mixture':<12} {1:6.0%} {metrics[f'{prefix}/loss']:8.4f} {metrics[f'{prefix}/ppl']:8.2f} "
-                f"{'':>8} {metrics[f'{prefix}/accuracy']:9.4f}")
+        m = {k: metrics.get(split_metric(prefix, k, name), float("nan")) for k in (LOSS, PPL, BPB, ACCURACY)}
+        rows.append(f"{name:<12} {weights.get(name, 0.0):6.1%} {m[LOSS]:8.4f} {m[PPL]:8.2f} {m[BPB]:8.4f} "
+                    f"{m[ACCURACY]:9.4f}")
+    rows.append(f"{'mixture':<12} {1:6.0%} {metrics[split_metric(prefix, LOSS)]:8.4f} "
+                f"{metrics[split_metric(prefix, PPL)]:8.2f} {'':>8} {metrics[split_metric(prefix, ACCURACY)]:9.4f}")
     return "\n".join(rows)

@@ -18,6 +18,9 @@ from pipeline.sweep.report import (FAILED, OK, OOM, STOPPED, TrialRow, best_row,
 from pipeline.sweep.space import Space
 from pipeline.sweep.trial import REASON_KEY, RUN_ID_KEY, STATUS_KEY, resolved, with_token_budget
 from pipeline.sweep.trial_failure import failure_reason, is_oom
+from pipeline.tracking.names import (LOSS, SWEEP_BEST_METRIC, SWEEP_TRIALS, TRAIN_PEAK_MEM_GIB, TRAIN_STEADY_MFU,
+                                     TRAIN_STEADY_STEPS, TRAIN_STEADY_TOKENS_PER_S, TRAIN_TOKENS_SEEN, VAL,
+                                     split_metric, sweep_trials_with)
 
 
 @dataclass
@@ -34,7 +37,8 @@ class SweepResult:
 
 def is_source_loss(key: str) -> bool:
     """val/<source>/loss: a mixture source's validation loss (a column of the sweep table)."""
-    return key.startswith("val/") and key.endswith("/loss") and key.count("/") == 2
+    parts = key.split("/")
+    return len(parts) == 3 and key == split_metric(VAL, LOSS, parts[1])
 
 
 def rows_of(grid, space: Space, base: Config) -> list[TrialRow]:
@@ -61,11 +65,11 @@ def rows_of(grid, space: Space, base: Config) -> list[TrialRow]:
             trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
             tier=str(params.get("model.tier", base.model.tier)),
             batch_size=int(params.get("train.batch_size", base.train.batch_size)),
-            tokens_per_s=last.get("train/steady_tokens_per_s"), peak_mem_gib=last.get("train/peak_mem_gib"),
+            tokens_per_s=last.get(TRAIN_STEADY_TOKENS_PER_S), peak_mem_gib=last.get(TRAIN_PEAK_MEM_GIB),
             metric_value=last.get(space.metric), status=status, reason=str(reason or ""),
             mlflow_run_id=last.get(RUN_ID_KEY) or None, steps=last.get("step"),
-            tokens_seen=last.get("train/tokens_seen"), mfu=last.get("train/steady_mfu"),
-            steady_steps=last.get("train/steady_steps"),
+            tokens_seen=last.get(TRAIN_TOKENS_SEEN), mfu=last.get(TRAIN_STEADY_MFU),
+            steady_steps=last.get(TRAIN_STEADY_STEPS),
             extra={k: v for k, v in last.items() if is_source_loss(k)}))  # a mixture: each source's val loss
     return rows
 
@@ -85,6 +89,6 @@ def report_sweep(cfg: Config, space: Space, rows: list[TrialRow], sweep_dir: Pat
     for path in (md, png) + ((preset,) if preset else ()):
         parent.log_artifact(path)
     counts = {s: sum(r.status == s for r in rows) for s in (OK, OOM, STOPPED, FAILED)}
-    parent.log_metrics({"sweep/trials": len(rows), **{f"sweep/trials_{s}": n for s, n in counts.items()},
-                        **({"sweep/best_metric": best.metric_value} if best else {})}, step=0)
+    parent.log_metrics({SWEEP_TRIALS: len(rows), **{sweep_trials_with(s): n for s, n in counts.items()},
+                        **({SWEEP_BEST_METRIC: best.metric_value} if best else {})}, step=0)
     return SweepResult(name, sweep_dir, rows, best, preset, parent.run_id, md, png)

@@ -39,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError, close_fields, field_types
+from pipeline.tracking.names import (TRAIN_ACCURACY, TRAIN_LOSS, TRAIN_MFU, TRAIN_PEAK_MEM_GIB, TRAIN_PPL,
+                                     TRAIN_TOKENS_PER_S, TRAIN_TOKENS_SEEN, VAL_ACCURACY, VAL_LOSS, VAL_PPL)
 
-METRIC_NAMES = ("train/loss", "train/ppl", "train/accuracy", "train/tokens_per_s", "train/mfu",
-                "train/peak_mem_gib", "train/tokens_seen", "val/loss", "val/ppl", "val/accuracy")
+METRIC_NAMES = (TRAIN_LOSS, TRAIN_PPL, TRAIN_ACCURACY, TRAIN_TOKENS_PER_S, TRAIN_MFU, TRAIN_PEAK_MEM_GIB,
+                TRAIN_TOKENS_SEEN, VAL_LOSS, VAL_PPL, VAL_ACCURACY)
 DISTRIBUTIONS = {
     "grid": "grid search over a list of values",
     "choice": "one of a list of values, drawn at random",
@@ -143,13 +145,13 @@ class Space:
     name: str
     path: Path
     description: str = ""
-    metric: str = "val/loss"
+    metric: str = VAL_LOSS
     mode: str = "min"
     num_samples: int = 1
     max_concurrent_trials: int = 0
     token_budget: int = 0
     skip_unfit_batch: bool = False
-    scheduler: dict[str, Any] = field(default_factory=lambda: {"type": "asha", "time_attr": "train/tokens_seen",
+    scheduler: dict[str, Any] = field(default_factory=lambda: {"type": "asha", "time_attr": TRAIN_TOKENS_SEEN,
                                                                 "grace_period": 4096, "reduction_factor": 2,
                                                                 "max_t": 0})
     resources: dict[str, Any] = field(default_factory=dict)  # ray.* field paths -> values

@@ -23,9 +23,12 @@ from pipeline.config import Config, ConfigError, from_flat
 from pipeline.sweep.report import FAILED, OK, OOM
 from pipeline.sweep.space import resolve_mixture
 from pipeline.sweep.trial_failure import failure_reason, is_oom
+from pipeline.tracking.names import (SWEEP_MLFLOW_RUN_ID, SWEEP_REASON, SWEEP_STATUS, TRAIN_PEAK_MEM_GIB,
+                                     TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_STEADY_TOKENS_PER_S,
+                                     TRAIN_TOKENS_PER_S, TRAIN_TOKENS_SEEN)
 
 TRIAL_CPUS = 0.01  # the trial function only waits on its TorchTrainer; Tune refuses a 0-CPU trial
-STATUS_KEY, REASON_KEY, RUN_ID_KEY = "sweep/status", "sweep/reason", "sweep/mlflow_run_id"
+STATUS_KEY, REASON_KEY, RUN_ID_KEY = SWEEP_STATUS, SWEEP_REASON, SWEEP_MLFLOW_RUN_ID
 TAG_SWEEP, TAG_TRIAL = "longtrain.sweep", "longtrain.trial_id"
 TAG_STATUS, TAG_REASON = "longtrain.status", "longtrain.failure_reason"
 
@@ -97,8 +100,8 @@ def _child_tracker(cfg: Config, ctx: SweepContext, trial_id: str, params: dict[s
 
 
 # What a finished trial's summary takes from its last report.
-SUMMARY_KEYS = ("train/tokens_per_s", "train/steady_tokens_per_s", "train/steady_mfu", "train/steady_steps",
-                "train/peak_mem_gib", "train/tokens_seen", "step")
+SUMMARY_KEYS = (TRAIN_TOKENS_PER_S, TRAIN_STEADY_TOKENS_PER_S, TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS,
+                TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, "step")
 
 
 def run_trial(params: dict[str, Any], ctx: SweepContext) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.storage import absolute
-from pipeline.tracking.names import REGISTERED_TAG
+from pipeline.tracking.names import REGISTERED_TAG, dedup_param, dedup_shared_param
 
 # `manifest` below is a pipeline.data.shards.Manifest, duck-typed: tracking does not import the data package.
 Manifest = Any
@@ -65,14 +65,13 @@ def dedup_params(manifest: Manifest, source: str = "") -> dict[str, Any]:
     record = getattr(manifest, "dedup", None) or {}
     if not record:
         return {}
-    prefix = f"dedup/{source}/" if source else "dedup/"
-    out = {f"{prefix}{k}": record[k] for k in ("mode", *DEDUP_COUNTS) if k in record}
+    out = {dedup_param(k, source or None): record[k] for k in ("mode", *DEDUP_COUNTS) if k in record}
     if record.get("mode") == "near":
-        out.update({f"{prefix}{k}": record[k] for k in ("threshold", "ngram", "bands", "rows") if k in record})
+        out.update({dedup_param(k, source or None): record[k] for k in ("threshold", "ngram", "bands", "rows")
+                    if k in record})
     if source:
         for other, n in record.get("shared_with", {}).items():
-            a, b = sorted([source, other])
-            out[f"dedup/shared/{a}/{b}"] = n
+            out[dedup_shared_param(*sorted([source, other]))] = n
     return out
 
 

@@ -97,11 +97,70 @@ EVAL_DATA_WAIT = "eval/data_wait"  # measured by pipeline/train/loop.py
 VAL_LOSS = "val/loss"
 VAL_PPL = "val/ppl"
 VAL_ACCURACY = "val/accuracy"
+EVAL_LOSS = "eval/loss"  # the eval stage on the whole validation split, at the checkpoint's step
+EVAL_PPL = "eval/ppl"
+EVAL_ACCURACY = "eval/accuracy"
 METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_PER_S_PER_GPU,
            TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
            TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
            TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S,
            VAL_LOSS, VAL_PPL, VAL_ACCURACY, EVAL_DATA_WAIT)
+
+# Metric families: a prefix (the split or stage: val, eval, eval_2x, ...), then what is measured. These functions are
+# the one spelling of each family; nothing else writes a metric name out (tests/test_docs.py looks).
+VAL, EVAL = "val", "eval"  # the training loop's evaluations, the eval stage's
+LOSS, PPL, ACCURACY, BPB = "loss", "ppl", "accuracy", "bpb"  # nats, exp(loss), top-1 (0..1), bits per UTF-8 byte
+ROWS = "rows"  # the rows an evaluation scored (eval_<k>x/rows)
+POS_LOSS, POS_DOCS, POS_TOKENS, CUM_PPL = "pos_loss", "pos_docs", "pos_tokens", "cum_ppl"  # pipeline/eval/positions.py
+
+
+def split_metric(prefix: str, measure: str, source: str | None = None) -> str:
+    """`<prefix>/<measure>`, or `<prefix>/<source>/<measure>` for one source of a mixture: val/loss, eval_2x/ppl,
+    val/web/bpb."""
+    return f"{prefix}/{source}/{measure}" if source else f"{prefix}/{measure}"
+
+
+def longer_rows_prefix(factor: int) -> str:
+    """The prefix of the eval stage's measures on rows `factor` times the trained length: eval_2x."""
+    return f"{EVAL}_{factor}x"
+
+
+def position_metric(prefix: str, kind: str, where: str) -> str:
+    """Loss by position in the document: `<prefix>/pos_loss|pos_docs|pos_tokens/<lo>-<hi>`, `<prefix>/cum_ppl/<L>`."""
+    return f"{prefix}/{kind}/{where}"
+
+
+def is_position_metric(name: str) -> bool:
+    return any(f"/{kind}/" in name for kind in (POS_LOSS, POS_DOCS, POS_TOKENS, CUM_PPL))
+
+
+PASSKEY, DIGIT_ACCURACY = "passkey", "digit_accuracy"  # passkey/accuracy (every cell), passkey/digit_accuracy
+
+
+def accuracy_at_length(prefix: str, length: int) -> str:
+    """<prefix>/accuracy/<length>: the passkey grid's accuracy over the depths at one context length."""
+    return f"{prefix}/{ACCURACY}/{length}"
+
+
+# A sweep: what each trial reports to Tune beside the metrics (pipeline/sweep/trial.py), and the parent run's counts.
+SWEEP_STATUS, SWEEP_REASON, SWEEP_MLFLOW_RUN_ID = "sweep/status", "sweep/reason", "sweep/mlflow_run_id"
+SWEEP_TRIALS, SWEEP_BEST_METRIC = "sweep/trials", "sweep/best_metric"
+
+
+def sweep_trials_with(status: str) -> str:
+    """sweep/trials_<status>: how many trials ended with it (ok, oom, stopped, failed)."""
+    return f"{SWEEP_TRIALS}_{status}"
+
+
+# A dataset's deduplication, as params (pipeline/tracking/lineage.py): dedup/<key>, dedup/<source>/<key> for a mixture
+# source, dedup/shared/<a>/<b> for the documents two sources shared.
+def dedup_param(key: str, source: str | None = None) -> str:
+    return f"dedup/{source}/{key}" if source else f"dedup/{key}"
+
+
+def dedup_shared_param(a: str, b: str) -> str:
+    return f"dedup/shared/{a}/{b}"
+
 
 # --- tags -------------------------------------------------------------------------------------
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)

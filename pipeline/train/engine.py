@@ -40,6 +40,7 @@ from model.rope import RopeConfig
 from model.tiers import get_mixer_tier
 from pipeline.config import Config
 from pipeline.eval.positions import token_losses
+from pipeline.tracking import names
 from pipeline.train.checkpoints import state as checkpoint
 from pipeline.train.checkpoints.state import (CHECKPOINT_FORMAT, CheckpointError, check_checkpoint_fits,  # noqa: F401
                                        read_checkpoint_meta)
@@ -412,31 +413,32 @@ class Engine:
         elapsed = max(now - self._interval_start, 1e-9)
         tokens_per_s = self._interval_tokens / elapsed
         out = {
-            "train/loss": m["loss"], "train/ppl": m["ppl"], "train/accuracy": m["accuracy"],
-            "train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": grad_norm,
-            "train/tokens_per_s": tokens_per_s, "train/tokens_per_s_per_gpu": tokens_per_s / self.world_size,
-            "train/tokens_seen": float(self.tokens_seen),
-            "train/peak_mem_gib": peak_gib, "train/bad_steps": float(self.bad_steps_total),
+            names.TRAIN_LOSS: m["loss"], names.TRAIN_PPL: m["ppl"], names.TRAIN_ACCURACY: m["accuracy"],
+            names.TRAIN_LR: self.scheduler.get_last_lr()[0], names.TRAIN_GRAD_NORM: grad_norm,
+            names.TRAIN_TOKENS_PER_S: tokens_per_s, names.TRAIN_TOKENS_PER_S_PER_GPU: tokens_per_s / self.world_size,
+            names.TRAIN_TOKENS_SEEN: float(self.tokens_seen),
+            names.TRAIN_PEAK_MEM_GIB: peak_gib, names.TRAIN_BAD_STEPS: float(self.bad_steps_total),
         }
         executed = (self.matmul_flops_per_token * self._interval_tokens
                     + self.attention_flops_per_pair * attention_pairs)  # FLOPs computed in the interval
-        out["train/executed_flops_per_token"] = executed / max(self._interval_tokens, 1)
-        out["train/tflops_per_gpu"] = executed / elapsed / self.world_size / 1e12
+        out[names.TRAIN_EXECUTED_FLOPS_PER_TOKEN] = executed / max(self._interval_tokens, 1)
+        out[names.TRAIN_TFLOPS_PER_GPU] = executed / elapsed / self.world_size / 1e12
         if self.peak_flops:  # MFU only where the device's peak is known (not on a CPU)
-            out["train/mfu"] = executed / elapsed / (self.peak_flops * self.world_size)
+            out[names.TRAIN_MFU] = executed / elapsed / (self.peak_flops * self.world_size)
             recomputed = self.recompute_fraction * (self.block_flops_per_token * self._interval_tokens
                                                     + self.attention_flops_per_pair * attention_pairs)
-            out["train/hfu"] = (executed + recomputed) / elapsed / (self.peak_flops * self.world_size)
-            out["train/mfu_causal_equiv"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+            out[names.TRAIN_HFU] = (executed + recomputed) / elapsed / (self.peak_flops * self.world_size)
+            out[names.TRAIN_MFU_CAUSAL_EQUIV] = (self.flops_per_token * tokens_per_s
+                                                 / (self.peak_flops * self.world_size))
         st = self._steady
         if st["steps"]:
             seconds = max(st["seconds"], 1e-9)
-            out["train/steady_tokens_per_s"] = st["tokens"] / seconds
-            out["train/steady_steps"] = float(st["steps"])
+            out[names.TRAIN_STEADY_TOKENS_PER_S] = st["tokens"] / seconds
+            out[names.TRAIN_STEADY_STEPS] = float(st["steps"])
             if self.peak_flops:
                 steady_executed = (self.matmul_flops_per_token * st["tokens"]
                                    + self.attention_flops_per_pair * st["attention_pairs"])
-                out["train/steady_mfu"] = steady_executed / seconds / (self.peak_flops * self.world_size)
+                out[names.TRAIN_STEADY_MFU] = steady_executed / seconds / (self.peak_flops * self.world_size)
         self._interval_start, self._interval_tokens = now, 0
         return out
 
@@ -456,7 +458,7 @@ class Engine:
             metrics.add(res.loss_sum.detach(), res.n_tokens, res.n_correct)
         metrics.all_reduce()
         m = metrics.pull()
-        return {"val/loss": m["loss"], "val/ppl": m["ppl"], "val/accuracy": m["accuracy"]}
+        return {names.VAL_LOSS: m["loss"], names.VAL_PPL: m["ppl"], names.VAL_ACCURACY: m["accuracy"]}
 
     # ------------------------------------------------------------------------------------- state I/O
     def counters(self) -> dict[str, Any]:

@@ -19,7 +19,8 @@ import torch
 from pipeline.console import progress as console_progress
 from pipeline.train.distributed.collectives import CollectiveWatch
 from pipeline.eval.positions import evaluate_by_position
-from pipeline.tracking.names import EVAL_DATA_WAIT, TRAIN_DATA_WAIT
+from pipeline.tracking.names import (EVAL_DATA_WAIT, TRAIN_DATA_WAIT, TRAIN_LOSS, TRAIN_LR, TRAIN_PPL,
+                                     TRAIN_TOKENS_PER_S, is_position_metric)
 from pipeline.train.audit_log import AuditLog
 from pipeline.train.engine import Engine, StepOutcome
 from pipeline.train.stop_request import StopRequest
@@ -148,10 +149,10 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                 if hooks.on_log:  # first: a step on the console is a step the tracker (and a resume) knows of
                     with watch.region("the logging hook", step):
                         hooks.on_log(engine, result.last_train)
-                bar.set_postfix(loss=f"{result.last_train['train/loss']:.3f}",
-                                ppl=f"{result.last_train['train/ppl']:.1f}",
-                                tok_s=f"{result.last_train['train/tokens_per_s']:.0f}",
-                                lr=f"{result.last_train['train/lr']:.2e}", refresh=False)
+                last_train = result.last_train
+                bar.set_postfix(loss=f"{last_train[TRAIN_LOSS]:.3f}", ppl=f"{last_train[TRAIN_PPL]:.1f}",
+                                tok_s=f"{last_train[TRAIN_TOKENS_PER_S]:.0f}", lr=f"{last_train[TRAIN_LR]:.2e}",
+                                refresh=False)
             if (val_batches is not None or evaluate is not None) and (step % t.eval_every == 0 or last):
                 with watch.region("the evaluation (its forwards and the metrics all-reduce)", step):
                     result.last_eval = (evaluate(engine, t.eval_batches) if evaluate is not None
@@ -229,7 +230,7 @@ def standard_hooks(tracker=None, audit: AuditLog | None = None,
 
     def on_eval(engine: Engine, metrics: dict[str, float]) -> None:
         log(engine, metrics)
-        if tracker is not None and any("/pos_loss/" in k for k in metrics):  # train.eval_by_position
+        if tracker is not None and any(is_position_metric(k) for k in metrics):  # train.eval_by_position
             tracker.log_position_plot(title=f"{engine.cfg.model.tier} {engine.cfg.model.mixer}")
         if on_eval_extra is not None:
             on_eval_extra(engine, metrics)

@@ -51,6 +51,7 @@ from pipeline.storage import (StorageError, absolute, check, delete, exists, exp
 # Light on purpose: Ray Train's controller and Tune's trial processes import this module (to unpickle
 # train_loop_per_worker). The engine, the model and numba load only in the training workers, inside
 # train_loop_per_worker (torch itself still loads there: Ray's TorchTrainer imports it).
+from pipeline.tracking.names import VAL_LOSS
 from pipeline.train.session.run_dir import AUDIT_DIR
 
 STOP_FILE = "STOP"  # <run storage>/STOP: the driver's Ctrl+C, seen by every worker
@@ -204,7 +205,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     def on_checkpoint(e, metrics) -> None:
         # Every worker reports (Ray Train synchronises on it). Rank 0 attaches the one copy of a full checkpoint;
         # under FSDP every worker attaches its own shards, which Ray merges into one directory.
-        if "val/loss" not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
+        if VAL_LOSS not in metrics:  # Ray ranks checkpoints by val/loss: every one needs it
             metrics = {**metrics, **(evaluate(e, t.eval_batches) if evaluate is not None
                                      else evaluate_timed(e, val_batches(), t.eval_batches))}
         if required and required not in metrics:  # a sweep's trial: Tune cannot rank a report without it
@@ -381,7 +382,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
             # deletions) ride out an outage for run.storage_retry_s too: a restart waits for the store.
             name=run_name, **ray_storage_args(storage, retry_s=cfg.run.storage_retry_s),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints,
-                                                         checkpoint_score_attribute="val/loss",
+                                                         checkpoint_score_attribute=VAL_LOSS,
                                                          checkpoint_score_order="min"),
             # Worker errors and failures to start the workers (their resources never came within the start
             # timeout) are both retried ray.max_failures times; Ray's default retries the latter forever. Errors

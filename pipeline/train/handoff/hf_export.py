@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from pipeline.tracking.names import VAL_LOSS
+
 # SentencePiece ModelProto.SentencePiece.Type values
 _SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6
 HF_ARTIFACT_DIR = "hf_model"  # where a registered export lives in the training run's artifacts
@@ -365,7 +367,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
         commit = git_commit()
     counters, metrics = meta.get("counters", {}), meta.get("metrics") or {}
     result = ExportResult(out, meta["tier"], int(counters.get("step", 0)), int(counters.get("tokens_seen", 0)),
-                          float(metrics["val/loss"]) if "val/loss" in metrics else None,
+                          float(metrics[VAL_LOSS]) if VAL_LOSS in metrics else None,
                           manifest.get("settings_hash"), commit)
 
     weights = hf_state_dict(state, tier, tie)

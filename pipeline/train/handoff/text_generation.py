@@ -18,6 +18,7 @@ import torch
 
 from model.decode_loop import GenerationOutput, generate_ids_timed, generation_autocast
 from pipeline.data.shards import dataset_tokenizer
+from pipeline.tracking.names import VAL_LOSS
 
 
 def _trim(ids: list[int], eos_id: int | None) -> list[int]:
@@ -108,7 +109,7 @@ def eval_samples_hook(dataset_dir: str | Path, tracker, max_new_tokens: int, def
         engine's own unsharded decoder."""
         out = generate_texts(decoder if decoder is not None else engine.module.decoder, tokenizer, list(SAMPLE_PROMPTS), max_new_tokens=max_new_tokens,
                              seed=engine.step, compile_step=False)  # a few tokens per eval: never worth a compile
-        body = "\n\n".join(f"### prompt {p!r} (step {engine.step}, val/loss {metrics.get('val/loss', float('nan')):.4f})"
+        body = "\n\n".join(f"### prompt {p!r} (step {engine.step}, {VAL_LOSS} {metrics.get(VAL_LOSS, float('nan')):.4f})"
                            f"\n{p}{t}" for p, t in zip(SAMPLE_PROMPTS, out.texts))
         if defer:
             tracker.log_later(f"samples/step_{engine.step:06d}.txt", text=body + "\n")
