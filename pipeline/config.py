@@ -543,6 +543,20 @@ def _validate_context_parallel(cfg: Config) -> None:
                           f"(train.context_parallel_degree={cp}); choose model.attention auto, flex, sdpa or dense")
 
 
+def rows_per_step(cfg: Config) -> int:
+    """Rows of the global batch, one optimizer step: train.batch_size x train.grad_accum x the data-parallel ranks,
+    ray.num_workers / train.context_parallel_degree (the workers of a context group share their rows)."""
+    t = cfg.train
+    return t.batch_size * t.grad_accum * (cfg.ray.num_workers // t.context_parallel_degree)
+
+
+def one_process_refusal(degree: int) -> str:
+    """Why a run in one plain process (--no-ray) cannot take train.context_parallel_degree > 1, and what to run."""
+    return (f"train.context_parallel_degree={degree} splits each row over {degree} workers, and --no-ray trains in one "
+            f"process; drop --no-ray and train on Ray with --ray.num_workers={degree} (or a multiple of it), or set "
+            f"train.context_parallel_degree=1")
+
+
 def elastic_worker_counts(cfg: Config) -> list[int]:
     """The worker counts from 1 to ray.num_workers that keep the global batch (train.batch_size x train.grad_accum
     x ray.num_workers sequences per optimizer step) with a whole number of micro-batches per worker; under context
@@ -780,12 +794,20 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_config(preset_name: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """The preset (default: by hardware) with overrides applied, validated."""
+def load_config(preset_name: str | None = None, overrides: list[str] | dict[str, Any] | None = None, *,
+                one_process: bool = False) -> Config:
+    """The preset (default: by hardware) with overrides applied, validated. `one_process` (train --no-ray): a
+    context-parallel degree is refused first, with the line that says what to run instead, rather than as a worker
+    count that --no-ray would refuse in turn."""
     base = preset(preset_name or default_preset())
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
-    return base.replace(overrides or {})
+    overrides = overrides or {}
+    if one_process:
+        degree = int(overrides.get("train.context_parallel_degree", base.train.context_parallel_degree))
+        if degree > 1:
+            raise ConfigError(one_process_refusal(degree))
+    return base.replace(overrides)
 
 
 # ------------------------------------------------------------------------------------------ settings left unused

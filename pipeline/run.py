@@ -137,7 +137,7 @@ def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
     overrides = parse_overrides(list(rest))
     if args.address:
         overrides["ray.address"] = args.address
-    cfg = load_config(args.preset, overrides)
+    cfg = load_config(args.preset, overrides, one_process=args.no_ray and args.stage in ("all", "train"))
     args.typed_fields = typed_fields(args.preset, overrides)
     cfg, notes = settle_fields(args.stage, args.typed_fields, cfg, no_ray=args.no_ray, space=args.space)
     for note in notes:

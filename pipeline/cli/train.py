@@ -20,7 +20,7 @@ REAL_CORPUS_COMMAND = "python pipeline/run.py --preset fineweb-32k"  # printed a
 def stage_train(cfg: Config, args: argparse.Namespace):
     """Prepare (cached), then train every phase; returns (run_dir, SessionResult)."""
     from pipeline.train.session.resume import plan_resume
-    from pipeline.train.session.train_session import TrainSession, load_phases
+    from pipeline.train.session.train_session import TrainSession, check_one_process, load_phases
 
     if args.checkpoint and not args.resume:
         raise UsageError("train --checkpoint continues a run from one of its checkpoints: add --resume RUN (a new "
@@ -41,11 +41,14 @@ def stage_train(cfg: Config, args: argparse.Namespace):
             print(plan.finished)
             return run_dir, None
         phases, start_step, extended = plan.phases, plan.start_step, plan.extended
+        if args.no_ray:
+            check_one_process(phases, cfg, f"--phases {args.phases}" if args.phases else f"run {run_dir}")
         # a finished phase that grew is open again: the session records it once its up-front checks pass
         reopened = plan.phases_done if plan.phases_done != record.get("phases_done", 0) else None
     else:
         # the phases are checked before the run's directory is made: a refused file leaves nothing behind
-        phases = load_phases(args.phases, cfg, preset=args.preset)  # a preset may bring its own (long-32k)
+        # a preset may bring its own (long-32k); with --no-ray none may split rows over workers
+        phases = load_phases(args.phases, cfg, preset=args.preset, one_process=args.no_ray)
         run_dir = new_run_dir(cfg)
         args.run_dir = run_dir
     audit = args.audit_data or (bool(args.resume) and read_run_file(run_dir).get("audit_data", False))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config, ConfigError, from_flat
+from pipeline.config import Config, ConfigError, from_flat, rows_per_step
 from pipeline.sweep.report import FAILED, OK, OOM
 from pipeline.sweep.space import resolve_mixture
 from pipeline.sweep.trial_failure import failure_reason, is_oom
@@ -61,7 +61,7 @@ def resolved(params: dict[str, Any], base: dict[str, Any], mixtures: dict[str, s
 
 
 def tokens_per_step(cfg: Config) -> int:
-    return cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len * cfg.ray.num_workers
+    return rows_per_step(cfg) * cfg.data.seq_len
 
 
 def trial_config(ctx: SweepContext, params: dict[str, Any], trial_id: str) -> Config:

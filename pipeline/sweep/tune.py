@@ -211,7 +211,7 @@ def _kill_running_children(parent, sweep_name: str) -> None:
 def _check_named_mixtures(cfg: Config, space: Space, dataset: str) -> None:
     """MixtureError (one line) when a named mixture of the space would need more of a source than it may repeat."""
     from pipeline.data.mixture import check_plan, fitted_block_rows, mixture_of
-    from pipeline.train.session.mixture_run import rows_per_step
+    from pipeline.config import rows_per_step
 
     for name, mixture in space.mixtures().items():
         trial = with_token_budget(cfg.replace({"data.mixture": mixture}), space.token_budget)

@@ -50,6 +50,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | tag    | `longtrain.nonfinite_metrics_skipped` | metric values not logged because they were NaN or inf |
 | tag    | `longtrain.registered_model` | on a run whose export was registered: `<name>/<version>` (lineage.py) |
 | tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
+| tag    | `longtrain.mesh`           | the workers and the data x context mesh the run trains on, and since which step when a resume changed them (the params keep the first values) |
 | tag    | `longtrain.restart`        | the latest restart of the worker group: its size before and after, why, the steps redone |
 | tag    | `longtrain.extended`, `longtrain.max_steps` | a resume that extended the run: the schedule's stretch, and the steps it now trains to (param `train.max_steps` keeps its first value) |
 | param  | `dedup/mode`, `dedup/documents_read`, `dedup/removed_exact`, `dedup/removed_near`, `dedup/clusters_exact`, `dedup/clusters_near`, `dedup/kept` (near: `dedup/threshold`, `ngram`, `bands`, `rows`) | the dataset's deduplication (data.dedup): settings and counts from its manifest; a mixture: `dedup/<source>/...` and `dedup/shared/<a>/<b>`, the documents two sources shared (lineage.py) |
@@ -166,6 +167,10 @@ def dedup_shared_param(a: str, b: str) -> str:
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
 KERNELS_TAG = "longtrain.kernels"  # the backend each cuda_ops kernel family ran, and why when not Numba's
 ELASTIC_TAG = "longtrain.restart"  # what the latest restart of the worker group changed, and why
+# the workers and the data x context mesh the run trains on now, and since which step when a resume changed them (the
+# params ray.num_workers and train.context_parallel_degree keep the values the run started with: MLflow params are
+# written once)
+MESH_TAG = "longtrain.mesh"
 PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs under
 # MLflow 3's UI shows an experiment without this tag as a GenAI one (traces overview first); ours are model training
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"

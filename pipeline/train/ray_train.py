@@ -271,14 +271,19 @@ def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
         over = (f"{engine.world_size} worker(s)" if engine.mesh.degree == 1 else
                 f"{engine.world_size} workers, {engine.mesh.describe()}")
         worker_print(f"parallel: {engine.parallel} over {over} ({engine.parallel_reason})")
-    if tracker is not None:
-        from pipeline.tracking.names import PARALLEL_TAG
-
-        tracker.set_tags({PARALLEL_TAG: f"{engine.parallel}: {engine.parallel_reason}"})
     before = (meta or {}).get("world_size")
     old_cfg = (meta or {}).get("config", {}).get("train", {})
     old_cp, cp = old_cfg.get("context_parallel_degree", 1), engine.mesh.degree
-    if before and (before != engine.world_size or old_cp != cp):
+    changed = bool(before) and (before != engine.world_size or old_cp != cp)
+    if tracker is not None:
+        from pipeline.tracking.names import MESH_TAG, PARALLEL_TAG
+
+        mesh = f"{engine.world_size} worker(s), data {engine.data_world_size} x context {cp}"
+        if changed:  # the run's params keep the first values: the tag says what it trains on since this step
+            mesh += (f" since step {engine.step} (before: {before} worker(s), data {before // old_cp} x context "
+                     f"{old_cp})")
+        tracker.set_tags({PARALLEL_TAG: f"{engine.parallel}: {engine.parallel_reason}", MESH_TAG: mesh})
+    if changed:
         t = engine.cfg.train
         old_global = old_cfg.get("batch_size", t.batch_size) * old_cfg.get("grad_accum", t.grad_accum) * (
             before // old_cp)  # rows per step: the data ranks' (a context group shares its rows)

@@ -180,6 +180,7 @@ REFUSED_LIGHT = [
     ["generate", "--resume", "/nonexistent/run"],
     ["generate", "--checkpoint", "/nonexistent/run/checkpoints/phase0/step_000008", "--top-p", "90"],
     ["export", "--resume", "/nonexistent/run", "--out", "/nonexistent/hf"],
+    ["train", "--no-ray", "--train.context_parallel_degree=2", "--preset", "test"],
 ]
 LIGHT_DRIVER = """
 import contextlib, io, json, sys
@@ -219,3 +220,39 @@ def test_the_default_preset_is_told_from_torchs_version_file_without_importing_t
     assert default_preset() == ("gpu" if torch.cuda.is_available() else "cpu")
     assert torch_build_has_gpu(_torch_version_text()) == (torch.version.cuda is not None or torch.version.hip
                                                            is not None)
+
+
+def test_no_ray_with_a_context_degree_gets_advice_that_is_itself_taken(tmp_path):
+    """`train --no-ray --train.context_parallel_degree=2` names --no-ray and what to run instead; that command line
+    (Ray Train on 2 workers) is accepted, where the old advice (--no-ray --ray.num_workers=2) was refused in turn."""
+    from pipeline.cli.unused_settings import settle_fields
+    from pipeline.config import load_config
+
+    res = run_cli("train", "--no-ray", "--train.context_parallel_degree=2", "--preset", "test",
+                  f"--run.root={tmp_path}")
+    assert one_error_line(res) == ("error: train.context_parallel_degree=2 splits each row over 2 workers, and --no-ray "
+                                   "trains in one process; drop --no-ray and train on Ray with --ray.num_workers=2 (or "
+                                   "a multiple of it), or set train.context_parallel_degree=1")
+    assert not any(tmp_path.iterdir())  # refused: no run directory
+    typed = {"train.context_parallel_degree": 2, "ray.num_workers": 2}
+    cfg = load_config("test", typed)
+    assert settle_fields("train", typed, cfg, no_ray=False)[0].train.context_parallel_degree == 2
+
+
+@pytest.mark.parametrize("how", ["preset", "phases"])
+def test_a_later_phase_that_splits_rows_is_refused_with_no_ray_before_the_first_step(tmp_path, how):
+    """A phase with train.context_parallel_degree > 1 under --no-ray is refused before the first phase trains (it
+    used to train phase 0 to its end, prepare again, and only then fail), and before the run's directory is made."""
+    root = tmp_path / "runs"
+    if how == "preset":
+        args, where = ["--preset", "long-131k"], "preset long-131k: phase 1"
+    else:
+        phases = tmp_path / "phases.yaml"
+        phases.write_text("- {steps: 4}\n- {steps: 4, overrides: {train.context_parallel_degree: 2, "
+                          "data.seq_len: 64}}\n")
+        args, where = ["--preset", "test", "--phases", str(phases)], f"--phases {phases}: phase 1"
+    res = run_cli("train", "--no-ray", *args, f"--run.root={root}")
+    line = one_error_line(res)
+    assert line.startswith(f"error: {where} overrides: train.context_parallel_degree=") and "drop --no-ray" in line
+    assert "==> train" not in res.stdout and "==> prepare" not in res.stdout
+    assert not root.exists() or not any(root.glob("*/run.json"))

@@ -361,7 +361,8 @@ class ResumeReport:
             lines.append(f"elastic: the worker group {'shrank' if engine.world_size < before else 'grew'} from "
                          f"{before} to {engine.world_size} worker(s) at step {engine.step}: "
                          f"{event.get('why', 'a resumed run')}; train.grad_accum {t.grad_accum} keeps "
-                         f"{t.batch_size * t.grad_accum * engine.world_size} sequences per step")
+                         f"{t.batch_size * t.grad_accum * engine.data_world_size} sequences per step"
+                         f"{'' if engine.mesh.degree == 1 else f' (context groups of {engine.mesh.degree} share their rows)'}")
         elif event.get("why"):
             lines.append(f"restart: {engine.world_size} worker(s) again at step {engine.step}: {event['why']}")
         if self.last is not None and meta is not None:

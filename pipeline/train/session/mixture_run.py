@@ -22,17 +22,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config
+from pipeline.config import Config, rows_per_step
 from pipeline.data.mixture import (Mixture, check_plan, describe_plan, fitted_block_rows, mixture_of, run_manifest,
                                    write_run_manifest)
 
 MIXTURE_RUN_FILE = "mixture.json"
-
-
-def rows_per_step(cfg: Config) -> int:
-    """Rows of the global batch: train.batch_size x train.grad_accum x ray.num_workers."""
-    t = cfg.train
-    return t.batch_size * t.grad_accum * cfg.ray.num_workers
 
 
 def recorded_block_rows(run_dir: str | Path, phase: int, asked: int) -> int | None:

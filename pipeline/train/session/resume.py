@@ -117,7 +117,7 @@ def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[
     reached = int(counters.get("step", 0))
     total = sum(p.steps for p in recorded)
     if phases_file:
-        phases = _phases_from_file(phases_file, cfg, recorded, done, reached)
+        phases = _phases_from_file(phases_file, cfg, recorded, done, reached, one_process=no_ray)
     elif "train.max_steps" in typed and cfg.train.max_steps != total:
         start_last = total - recorded[-1].steps
         floor = max(reached, start_last)
@@ -150,10 +150,11 @@ def plan_resume(run_dir: Path, record: dict[str, Any], cfg: Config, typed: dict[
     return ResumePlan(phases, reopened, start, extended=extended)
 
 
-def _phases_from_file(path: str, cfg: Config, recorded: list[Phase], done: int, reached: int) -> list[Phase]:
+def _phases_from_file(path: str, cfg: Config, recorded: list[Phase], done: int, reached: int, *,
+                      one_process: bool = False) -> list[Phase]:
     """The phases of `path` for a resumed run: the run's own first (same overrides; a finished phase keeps its
-    steps, except the run's last, which may grow), then any new ones."""
-    phases = load_phases(path, cfg)
+    steps, except the run's last, which may grow), then any new ones. `one_process`: resumed with --no-ray."""
+    phases = load_phases(path, cfg, one_process=one_process)
     if len(phases) < len(recorded):
         raise ResumeError(f"--phases {path}: {len(phases)} phase(s), but the run has {len(recorded)}; a resumed run "
                           f"keeps its phases and may add phases after them")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pipeline.config import Config
+from pipeline.config import Config, rows_per_step
 
 MIN_SEQ_LEN = 128  # shorter rows would say little about a long-context model
 
@@ -55,7 +55,7 @@ def fold_accumulation(batch_size: int, grad_accum: int, factor: int) -> tuple[in
 def epoch_steps(cfg: Config, train_rows: int) -> float:
     """Optimizer steps one pass over `train_rows` takes: its whole global micro-batches over grad_accum."""
     t = cfg.train
-    return (train_rows // (t.batch_size * cfg.ray.num_workers)) / t.grad_accum
+    return (train_rows // (rows_per_step(cfg) // t.grad_accum)) / t.grad_accum
 
 
 def cap_steps(cfg: Config, train_rows: int) -> tuple[Config, str]:
@@ -76,9 +76,9 @@ def cap_steps(cfg: Config, train_rows: int) -> tuple[Config, str]:
     over = {"train.max_steps": cap, "train.warmup_steps": shrink(t.warmup_steps, 1),
             "train.eval_every": shrink(t.eval_every, 1), "train.checkpoint_every": shrink(t.checkpoint_every, 1)}
     sized = cfg.replace(over)
-    rows_per_step = t.batch_size * t.grad_accum * cfg.ray.num_workers
-    tokens = cap * rows_per_step * cfg.data.seq_len
-    line = (f"size: train.max_epochs={t.max_epochs:g} over {train_rows:,} training rows at {rows_per_step} rows per "
+    rows = rows_per_step(cfg)
+    tokens = cap * rows * cfg.data.seq_len
+    line = (f"size: train.max_epochs={t.max_epochs:g} over {train_rows:,} training rows at {rows} rows per "
             f"step caps train.max_steps {t.max_steps:,} -> {cap:,} ({tokens:,} tokens, {cap / per_epoch:.1f} "
             f"epochs); warmup {t.warmup_steps} -> {over['train.warmup_steps']}, eval every {t.eval_every} -> "
             f"{over['train.eval_every']}, checkpoint every {t.checkpoint_every} -> {over['train.checkpoint_every']}")

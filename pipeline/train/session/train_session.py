@@ -94,14 +94,16 @@ def _phase_of(checkpoint: str) -> int:
         return int(read_checkpoint_meta(checkpoint)["counters"].get("phase", 0))
 
 
-def load_phases(path: str | None, cfg: Config, preset: str | None = None) -> list[Phase]:
+def load_phases(path: str | None, cfg: Config, preset: str | None = None, *, one_process: bool = False) -> list[Phase]:
     """Phases from a YAML file, each validated against cfg; without a file, the phases of a preset that has them
-    (pipeline/config.py PRESET_PHASES, e.g. long-32k), else one phase of train.max_steps."""
+    (pipeline/config.py PRESET_PHASES, e.g. long-32k), else one phase of train.max_steps. `one_process` (train
+    --no-ray): a phase that splits rows over workers is refused too (check_one_process)."""
     from pipeline.config import preset_phases
 
     if not path:
         items = preset_phases(preset) if preset else None
-        return parse_phases(items, cfg, f"preset {preset}") if items else [Phase(cfg.train.max_steps)]
+        return (parse_phases(items, cfg, f"preset {preset}", one_process=one_process) if items
+                else [Phase(cfg.train.max_steps)])
     import yaml
 
     p = Path(path)
@@ -111,10 +113,10 @@ def load_phases(path: str | None, cfg: Config, preset: str | None = None) -> lis
         doc = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"--phases {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    return parse_phases(doc, cfg, f"--phases {path}")
+    return parse_phases(doc, cfg, f"--phases {path}", one_process=one_process)
 
 
-def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
+def parse_phases(doc: Any, cfg: Config, where: str, *, one_process: bool = False) -> list[Phase]:
     """A list of phase mappings ({steps, overrides, name, lr_warmup_steps, reset_optimizer}), each validated
     against cfg with one-line errors that name `where` and the phase."""
     from pipeline.config import unused_by_mixer, unused_by_source
@@ -143,6 +145,8 @@ def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
             raise ConfigError(f"{where}: phase 0 sets {'lr_warmup_steps' if warmup else 'reset_optimizer'}, which "
                               f"applies where a phase continues another; the first phase warms up with "
                               f"train.warmup_steps")
+        if one_process:  # before the worker count the degree would need, which --no-ray has no say in
+            check_one_process([Phase(steps, overrides)], cfg, where, first=i)
         try:  # unknown keys and bad values fail here, before anything runs, naming the file and the phase
             phase_cfg = cfg.replace(overrides)
         except ConfigError as exc:
@@ -151,6 +155,18 @@ def parse_phases(doc: Any, cfg: Config, where: str) -> list[Phase]:
         unused_by_mixer(phase_cfg.model.mixer, overrides, where=f"{where}: phase {i} overrides: ")
         phases.append(Phase(steps, overrides, warmup, reset))
     return phases
+
+
+def check_one_process(phases: list[Phase], cfg: Config, where: str, first: int = 0) -> None:
+    """train --no-ray: every phase runs in this one process, so a phase that sets train.context_parallel_degree > 1
+    is refused before the first step of the first phase (and before a new run's directory is made), not when it
+    comes. `first`: the index of phases[0] in the run."""
+    from pipeline.config import one_process_refusal
+
+    for i, phase in enumerate(phases, start=first):
+        degree = int(phase.overrides.get("train.context_parallel_degree", cfg.train.context_parallel_degree))
+        if degree > 1:
+            raise ConfigError(f"{where}: phase {i} overrides: {one_process_refusal(degree)}")
 
 
 def keep_tokens_per_step(before: Config, pcfg: Config, overrides: dict[str, Any]) -> tuple[Config, str]:

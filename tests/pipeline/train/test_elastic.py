@@ -189,3 +189,55 @@ def test_a_node_refused_inside_ray_is_its_one_line_on_the_driver():
         raise_setup_error(wrapped)
     assert str(err.value) == line
     raise_setup_error(ControllerError(RuntimeError("something else")))  # not ours: left to the caller
+
+
+def _stub_engine(workers: int, degree: int, step: int = 3):
+    from types import SimpleNamespace
+
+    cfg = load_config("test", {"ray.num_workers": workers, "train.context_parallel_degree": degree,
+                               "data.seq_len": 64, "train.batch_size": 4})
+    mesh = SimpleNamespace(degree=degree, describe=lambda: f"data {workers // degree} x context {degree} "
+                                                           f"({workers} worker(s))")
+    return SimpleNamespace(cfg=cfg, world_size=workers, data_world_size=workers // degree, step=step, mesh=mesh,
+                           parallel="ddp", parallel_reason="the model fits one worker")
+
+
+@pytest.mark.parametrize("degree, rows, note", [(1, 16, ""), (4, 4, " (context groups of 4 share their rows)")])
+def test_the_resize_line_counts_the_rows_a_step_holds(tmp_path, degree, rows, note):
+    """`train --resume RUN --ray.num_workers=4 --train.context_parallel_degree=4` from a one-worker run: the step
+    holds train.batch_size x train.grad_accum x the data ranks (4 rows at degree 4, not 16): the line every resize
+    of an elastic run prints too (pipeline/train/distributed/elastic.py ResumeReport.start)."""
+    import json
+
+    from pipeline.train.distributed.elastic import PROGRESS_FILE, ResumeReport
+
+    (tmp_path / PROGRESS_FILE).write_text(json.dumps({"step": 3, "time": 0.0, "world_size": 1, "phase": 0}))
+    lines = ResumeReport(str(tmp_path), phase=0).start(_stub_engine(4, degree), meta=None)
+    assert lines == [f"elastic: the worker group grew from 1 to 4 worker(s) at step 3: a resumed run; "
+                     f"train.grad_accum 1 keeps {rows} sequences per step{note}"]
+
+
+def test_a_resume_on_another_mesh_is_recorded_in_the_runs_tag(capfd):
+    """MLflow params are written once (ray.num_workers and train.context_parallel_degree keep the run's first values),
+    so the mesh a resume changes to is a tag, with the step since when (names.py MESH_TAG)."""
+    from pipeline.tracking.names import MESH_TAG
+    from pipeline.train.ray_train import _announce_parallel
+
+    class Tags:
+        def __init__(self):
+            self.tags = {}
+
+        def set_tags(self, tags):
+            self.tags.update(tags)
+
+    meta = {"world_size": 1, "layout": "full", "config": {"train": {"context_parallel_degree": 1, "batch_size": 4,
+                                                                    "grad_accum": 1}}}
+    tracker = Tags()
+    _announce_parallel(_stub_engine(4, 4), meta, tracker)
+    assert tracker.tags[MESH_TAG] == ("4 worker(s), data 1 x context 4 since step 3 (before: 1 worker(s), data 1 x "
+                                      "context 1)")
+    assert "context parallel degree 1 -> 4" in capfd.readouterr().out
+    tracker = Tags()
+    _announce_parallel(_stub_engine(4, 2), {**meta, "world_size": 4, "config": {"train": {
+        "context_parallel_degree": 2}}}, tracker)
+    assert tracker.tags[MESH_TAG] == "4 worker(s), data 2 x context 2"  # nothing changed: no step named
