@@ -126,6 +126,19 @@ class TrainConfig:
     context_parallel_degree: int = 1  # workers that split one row between them (context parallelism); 1 = off
     # The process group's timeout, gloo and NCCL alike (pipeline/train/distributed/collectives.py)
     collective_timeout_s: float = 600.0  # seconds a collective waits for the other ranks before the attempt ends with one line naming the rank, the step and the collective
+    # Loss spikes (pipeline/train/spike_guard.py, docs/training.md#loss-spikes): a step whose loss or gradient norm is
+    # more than spike_sigmas deviations above the mean of the last spike_window steps is an outlier (OLMo-core's 6
+    # and 128); repeated outliers, or a loss that does not come back after an applied one, rewind the run to the
+    # newest checkpoint before the spike and skip the rows that led into it (PaLM's recipe)
+    spike_action: str = "skip"  # skip (an outlier applies no update) | apply (applied, and watched) | off
+    spike_sigmas: float = 6.0  # standard deviations above the trailing mean that make an outlier
+    spike_window: int = 128  # steps the trailing mean and deviation of the loss and gradient norm are taken over
+    spike_warmup_steps: int = 128  # steps in the window before detection arms (>= 2)
+    spike_rewind_outliers: int = 3  # outliers within spike_rewind_window steps that rewind the run; 0 = never
+    spike_rewind_window: int = 100  # steps (taken or skipped) in which outliers count as repeated
+    spike_recover_steps: int = 20  # apply: steps the loss may stay above its pre-spike mean before a rewind; 0 = never
+    spike_skip_steps: int = 200  # a rewind skips at least this many steps' worth of rows from the checkpoint on
+    spike_max_rewinds: int = 3  # rewinds a run may make; the next one due stops it with one line
 
 
 @dataclass
@@ -458,6 +471,7 @@ def validate(cfg: Config) -> None:
                           "several; evaluate a source's dataset with `python pipeline/run.py eval --by-position "
                           "--checkpoint ...`, or drop one of the two")
     _positive("train.collective_timeout_s", t.collective_timeout_s)
+    _validate_spikes(t)
     _positive("ray.num_workers", r.num_workers)
     _positive("ray.resize_check_s", r.resize_check_s, zero_ok=True)
     _positive("train.checkpoint_every_s", t.checkpoint_every_s, zero_ok=True)
@@ -524,6 +538,22 @@ def _check_mixture(text: str) -> None:
         parse_mixture(text)
     except MixtureSpecError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _validate_spikes(t: TrainConfig) -> None:
+    """train.spike_*: one line naming the field and what is allowed."""
+    _one_of("train.spike_action", t.spike_action, ("skip", "apply", "off"))
+    _positive("train.spike_sigmas", t.spike_sigmas)
+    if t.spike_window < 2:
+        raise ConfigError(f"train.spike_window={t.spike_window} is invalid; it must be >= 2 (steps the mean and "
+                          f"deviation are taken over; OLMo-core's 128)")
+    if t.spike_warmup_steps < 2:
+        raise ConfigError(f"train.spike_warmup_steps={t.spike_warmup_steps} is invalid; it must be >= 2 (a deviation "
+                          f"needs two steps)")
+    for key in ("spike_rewind_window", "spike_skip_steps"):
+        _positive(f"train.{key}", getattr(t, key))
+    for key in ("spike_rewind_outliers", "spike_recover_steps", "spike_max_rewinds"):
+        _positive(f"train.{key}", getattr(t, key), zero_ok=True)
 
 
 def _validate_context_parallel(cfg: Config) -> None:

@@ -29,6 +29,11 @@ FORBIDDEN = {
     "pipeline.train.stop_request": ("ray", "mlflow", "pipeline.tracking.tracker"),
     "pipeline.train.audit_log": ("ray", "mlflow", "pipeline.tracking.tracker"),
     "pipeline.train.checkpoints.local_dir": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    "pipeline.train.spike_detector": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    "pipeline.train.spike_guard": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    "pipeline.train.spike_rewind": ("ray", "mlflow", "pipeline.tracking.tracker"),
+    # read by the driver, `validate` and the workers alike: no torch
+    "pipeline.train.spike_record": ("ray", "mlflow", "torch", "pipeline.tracking.tracker"),
     # the config sits below every stage; the mixture spec beside it and the stable tracking names import nothing of
     # the project (the engine, the workers and the config read them without MLflow, Ray or the data room)
     "pipeline.config": ("pipeline.data", "pipeline.eval", "pipeline.train", "pipeline.sweep", "pipeline.tracking",

@@ -1,7 +1,8 @@
 """`python pipeline/run.py validate TARGET`: is a dataset, a checkpoint or a run's latest checkpoint whole?
 
     python pipeline/run.py validate runs/datasets/<hash>     # or s3://bucket/longtrain/datasets/<hash>
-    python pipeline/run.py validate runs/<run>               # its latest checkpoint: every file, and that it loads
+    python pipeline/run.py validate runs/<run>               # its latest checkpoint: every file, and that it loads,
+                                                             # and the run's loss spikes (skips, rewinds, rows skipped)
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pipeline.train.session.run_dir import latest_of_run, run_dir_of
 
 def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> int:
     """validate TARGET: a dataset (its manifest), a checkpoint (its meta.json: every file against it, and that it
-    loads) or a run directory (its latest checkpoint); 0 when whole, 1 with the report's reasons."""
+    loads) or a run directory (its latest checkpoint, then its loss spikes: pipeline/train/spike_record.py); 0 when
+    whole, 1 with the report's reasons."""
     from pipeline.train.checkpoints.broken import is_checkpoint, offered_command
     from pipeline.train.checkpoints.validate_checkpoint import validate_checkpoint
 
@@ -36,4 +38,19 @@ def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> in
         from pipeline.data.stages import validate_main
 
         return validate_main(target)
-    return validate_checkpoint(target, lambda prev: offered_command(argv, prev, "validate", args.target))
+    code = validate_checkpoint(target, lambda prev: offered_command(argv, prev, "validate", args.target))
+    if run_dir is not None:
+        print("\n".join(_spike_lines(run_dir)))
+    return code
+
+
+def _spike_lines(run_dir: Path) -> list[str]:
+    """The run's loss-spike events and skipped rows, from its record in the run's storage."""
+    from pipeline.config import from_flat
+    from pipeline.storage import run_storage
+    from pipeline.train.session.run_dir import read_run_file
+    from pipeline.train.spike_record import read_events, report_lines
+
+    record = read_run_file(run_dir)
+    store = run_storage(from_flat(record["config"]), run_dir) if record.get("config") else str(run_dir)
+    return report_lines(read_events(store))

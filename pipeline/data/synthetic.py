@@ -231,3 +231,51 @@ def write_synthetic_dataset(dataset_dir, *, n_train: int, n_val: int, seq_len: i
         remainder_policy="synthetic rows: nothing dropped", doc_length={}, shards=shards)
     write_manifest(out, manifest)
     return manifest
+
+
+def counting_row(seq_id: int, seq_len: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """(seq_len+1,) int64: a learnable row, tokens counting up by a stride of 1 to 3 from a seeded start (wrapping
+    within [4, vocab_size)), one document. A small model learns it in tens of steps, so a row that breaks the
+    pattern stands out in the loss."""
+    rng = np.random.default_rng([seed, seq_id, 1])
+    start, stride = int(rng.integers(0, vocab_size - 4)), int(rng.integers(1, 4))
+    return 4 + (start + stride * np.arange(seq_len + 1, dtype=np.int64)) % (vocab_size - 4)
+
+
+def write_spiky_dataset(dataset_dir, *, n_train: int, n_val: int, seq_len: int, vocab_size: int, order_seed: int,
+                        bad: list[tuple[int, int]] = (), rows_per_shard: int = 256):
+    """A dataset of learnable rows (counting_row) in which the rows at the positions [start, end) of each window in
+    `bad` of epoch 0's training order (pipeline/data/shards.py epoch_order with `order_seed`, the run's train.seed)
+    are one token repeated: windows of data that send the loss and the gradient norm up when a trained model meets
+    them, as a loss spike's test needs. The validation split is all learnable rows. Returns (Manifest, the seq_ids of
+    the bad rows)."""
+    from pipeline.data.shards import (SCHEMA_VERSION, Manifest, epoch_order, rows_per_row_group, shard_schema,
+                                      windows_table, write_manifest, write_shard)
+
+    out = Path(dataset_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    order = epoch_order(n_train, order_seed, 0)
+    bad_ids = {int(i) for start, end in bad for i in order[start:end]}
+    schema = shard_schema(seq_len, vocab_size)
+    shards: dict = {}
+    for split, first, n in (("train", 0, n_train), ("val", n_train, n_val)):
+        shards[split] = []
+        for k, lo in enumerate(range(0, n, rows_per_shard)):
+            ids = np.arange(first + lo, first + min(n, lo + rows_per_shard))
+            windows = np.stack([np.full(seq_len + 1, 5, np.int64) if int(i) in bad_ids
+                                else counting_row(int(i), seq_len, vocab_size) for i in ids])
+            group = rows_per_row_group(seq_len, vocab_size)
+            tables = [windows_table(windows[g:g + group], ids[g:g + group], EOS_ID, vocab_size)
+                      for g in range(0, len(ids), group)]
+            shards[split].append(write_shard(out / f"{split}-{k:05d}.parquet", tables, schema))
+    tokens = (n_train + n_val) * (seq_len + 1)
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION, seq_len=seq_len, vocab_size=vocab_size, pad_id=0, unk_id=1, bos_id=2,
+        eos_id=EOS_ID, token_type="uint16" if vocab_size <= 65535 else "int32", tokenizer_file="",
+        tokenizer_sha256="synthetic", settings_hash=f"spiky-{seq_len}-{vocab_size}-{n_train}-{n_val}-{list(bad)}",
+        source={"kind": "synthetic", "pattern": "counting", "bad_positions": [list(w) for w in bad]},
+        settings={"seq_len": seq_len, "vocab_size": vocab_size},
+        counts={"documents": 0, "tokens_total": tokens, "tokens_kept": tokens}, packing_efficiency=1.0,
+        remainder_policy="synthetic rows: nothing dropped", doc_length={}, shards=shards)
+    write_manifest(out, manifest)
+    return manifest, sorted(bad_ids)

@@ -8,7 +8,10 @@ the stable metric names of pipeline.tracking.names plus "step", e.g.
     {"step": 10, "train/loss": 4.1, "train/lr": 3e-3, "train/tokens_per_s": 9e3, "train/tokens_seen": 20480}
     {"step": 50, "val/loss": 3.9}
 Missing keys, None and NaN/inf values are simply absent from the plot; a panel with nothing to draw says
-"no data". matplotlib is imported inside the function (the engine host may not have it) and drives the Agg
+"no data". `spikes` marks a run's loss-spike events on the loss-vs-step panel (pipeline/train/spike_record.py
+curve_markers): a skipped or applied outlier as a cross at its step and loss, a rewind as a dashed line at its step
+with an arrow back to the step it returned to. matplotlib is imported inside the function (the engine host may not
+have it) and drives the Agg
 renderer through a standalone Figure, so no pyplot global state or display is involved.
 """
 from __future__ import annotations
@@ -50,8 +53,26 @@ def _no_data(ax) -> None:
     ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="0.5")
 
 
-def plot_training_curves(history: list[dict], out_path: str | Path, title: str | None = None) -> Path:
-    """Write a 2x2 PNG: loss vs step, loss vs tokens seen, learning rate vs step, tokens/s vs step.
+def _mark_spikes(ax, spikes: list[Mapping[str, Any]]) -> bool:
+    """Draw the loss-spike events on the loss-vs-step axes; whether there was one to draw."""
+    outliers = [(float(m["step"]), float(m["loss"])) for m in spikes
+                if m.get("kind") in ("skip", "applied") and m.get("loss") is not None and math.isfinite(m["loss"])]
+    if outliers:
+        ax.plot(*zip(*outliers), "x", color="tab:red", markersize=8, label="spike (outlier)")
+    rewinds = [m for m in spikes if m.get("kind") in ("rewind", "stop")]
+    for i, m in enumerate(rewinds):
+        ax.axvline(float(m["step"]), color="tab:red", linestyle="--", alpha=0.6,
+                   label=("rewind" if m["kind"] == "rewind" else "stop") if i == 0 else None)
+        if m.get("to_step") is not None:
+            ax.annotate("", xy=(float(m["to_step"]), 0.97), xytext=(float(m["step"]), 0.97),
+                        xycoords=("data", "axes fraction"), arrowprops={"arrowstyle": "->", "color": "tab:red"})
+    return bool(outliers or rewinds)
+
+
+def plot_training_curves(history: list[dict], out_path: str | Path, title: str | None = None,
+                         spikes: list[Mapping[str, Any]] | None = None) -> Path:
+    """Write a 2x2 PNG: loss vs step, loss vs tokens seen, learning rate vs step, tokens/s vs step; `spikes` marked on
+    the first (the module docstring says how).
 
     Train and validation loss share the loss panels. The file appears atomically (written to a temporary
     name in the same folder, then renamed), so a reader never sees half a PNG. Returns the path.
@@ -82,6 +103,8 @@ def plot_training_curves(history: list[dict], out_path: str | Path, title: str |
             if steps and len(xs) == len(values):
                 ax.plot(xs, values, style, label=label, markersize=4)
                 drew = True
+        if ax is ax_step and spikes:
+            drew = _mark_spikes(ax, spikes) or drew
         if drew:
             ax.legend()
         else:

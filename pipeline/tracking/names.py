@@ -29,6 +29,8 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `train/tokens_seen`        | training tokens consumed so far, all workers together          |
 | metric | `train/accuracy`           | next-token top-1 accuracy over the logging window (0..1)       |
 | metric | `train/bad_steps`          | optimizer steps skipped so far for a non-finite loss/gradient  |
+| metric | `train/spike_skips`        | loss-spike outlier steps that applied no update so far (train.spike_action=skip; pipeline/train/spike_guard.py) |
+| metric | `train/spike_rewinds`      | rewinds past a loss spike so far in the run (pipeline/train/spike_rewind.py) |
 | metric | `train/data_wait`          | share of the logging window's wall clock spent waiting for the next batch (0..1) |
 | metric | `eval/data_wait`           | share of an evaluation's wall clock waiting for validation batches (0..1) |
 | metric | `val/loss`                 | mean token cross-entropy on the validation split (nats)        |
@@ -51,6 +53,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | tag    | `longtrain.registered_model` | on a run whose export was registered: `<name>/<version>` (lineage.py) |
 | tag    | `longtrain.parallel`       | how the workers shared the model (none, ddp, fsdp) and why (train.parallel=auto decides) |
 | tag    | `longtrain.mesh`           | the workers and the data x context mesh the run trains on, and since which step when a resume changed them (the params keep the first values) |
+| tag    | `longtrain.spike.<n>`      | the run's n-th loss-spike event (000, 001, ...): skip, applied outlier, rewind or stop, as its console line says it (the step, the loss against the threshold, the rows skipped) |
 | tag    | `longtrain.restart`        | the latest restart of the worker group: its size before and after, why, the steps redone |
 | tag    | `longtrain.extended`, `longtrain.max_steps` | a resume that extended the run: the schedule's stretch, and the steps it now trains to (param `train.max_steps` keeps its first value) |
 | param  | `dedup/mode`, `dedup/documents_read`, `dedup/removed_exact`, `dedup/removed_near`, `dedup/clusters_exact`, `dedup/clusters_near`, `dedup/kept` (near: `dedup/threshold`, `ngram`, `bands`, `rows`) | the dataset's deduplication (data.dedup): settings and counts from its manifest; a mixture: `dedup/<source>/...` and `dedup/shared/<a>/<b>`, the documents two sources shared (lineage.py) |
@@ -91,6 +94,8 @@ TRAIN_TOKENS_SEEN = "train/tokens_seen"
 TRAIN_ACCURACY = "train/accuracy"
 TRAIN_BAD_STEPS = "train/bad_steps"
 TRAIN_DATA_WAIT = "train/data_wait"  # measured by pipeline/train/loop.py
+TRAIN_SPIKE_SKIPS = "train/spike_skips"  # outlier steps skipped so far on the run's timeline (a rewind rolls it back)
+TRAIN_SPIKE_REWINDS = "train/spike_rewinds"  # rewinds past a loss spike so far in the run
 TRAIN_WORLD_SIZE = "train/world_size"  # an elastic run's changes as nodes come and go (pipeline/train/distributed/elastic.py)
 TRAIN_STEPS_REDONE = "train/steps_redone"  # logged once after each restart of the worker group
 TRAIN_RESUME_S = "train/resume_s"
@@ -105,7 +110,7 @@ METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S,
            TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
            TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
            TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S,
-           VAL_LOSS, VAL_PPL, VAL_ACCURACY, EVAL_DATA_WAIT)
+           TRAIN_SPIKE_SKIPS, TRAIN_SPIKE_REWINDS, VAL_LOSS, VAL_PPL, VAL_ACCURACY, EVAL_DATA_WAIT)
 
 # Metric families: a prefix (the split or stage: val, eval, eval_2x, ...), then what is measured. These functions are
 # the one spelling of each family; nothing else writes a metric name out (tests/test_docs.py looks).
@@ -167,6 +172,14 @@ def dedup_shared_param(a: str, b: str) -> str:
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)
 KERNELS_TAG = "longtrain.kernels"  # the backend each cuda_ops kernel family ran, and why when not Numba's
 ELASTIC_TAG = "longtrain.restart"  # what the latest restart of the worker group changed, and why
+SPIKE_TAG_PREFIX = "longtrain.spike."  # + the event's index in the run: one tag per loss-spike event (its line)
+
+
+def spike_tag(index: int) -> str:
+    """longtrain.spike.<index>, three digits and more: the run's index-th loss-spike event."""
+    return f"{SPIKE_TAG_PREFIX}{index:03d}"
+
+
 # the workers and the data x context mesh the run trains on now, and since which step when a resume changed them (the
 # params ray.num_workers and train.context_parallel_degree keep the values the run started with: MLflow params are
 # written once)

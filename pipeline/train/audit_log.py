@@ -16,6 +16,23 @@ if TYPE_CHECKING:
     from pipeline.train.engine import Engine, StepOutcome
 
 
+def final_lines(lines: list[dict], ranges: list[dict]) -> list[dict]:
+    """The audit lines of the steps a run kept: for each (phase, epoch, cursor, rank) the last line written (a restart
+    or a rewind redid that step), less the steps inside a range of rows a rewind skipped (what it abandoned).
+    `lines` in the order each rank wrote them (a line from several ranks' files carries `rank`); `ranges`: the run's
+    skipped ranges (pipeline/train/spike_record.py summary's `skipped_rows`). "Every row once" is then: these lines'
+    rows, and the skipped ranges' rows, are each row of the epoch once."""
+    last: dict[tuple, dict] = {}
+    for line in lines:
+        last[(line["phase"], line["epoch"], line["cursor"], line.get("rank", 0))] = line
+
+    def skipped(line: dict) -> bool:  # a step's rows end at its cursor; ranges begin at step boundaries
+        return any(r["phase"] == line["phase"] and r["epoch"] == line["epoch"]
+                   and r["start"] < line["cursor"] <= r["end"] for r in ranges)
+
+    return [line for line in last.values() if not skipped(line)]
+
+
 class AuditLog:
     """Append-only record of the seq_ids each step consumed (one JSON line per step), so a run's data order can
     be checked after the fact: exactly once per epoch, across restarts. Over a mixture each line also has `sources`
@@ -47,8 +64,10 @@ class AuditLog:
         ids = [int(i) for b in micro for i in b["seq_id"]]
         # A mixture's rows: seq_ids are per source dataset, so each row also names its source and pass
         mixed = {k: [int(i) for b in micro for i in b[k]] for k in ("source", "pass") if k in micro[0]}
+        # cursor: the data cursor after the step (its rows are the positions just before it in the epoch's order)
         line = json.dumps({"step": engine.step, "time": time.time(), "skipped": outcome.skipped, "epoch": engine.epoch,
-                           "phase": engine.phase, "pid": os.getpid(), **self.extra, "seq_ids": ids,
+                           "cursor": engine.cursor, "phase": engine.phase, "pid": os.getpid(), **self.extra,
+                           "seq_ids": ids,
                            **({"sources": mixed["source"], "passes": mixed["pass"]} if mixed else {})}) + "\n"
         if self._f is not None:
             self._f.write(line)

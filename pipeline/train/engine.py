@@ -49,6 +49,8 @@ from pipeline.train.memory.limit import MemoryLimit
 from pipeline.train.memory.plan import shape_of
 from pipeline.train.distributed.context_parallel import ContextMesh
 from pipeline.train.distributed.parallel import resolve_parallel, shard_model
+from pipeline.train.spike_detector import SpikeSettings, Verdict
+from pipeline.train.spike_guard import RewindDue, SpikeGuard
 
 # Steady state: train/steady_tokens_per_s and train/steady_mfu leave out the first optimizer steps an Engine takes
 # in its process (torch.compile of every block, the allocator's and autotuners' first shapes) and count only the
@@ -101,9 +103,11 @@ class LossModule(nn.Module):
 @dataclass
 class StepOutcome:
     step: int  # optimizer steps taken so far (after this one, if it counted)
-    skipped: bool  # non-finite loss or gradient: no update was applied
+    skipped: bool  # non-finite loss or gradient, or a loss spike skipped: no update was applied
     sequences: int  # sequences this worker consumed in the step
     tokens: int  # tokens of the rows this worker trained on in the step (its share under context parallelism)
+    spike: Verdict | None = None  # the spike detector's view of the step (None when train.spike_action=off)
+    rewind: RewindDue | None = None  # a rewind the spike guard calls for (pipeline/train/spike_rewind.py makes it)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float, rewarmup_start: int = 0,
@@ -255,6 +259,8 @@ class Engine:
         self.bad_steps_in_row = 0
         self.bad_steps_total = 0
         self.phase = 0
+        # Loss spikes: detection in the step's own sync, what an outlier does, the rows rewinds skipped (train.spike_*)
+        self.spikes = SpikeGuard(SpikeSettings.of(t), self.device)
 
         # Metrics live on the device until a log interval pulls them (one host transfer).
         self.train_metrics = TokenMetrics(self.device)
@@ -273,6 +279,8 @@ class Engine:
         learning rate follows the schedule with the phase's re-warmup from the current step on. Every worker calls
         it (no collectives: under FSDP each clears its own shards' moments)."""
         self.schedule = schedule
+        if fresh and schedule.start_step > 0:  # a later phase's data: the spike window warms up again
+            self.spikes.new_phase()
         if fresh and schedule.reset_optimizer:
             self.optimizer.state.clear()  # AdamW recreates zero moments (and its step count) at the next step
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
@@ -299,7 +307,9 @@ class Engine:
 
         The loss is the token mean over the whole step. One host sync per step decides whether the
         step is finite; a non-finite loss or gradient zeroes the gradients, applies no update (the
-        weights, optimizer and scheduler stay as they were) and is counted.
+        weights, optimizer and scheduler stay as they were) and is counted. The same transfer carries the spike
+        detector's verdict (pipeline/train/spike_detector.py): an outlier is skipped in the same way (or applied,
+        train.spike_action=apply), and the outcome says when the guard calls for a rewind.
         """
         self.model.train()
         steady, start = self._steps_run >= STEADY_AFTER_STEPS, self.clock()
@@ -341,14 +351,26 @@ class Engine:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over the shards
             grad_norm = grad_norm.full_tensor()
-        finite = bool(torch.isfinite(loss_total) & torch.isfinite(grad_norm))  # the step's one sync
-        if finite:
+        verdict = due = None
+        hold = False  # a loss spike that applies no update
+        guard = self.spikes
+        if guard.enabled:  # the verdict rides on the step's one sync (7 numbers instead of 1 flag)
+            loss_all = self._mean_over_ranks(loss_total)  # every rank decides on the same numbers
+            finite_t = torch.isfinite(loss_all) & torch.isfinite(grad_norm)
+            verdict = guard.detector.verdict(guard.detector.measure(loss_all, grad_norm, finite_t).tolist())
+            finite = verdict.finite
+            hold, due = guard.observe(verdict, self.step)
+        else:
+            finite = bool(torch.isfinite(loss_total) & torch.isfinite(grad_norm))  # the step's one sync
+        if finite and not hold:
             self.optimizer.step()
             self.scheduler.step()
             self.step += 1
             self.bad_steps_in_row = 0
             self._last_grad_norm = grad_norm.detach()
-        else:
+            if verdict is not None and not verdict.outlier:
+                guard.detector.record(loss_all, grad_norm)  # a device copy into the window
+        elif not finite:
             self.bad_steps_in_row += 1
             self.bad_steps_total += 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -359,7 +381,19 @@ class Engine:
                 f"{self.bad_steps_in_row} optimizer steps in a row had a non-finite loss or gradient "
                 f"(at step {self.step}); the run stopped and its last checkpoint is untouched. Lower "
                 f"train.lr (now {self.cfg.train.lr}), raise train.warmup_steps, or check the data.")
-        return StepOutcome(self.step, not finite, seqs, toks)
+        return StepOutcome(self.step, not finite or hold, seqs, toks, verdict, due)
+
+    def _mean_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
+        """This rank's step loss averaged over every rank (one all-reduce of one number on the device's stream, no
+        host sync): the mean over the data ranks' rows, under context parallelism too (each rank's share is scaled
+        so that the mean over all ranks is the rows' mean)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return loss
+        total = loss.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total / dist.get_world_size()
 
     def _count_attention_pairs(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
         """Add the (query, key) pairs this micro-batch's attention computes to an on-device counter: causal pairs
@@ -419,6 +453,9 @@ class Engine:
             names.TRAIN_TOKENS_SEEN: float(self.tokens_seen),
             names.TRAIN_PEAK_MEM_GIB: peak_gib, names.TRAIN_BAD_STEPS: float(self.bad_steps_total),
         }
+        if self.spikes.enabled:
+            out[names.TRAIN_SPIKE_SKIPS] = float(self.spikes.skips)
+            out[names.TRAIN_SPIKE_REWINDS] = float(len(self.spikes.rewinds))
         executed = (self.matmul_flops_per_token * self._interval_tokens
                     + self.attention_flops_per_pair * attention_pairs)  # FLOPs computed in the interval
         out[names.TRAIN_EXECUTED_FLOPS_PER_TOKEN] = executed / max(self._interval_tokens, 1)
@@ -464,7 +501,7 @@ class Engine:
     def counters(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch, "cursor": self.cursor, "tokens_seen": self.tokens_seen,
                 "bad_steps_in_row": self.bad_steps_in_row, "bad_steps_total": self.bad_steps_total,
-                "phase": self.phase}
+                "phase": self.phase, "spikes": self.spikes.state_dict()}
 
     def save(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
         """Write the full training state to `directory` atomically: the full layout (model.safetensors,

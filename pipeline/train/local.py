@@ -23,6 +23,8 @@ from pipeline.train.checkpoints.broken import diagnosed
 from pipeline.train.checkpoints.state import CheckpointError, warn_if_no_room_for_checkpoints
 from pipeline.train.checkpoints.index import latest_complete, skipped_line
 from pipeline.train.session.run_dir import AUDIT_DIR
+from pipeline.train.spike_record import RECORD_FILE, SpikeRecord, read_events, rewinds_of
+from pipeline.train.spike_rewind import Rewinder, reconcile
 
 
 def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, tracker=None, *,
@@ -61,6 +63,11 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
         with local_copy(init_from) as d:  # the previous phase's checkpoint may be on object storage
             engine.load(d)
         engine.epoch, engine.cursor, engine.phase = 0, 0, phase  # a new phase starts its dataset afresh
+    # loss spikes: the rewinds go back to this phase's checkpoints; the run's record (spikes.json) says which rows
+    # its rewinds skipped, also those a checkpoint written before them does not know of
+    mixed = (manifest.source or {}).get("kind") == "mixture"
+    rewinder = Rewinder(str(ckpts.directory), epoch_rows=None if mixed else manifest.rows("train"))
+    reconcile(engine, rewinds_of(read_events(str(run_dir))), rewinder, chosen=resume_from is not None)
     engine.start_phase(schedule or PhaseSchedule(), fresh=resume_from is None and resume is None)
     t = cfg.train
 
@@ -79,10 +86,12 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
     extra = {"dataset_dir": absolute(dataset_dir), "phase": phase}
     hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
                            on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True,
-                                                           manifest=manifest))
+                                                           manifest=manifest),
+                           spikes=SpikeRecord(str(run_dir / RECORD_FILE)))
     try:
         with StopRequest() as stop:
-            res = fit(engine, train_batches, val_batches, hooks, max_steps=max_steps, stop=stop, evaluate=evaluate)
+            res = fit(engine, train_batches, val_batches, hooks, max_steps=max_steps, stop=stop, evaluate=evaluate,
+                      rewinder=rewinder)
     finally:
         if audit is not None:
             audit.close()

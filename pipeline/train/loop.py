@@ -23,6 +23,7 @@ from pipeline.tracking.names import (EVAL_DATA_WAIT, TRAIN_DATA_WAIT, TRAIN_LOSS
                                      TRAIN_TOKENS_PER_S, is_position_metric)
 from pipeline.train.audit_log import AuditLog
 from pipeline.train.engine import Engine, StepOutcome
+from pipeline.train.spike_rewind import Rewinder, outlier_event, rewind
 from pipeline.train.stop_request import StopRequest
 
 BatchIter = Iterator[dict[str, torch.Tensor]]
@@ -44,6 +45,8 @@ class Hooks:
     on_log: Callable[[Engine, dict[str, float]], None] | None = None
     on_eval: Callable[[Engine, dict[str, float]], None] | None = None
     on_checkpoint: Callable[[Engine, dict[str, float]], None] | None = None
+    # a loss-spike event (pipeline/train/spike_rewind.py: an outlier skipped or applied, a rewind, a stop): every rank
+    on_spike: Callable[[Engine, dict], None] | None = None
 
 
 class CheckpointClock:
@@ -75,7 +78,8 @@ class FitResult:
 def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, torch.Tensor]]],
         val_batches: Callable[[], Iterable[dict[str, torch.Tensor]]] | None, hooks: Hooks | None = None,
         *, max_steps: int | None = None, progress: bool = True, stop: StopRequest | None = None,
-        evaluate: Callable[[Engine, int], dict[str, float]] | None = None) -> FitResult:
+        evaluate: Callable[[Engine, int], dict[str, float]] | None = None,
+        rewinder: Rewinder | None = None) -> FitResult:
     """Train until engine.step == max_steps (default cfg.train.max_steps).
 
     train_batches(epoch, start) yields this worker's micro-batches from global sequence `start` of
@@ -83,6 +87,10 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
     exact next sequence. Each micro-batch advances the cursor by batch_size x world_size sequences.
     `evaluate(engine, max_batches)`, when given, evaluates instead of engine.evaluate(val_batches()) (a mixture:
     one validation split per source, pipeline/eval/sources.py).
+
+    Loss spikes (engine.spikes, pipeline/train/spike_guard.py): an outlier step is reported to hooks.on_spike; when
+    the guard calls for a rewind, every rank goes back to the checkpoint `rewinder` finds (pipeline/train/
+    spike_rewind.py) and the cursor jumps over the rows the run's rewinds skipped whenever it reaches them.
     """
     t = engine.cfg.train
     hooks = hooks or Hooks()
@@ -95,6 +103,7 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                                                                                                 "the training step")
     result = FitResult(step=engine.step, stopped_early=False)
     window_start = time.perf_counter()
+    _skip_rows(engine)
     it = iter(train_batches(engine.epoch, engine.cursor))
     waited = time.perf_counter() - window_start  # seconds of this logging window spent waiting for data
     # rank 0's progress (pipeline/console.py): a live bar in a terminal, a plain line at each log step in a log file
@@ -112,6 +121,8 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
             micro = []
             while len(micro) < t.grad_accum:
                 w0 = time.perf_counter()
+                if _skip_rows(engine):  # rows a rewind skipped, reached at an epoch's start or after a resume
+                    it = iter(train_batches(engine.epoch, engine.cursor))
                 batch = next(it, None)
                 if batch is None:  # end of epoch: the next one starts at sequence 0 in a new order
                     if engine.cursor == 0:
@@ -130,6 +141,16 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
                 outcome = engine.train_step(micro)
             if hooks.on_step:
                 hooks.on_step(engine, outcome, micro)
+            if outcome.spike is not None and outcome.spike.outlier and hooks.on_spike:
+                hooks.on_spike(engine, outlier_event(engine, outcome))
+            if outcome.rewind is not None:  # every rank at this step: the same broadcast and load on each
+                before = engine.step
+                with watch.region("the rewind past a loss spike (its checkpoint's choice and load)", before):
+                    rewind(engine, outcome.rewind, rewinder, hooks.on_spike)
+                _skip_rows(engine)
+                it = iter(train_batches(engine.epoch, engine.cursor))
+                bar.update(engine.step - before)
+                continue
             if outcome.skipped:
                 continue
             bar.update(1)
@@ -177,6 +198,16 @@ def fit(engine: Engine, train_batches: Callable[[int, int], Iterable[dict[str, t
     return result
 
 
+def _skip_rows(engine: Engine) -> bool:
+    """Move the data cursor past the rows the run's rewinds skipped when it stands at (or in) them; whether it moved.
+    Ranges begin at a checkpoint's cursor, a step boundary, so a run with the same rows per step lands on them."""
+    end = engine.spikes.jump(engine.phase, engine.epoch, engine.cursor)
+    if end is None:
+        return False
+    engine.cursor = end
+    return True
+
+
 HOLD_ENV = "LONGTRAIN_TRAIN_HOLD"
 
 
@@ -220,9 +251,12 @@ def evaluate_timed(engine: Engine, batches: Iterable[dict[str, torch.Tensor]], m
 
 def standard_hooks(tracker=None, audit: AuditLog | None = None,
                    on_checkpoint: Callable[[Engine, dict[str, float]], None] | None = None,
-                   on_eval_extra: Callable[[Engine, dict[str, float]], None] | None = None) -> Hooks:
+                   on_eval_extra: Callable[[Engine, dict[str, float]], None] | None = None,
+                   spikes=None, say: Callable[[str], None] = print) -> Hooks:
     """The hooks every launcher wants: metrics to the tracker (rank 0 passes one), the data audit,
-    and the launcher's own checkpoint writer."""
+    and the launcher's own checkpoint writer. A loss-spike event: its line on rank 0's console (`say`), a tag and the
+    spike counts in MLflow (the tracker's rank), and the run's spikes.json (`spikes`: rank 0's
+    pipeline/train/spike_record.py SpikeRecord)."""
 
     def log(engine: Engine, metrics: dict[str, float]) -> None:
         if tracker is not None:
@@ -235,5 +269,18 @@ def standard_hooks(tracker=None, audit: AuditLog | None = None,
         if on_eval_extra is not None:
             on_eval_extra(engine, metrics)
 
+    def on_spike(engine: Engine, event: dict) -> None:
+        if engine.rank == 0:
+            say(event["line"])
+        index = spikes.add(event) if spikes is not None else None
+        if tracker is not None:
+            from pipeline.tracking.names import TRAIN_SPIKE_REWINDS, TRAIN_SPIKE_SKIPS, spike_tag
+
+            if index is not None:
+                tracker.set_tags({spike_tag(index): event["line"]})
+            rewinds = len(engine.spikes.rewinds) + (event["kind"] == "rewind")  # a rewind's is recorded as it loads
+            tracker.log_metrics({TRAIN_SPIKE_SKIPS: float(engine.spikes.skips), TRAIN_SPIKE_REWINDS: float(rewinds)},
+                                step=event["step"])
+
     return Hooks(on_step=audit.write if audit is not None else None, on_log=log, on_eval=on_eval,
-                 on_checkpoint=on_checkpoint)
+                 on_checkpoint=on_checkpoint, on_spike=on_spike)

@@ -119,6 +119,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.data.shards import EvalSplit, Manifest, ray_batches
     from pipeline.eval.sources import SourceValidation
     from pipeline.tracking.tracker import open_tracker
+    from pipeline.train.spike_record import RECORD_FILE, SpikeRecord, read_events, rewinds_of
+    from pipeline.train.spike_rewind import Rewinder, reconcile
     from pipeline.train.checkpoints.ray_upload import (CheckpointUploads, load_chosen, load_restored, wait_for_storage,
                                                 written_by)
 
@@ -148,7 +150,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     restored = ray.train.get_checkpoint()
     meta, resumed = None, True  # resumed: inside the phase (its optimizer state is the checkpoint's)
     chosen = lc.get("resume_from")  # `train --resume RUN --checkpoint PATH`: until this fit reports its own
-    if chosen and (restored is None or not written_by(restored, lc)):
+    from_chosen = bool(chosen) and (restored is None or not written_by(restored, lc))
+    if from_chosen:
         meta = load_chosen(engine, chosen)
     elif restored is not None:
         meta = load_restored(engine, restored, lc["ray_storage"])
@@ -157,8 +160,14 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     if not resumed and lc.get("init_from"):  # the first attempt of a new phase: previous phase's state, new data
         meta = engine.load(lc["init_from"])  # on object storage: sharded read in place, full copied first
         engine.epoch, engine.cursor, engine.phase = 0, 0, lc.get("phase", 0)
-    engine.start_phase(PhaseSchedule(**lc.get("schedule", {})), fresh=not resumed)
     run_storage = lc["run_storage"]
+    # Loss spikes: a rewind goes back to this phase's checkpoints in Ray's storage; the run's record (spikes.json in
+    # its storage) holds the rewinds a checkpoint written before them does not know of (a restart after a rewind)
+    mixed = (lc["manifest"].get("source") or {}).get("kind") == "mixture"
+    rewinder = Rewinder(join(lc["ray_storage"], f"phase{lc.get('phase', 0)}"),
+                        epoch_rows=None if mixed else Manifest.from_dict(lc["manifest"]).rows("train"))
+    reconcile(engine, rewinds_of(read_events(run_storage)), rewinder, worker_print, chosen=from_chosen)
+    engine.start_phase(PhaseSchedule(**lc.get("schedule", {})), fresh=not resumed)
     tracker = open_tracker(cfg, rank=rank, run_id=lc.get("mlflow_run_id")) if lc.get("mlflow_run_id") else None
     resumes = elastic.ResumeReport(run_storage, lc.get("phase", 0)) if rank == 0 else None
     if resumes is not None:
@@ -201,6 +210,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     required = lc.get("required_metric")
     # ray.checkpoint_upload: sync (the default) waits for each upload; async uploads in Ray Train's background thread
     uploads = CheckpointUploads(lc["ray_storage"], cfg.ray.checkpoint_upload, rank)
+    rewinder.settle = uploads.settle  # a rewind looks for its checkpoint once this worker's upload in flight is done
 
     def on_checkpoint(e, metrics) -> None:
         # Every worker reports (Ray Train synchronises on it). Rank 0 attaches the one copy of a full checkpoint;
@@ -229,7 +239,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     if engine.sharded and lc.get("mlflow_run_id") and t.sample_tokens > 0:
         samples = _gathered(samples)  # every worker gathers the weights; rank 0 generates
 
-    hooks = standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples)
+    hooks = standard_hooks(tracker, audit, on_checkpoint, on_eval_extra=samples,
+                           spikes=SpikeRecord(join(run_storage, RECORD_FILE)) if rank == 0 else None, say=worker_print)
     if resumes is not None:  # train/world_size, and after a resume the work it cost
         log = hooks.on_log
         hooks.on_log = lambda e, metrics: log(e, resumes.logged(e, metrics))
@@ -237,7 +248,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     elastic.NOTICE.training = True
     try:
         res = fit(engine, train_batches, val_batches, hooks, max_steps=lc.get("max_steps"), progress=rank == 0,
-                  stop=stop, evaluate=evaluate)
+                  stop=stop, evaluate=evaluate, rewinder=rewinder)
     except BaseException as exc:
         if audit is not None:  # one try, no waiting, and never in place of the error that ends the attempt
             with faults.retry_window_of(0), contextlib.suppress(Exception):

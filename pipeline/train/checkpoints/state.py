@@ -412,6 +412,7 @@ def load(engine, directory: str | os.PathLike, weights_only_model: bool = False,
         engine.step, engine.epoch, engine.cursor = c["step"], c["epoch"], c["cursor"]
         engine.tokens_seen, engine.phase = c["tokens_seen"], c.get("phase", 0)
         engine.bad_steps_in_row, engine.bad_steps_total = c["bad_steps_in_row"], c["bad_steps_total"]
+        engine.spikes.load_state_dict(c.get("spikes"))  # the spike window, counts and the rows rewinds skipped
         # The cursor counts global sequences, so a resume on another worker count stays exact.
     return meta
 

@@ -408,6 +408,25 @@ class TrainSession:
         self.cfg, self.phases = sized.cfg, [Phase(sized.cfg.train.max_steps)]
         return sized
 
+    def _spike_events(self) -> list[dict[str, Any]]:
+        """The run's loss-spike events (pipeline/train/spike_record.py, in the run's storage); [] when there are
+        none or they cannot be read now (the run's outcome stands without them)."""
+        from pipeline.storage import StorageError, run_storage
+        from pipeline.train.spike_record import read_events
+
+        try:
+            with faults.retry_window_of(0):
+                return read_events(run_storage(self.cfg, self.run_dir))
+        except (StorageError, OSError, ValueError):
+            return []
+
+    @staticmethod
+    def _spike_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
+        """run.json's `spikes` (counts and every skipped range of rows), when the run had any."""
+        from pipeline.train.spike_record import summary
+
+        return {"spikes": summary(events)} if events else {}
+
     def _register(self, tracker, checkpoint: Path | str, name: str) -> None:
         """Export the final checkpoint to <run_dir>/hf_model and register it as a version of `name`."""
         from pipeline.train.handoff.hf_export import export_checkpoint, register_export
@@ -423,9 +442,12 @@ class TrainSession:
         of the error that ended it: what fails here is dropped, and nothing waits for storage."""
         from pipeline.tracking.curves import plot_training_curves
         from pipeline.tracking.names import METRICS
+        from pipeline.train.spike_record import curve_markers
 
+        events = self._spike_events()
         try:
-            self._record(status={"FINISHED": "finished", "KILLED": "stopped", "FAILED": "failed"}[status])
+            self._record(status={"FINISHED": "finished", "KILLED": "stopped", "FAILED": "failed"}[status],
+                         **self._spike_summary(events))
         except Exception:  # noqa: BLE001 -- a run that failed (a full disk, say) keeps its own error, not this one
             if status != "FAILED":
                 raise
@@ -437,7 +459,8 @@ class TrainSession:
                 for m in tracker.client.get_metric_history(tracker.run_id, name):
                     by_step.setdefault(m.step, {"step": m.step})[name] = m.value
             history = [by_step[s] for s in sorted(by_step)]
-            png = plot_training_curves(history, self.run_dir / "training_curves.png", title=self.run_dir.name)
+            png = plot_training_curves(history, self.run_dir / "training_curves.png", title=self.run_dir.name,
+                                       spikes=curve_markers(events))
             if status != "FAILED":
                 tracker.log_later(png.name, path=png)
                 tracker.log_later(RUN_FILE, path=self.run_dir / RUN_FILE)
