@@ -235,3 +235,52 @@ def test_two_ray_train_workers_rewind_alike_and_resume_across_it(ray_session, ml
     skips = {(m.step, m.value) for m in client.get_metric_history(tracker.run_id, TRAIN_SPIKE_SKIPS)}
     assert {(25, 1.0), (28, 2.0)} <= skips  # counted along the timeline: the rewind went back to before both
     assert (40, 0.0) in skips
+
+
+def fsdp_rewinds(rank: int, world: int, dataset: str, folder: str) -> dict:
+    """Two FSDP workers (gloo) train the spiky rows with the loop every launcher uses, every worker writing its shards
+    of a checkpoint every 3 steps; the rewind's checkpoint is chosen by rank 0 and loaded by both (DCP's collective
+    load). Returns the spike events and the final whole weights' path (rank 0 writes them)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from pipeline.data.shards import ShardReader
+    from pipeline.train.engine import Engine
+    from pipeline.train.loop import Hooks, fit
+    from pipeline.train.spike_rewind import Rewinder
+
+    cfg = cfg_for(Path(folder), **{"train.batch_size": B // world})
+    engine = Engine(cfg, VOCAB, torch.device("cpu"), rank=rank, world_size=world, parallel="fsdp")
+    events: list[dict] = []
+
+    def on_checkpoint(e, metrics) -> None:
+        e.save(Path(folder) / "ckpt" / f"step_{e.step:06d}")  # every worker: its shards
+
+    t = cfg.train
+    fit(engine, lambda epoch, start: ShardReader(dataset, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start,
+                                                 rank=rank, world_size=world),
+        None, Hooks(on_checkpoint=on_checkpoint, on_spike=lambda e, ev: events.append(ev)), progress=False,
+        rewinder=Rewinder(str(Path(folder) / "ckpt"), epoch_rows=N_TRAIN))
+    whole = get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True))
+    out = str(Path(folder) / "fsdp_final.safetensors")
+    if rank == 0:
+        save_file({k.removeprefix("decoder."): v.detach().contiguous() for k, v in whole.items()}, out)
+    return {"events": [(e["kind"], e["step"]) for e in events], "step": engine.step, "parallel": engine.parallel,
+            "layout": json.loads((Path(folder) / "ckpt" / "step_000024" / "meta.json").read_text())["layout"],
+            "ranges": engine.spikes.ranges(), "weights": out}
+
+
+def test_two_fsdp_workers_rewind_to_a_sharded_checkpoint(rewound, datasets, tmp_path):
+    """FSDP: the same skips and rewind as one process, back to a sharded checkpoint every worker loads its part of;
+    the final weights equal the one-process run's to the order of floating-point sums (tests/pipeline/train/
+    test_fsdp.py's tolerance)."""
+    from pipeline.train.distributed.process_group import run_workers
+
+    got = run_workers(fsdp_rewinds, 2, str(datasets["spiky"]), str(tmp_path))
+    assert got[0] == got[1] | {"weights": got[0]["weights"]}  # both ranks saw and did the same
+    r = got[0]
+    assert (r["parallel"], r["layout"], r["step"]) == ("fsdp", "sharded", 40)
+    assert r["events"] == [["skip", 25], ["skip", 28], ["rewind", 27]] and r["ranges"] == SKIPPED
+    want, have = weights(rewound[1]), load_file(r["weights"])
+    for name, tensor in want.items():
+        torch.testing.assert_close(have[name], tensor, rtol=1e-4, atol=1e-5)
