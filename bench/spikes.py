@@ -10,8 +10,10 @@ Step time: two engines of the same config and seed, one with train.spike_action=
 (the default window of 128 steps, armed after 8 so that it tests every step measured), take the same batches; their
 steps
 alternate (on, off, off, on, ...), each timed by the engine's own clock around train_step (its one host sync ends
-it, pipeline/train/engine.py). Reported: the median step of each side, their ratio, and the median of the per-pair
-ratios. On CUDA also the host syncs one step makes on each side (torch.cuda.set_sync_debug_mode counts them): the
+it, pipeline/train/engine.py), and by the CPU time the process spent in it (`time.process_time`: on a machine shared
+with other work the wall clock mostly measures the others; --threads 1, the default, keeps torch on one thread so
+that the CPU time is the step's work). Reported for each clock: the median step of each side, their ratio, and the
+median of the per-pair ratios. On CUDA also the host syncs one step makes on each side (torch.cuda.set_sync_debug_mode counts them): the
 verdict rides on the step's existing transfer, so the counts should be equal. One process: the all-reduce of the loss
 that several workers add (one number per step) is not in this figure.
 
@@ -73,24 +75,26 @@ def step_time(args) -> dict:
              "off": Engine(config(args, **window, **{"train.spike_action": "off"}), vocab)}
     batches = list(synthetic_batches(n_sequences=args.batch_size * (args.steps + args.warmup), seq_len=args.seq_len,
                                      vocab_size=vocab, batch_size=args.batch_size))
-    times: dict[str, list[float]] = {"on": [], "off": []}
+    times = {clock: {"on": [], "off": []} for clock in ("wall", "cpu")}
     for i, batch in enumerate(batches):
         order = ("on", "off") if i % 2 == 0 else ("off", "on")
         for side in order:
             engine = sides[side]
-            start = engine.clock()
+            start, cpu = engine.clock(), time.process_time()
             engine.train_step([batch])
             if i >= args.warmup:
-                times[side].append(engine.clock() - start)
-    on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    armed = sides["on"].spikes.detector.armed
-    syncs = {side: sync_count(engine, batches[-1]) for side, engine in sides.items()}
-    return {"steps_timed": len(times["on"]), "warmup_steps": args.warmup, "detector_armed": armed,
-            "median_step_s": {"on": on, "off": off}, "ratio_on_off": on / off,
-            "median_pair_ratio": statistics.median(a / b for a, b in zip(times["on"], times["off"])),
-            "iqr_step_s": {k: [statistics.quantiles(v, n=4)[0], statistics.quantiles(v, n=4)[2]]
-                           for k, v in times.items()},
-            "outliers_flagged": sides["on"].spikes.skips, "host_syncs_per_step": syncs}
+                times["wall"][side].append(engine.clock() - start)
+                times["cpu"][side].append(time.process_time() - cpu)
+    out = {"steps_timed": len(times["wall"]["on"]), "warmup_steps": args.warmup, "threads": torch.get_num_threads(),
+           "detector_armed": sides["on"].spikes.detector.armed, "outliers_flagged": sides["on"].spikes.skips,
+           "host_syncs_per_step": {side: sync_count(engine, batches[-1]) for side, engine in sides.items()}}
+    for clock, t in times.items():
+        on, off = statistics.median(t["on"]), statistics.median(t["off"])
+        out[clock] = {"median_step_s": {"on": on, "off": off}, "ratio_on_off": on / off,
+                      "median_pair_ratio": statistics.median(a / b for a, b in zip(t["on"], t["off"])),
+                      "iqr_step_s": {k: [statistics.quantiles(v, n=4)[0], statistics.quantiles(v, n=4)[2]]
+                                     for k, v in t.items()}}
+    return out
 
 
 def one_rewind(args, tmp: Path) -> dict:
@@ -162,19 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rewind-steps", type=int, default=40, help="max_steps of the rewind runs")
     p.add_argument("--checkpoint-every", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="rewind run and baseline, alternated, this many times")
+    p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (0: torch's default)")
     p.add_argument("--skip-rewind", action="store_true", help="the step time only")
     p.add_argument("--smoke", action="store_true", help="tiny and fast: the plumbing")
     p.add_argument("--out", help="write the JSON here (default bench/results/)")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup, args.rounds, args.rewind_steps = 4, 9, 1, 32
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shape = {"tier": args.tier, "seq_len": args.seq_len, "batch_size": args.batch_size}
     result = {"shape": shape, "step_time": step_time(args)}
     st = result["step_time"]
-    print(f"step time: detection on {st['median_step_s']['on'] * 1e3:.2f} ms, off "
-          f"{st['median_step_s']['off'] * 1e3:.2f} ms: ratio {st['ratio_on_off']:.3f} (median of pairs "
-          f"{st['median_pair_ratio']:.3f}, {st['steps_timed']} steps each); host syncs per step "
-          f"{st['host_syncs_per_step']}")
+    for clock in ("wall", "cpu"):
+        c = st[clock]
+        print(f"step time ({clock}): detection on {c['median_step_s']['on'] * 1e3:.2f} ms, off "
+              f"{c['median_step_s']['off'] * 1e3:.2f} ms: ratio {c['ratio_on_off']:.3f} (median of pairs "
+              f"{c['median_pair_ratio']:.3f}, {st['steps_timed']} steps each)")
+    print(f"host syncs per step: {st['host_syncs_per_step']} (counted on CUDA only)")
     if not args.skip_rewind:
         with tempfile.TemporaryDirectory() as tmp:
             result["one_rewind"] = rw = one_rewind(args, Path(tmp))

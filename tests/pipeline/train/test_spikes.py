@@ -4,7 +4,7 @@ The data: learnable rows (pipeline/data/synthetic.py counting_row) with two one-
 the positions attempts 25 and 29 read in epoch 0 (write_spiky_dataset). The model meets the first when it has learned
 the pattern: its gradient norm is ~12 against a limit of ~1 (8-step window, 6 deviations), so the step is skipped;
 the second, 4 attempts later, makes 2 outliers within 10 steps, and the run rewinds to its checkpoint of step 24,
-skips 8 steps' worth of rows from there (positions 192-255, both windows inside), and trains on to step 40. A
+skips 8 steps' worth of rows from there (positions 192-255, both windows inside), and trains on to step 32. A
 checkpoint of step 27 was written between the two outliers: the rewind abandons it.
 
     .venv/bin/python -m pytest -q tests/pipeline/train/test_spikes.py
@@ -34,12 +34,13 @@ pytestmark = pytest.mark.system
 B, SEQ, VOCAB, N_TRAIN, SEED = 8, 32, 128, 512, 1234
 BAD = [(24 * B, 25 * B), (28 * B, 29 * B)]  # the rows attempts 25 and 29 read
 SKIPPED = [{"phase": 0, "epoch": 0, "start": 192, "end": 256}]  # from step 24's cursor, 8 steps of 8 rows
+STEPS = 32  # the rewind at step 27 goes back to 24; 8 steps more after it
 VAL_TOLERANCE = 0.01  # relative: the rewound run's final validation loss against a run that never saw the windows
 
 
 def cfg_for(root: Path, **over):
-    base = {"data.seq_len": SEQ, "data.vocab_size": 256, "train.batch_size": B, "train.max_steps": 40,
-            "train.seed": SEED, "train.warmup_steps": 5, "train.log_every": 5, "train.eval_every": 40,
+    base = {"data.seq_len": SEQ, "data.vocab_size": 256, "train.batch_size": B, "train.max_steps": STEPS,
+            "train.seed": SEED, "train.warmup_steps": 5, "train.log_every": 5, "train.eval_every": 1000,
             "train.checkpoint_every": 3, "train.keep_checkpoints": 20, "model.compile": "off",
             "train.sample_tokens": 0, "run.root": str(root), "tracking.enabled": False,
             "train.spike_window": 8, "train.spike_warmup_steps": 8, "train.spike_rewind_outliers": 2,
@@ -89,7 +90,7 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_spike_is_skipped_then_rewound_past_with_its_rows_skipped_and_recorded(rewound, datasets, capsys):
-    """Two outliers skipped, one rewind to step 24 with positions 192-255 skipped, and the run finishes at step 40;
+    """Two outliers skipped, one rewind to step 24 with positions 192-255 skipped, and the run finishes at step 32;
     every row of the epoch up to where it stopped was trained on once, except the recorded skipped rows, which hold
     both bad windows; `validate RUN` lists it all."""
     run_dir, checkpoint = rewound
@@ -99,15 +100,16 @@ def test_a_spike_is_skipped_then_rewound_past_with_its_rows_skipped_and_recorded
     assert events[2]["rewind"]["to_step"] == 24 and events[2]["rewind"]["checkpoint"].endswith("step_000024")
     assert summary(events)["skipped_rows"] == SKIPPED
     meta = json.loads((checkpoint / "meta.json").read_text())
-    assert meta["counters"]["step"] == 40 and meta["counters"]["spikes"]["rewinds"] == [events[2]["rewind"]]
+    assert meta["counters"]["step"] == STEPS and meta["counters"]["spikes"]["rewinds"] == [events[2]["rewind"]]
 
     order = epoch_order(N_TRAIN, SEED, 0)
     by_cursor = rows_by_cursor(run_dir, SKIPPED)
-    assert list(by_cursor) == [8 * i for i in range(1, 25)] + [256 + 8 * i for i in range(1, 17)]
+    assert list(by_cursor) == [8 * i for i in range(1, 25)] + [256 + 8 * i for i in range(1, STEPS - 24 + 1)]
     consumed = [i for ids in by_cursor.values() for i in ids]
     skipped = [int(i) for r in SKIPPED for i in order[r["start"]:r["end"]]]
     assert len(set(consumed)) == len(consumed) and not set(consumed) & set(skipped)
-    assert sorted(consumed + skipped) == sorted(int(i) for i in order[:384]), "a row was lost or read twice"
+    assert sorted(consumed + skipped) == sorted(int(i) for i in order[:256 + 8 * (STEPS - 24)]), \
+        "a row was lost or read twice"
     assert set(datasets["bad_ids"]) <= set(skipped) and not set(datasets["bad_ids"]) & set(consumed)
 
     from pipeline.run import main
@@ -135,7 +137,7 @@ def test_the_rewound_run_ends_near_a_run_that_never_saw_the_windows_and_detectio
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "detection changed a run without spikes"
     assert not (tmp_path / "on" / RECORD_FILE).exists()
     meta = json.loads((Path(on) / "meta.json").read_text())
-    assert meta["counters"]["spikes"]["detector"]["count"] == 40  # it armed and watched every step
+    assert meta["counters"]["spikes"]["detector"]["count"] == STEPS  # it armed and watched every step
 
     clean_loss = meta["metrics"][VAL_LOSS]
     rewound_loss = json.loads((rewound[1] / "meta.json").read_text())["metrics"][VAL_LOSS]
@@ -144,8 +146,8 @@ def test_the_rewound_run_ends_near_a_run_that_never_saw_the_windows_and_detectio
 
 def test_exact_resume_across_a_rewind_after_a_crash_and_after_a_stop(rewound, datasets, tmp_path, monkeypatch, capsys):
     """The process dies right after the rewind, before any checkpoint: the newest checkpoint on disk (step 27) is one
-    the rewind abandoned. The resume replaces it with step 24's, skips the recorded rows, stops at step 33 (a
-    checkpoint), and a second resume trains to 40: the same rows per step and bitwise the same weights as the
+    the rewind abandoned. The resume replaces it with step 24's, skips the recorded rows, stops at step 29 (a
+    checkpoint), and a second resume trains to 32: the same rows per step and bitwise the same weights as the
     uninterrupted run."""
     import pipeline.train.loop as loop
     from pipeline.train.local import train_local
@@ -163,10 +165,10 @@ def test_exact_resume_across_a_rewind_after_a_crash_and_after_a_stop(rewound, da
     monkeypatch.setattr(loop, "rewind", real)
     assert (run_dir / "checkpoints" / "phase0" / "step_000027").is_dir()
     capsys.readouterr()
-    stop, _ = train_local(cfg, datasets["spiky"], run_dir, None, audit_data=True, max_steps=33)
+    stop, _ = train_local(cfg, datasets["spiky"], run_dir, None, audit_data=True, max_steps=29)
     assert "resume: the checkpoint of step 27 was written before the rewind at step 27 went back to step 24" in \
         capsys.readouterr().out
-    assert Path(stop).name == "step_000033"
+    assert Path(stop).name == "step_000029"
     end, _ = train_local(cfg, datasets["spiky"], run_dir, None, audit_data=True)
 
     a, b = weights(rewound[1]), weights(Path(end))
@@ -216,7 +218,7 @@ def test_two_ray_train_workers_rewind_alike_and_resume_across_it(ray_session, ml
     assert not thread.is_alive(), "training did not finish in time"
     assert "error" not in result, result.get("error")
     assert killed is not None, "the run ended before the rewind"
-    assert result["out"].metrics["step"] == 40
+    assert result["out"].metrics["step"] == STEPS
     restarted = [line for line in audit_lines(run_dir) if line["rank"] == 1 and line["pid"] != killed]
     assert restarted and (restarted[0]["step"], restarted[0]["cursor"]) == (25, 264), \
         "the restart did not go on from step 24 past the skipped rows"
@@ -231,10 +233,10 @@ def test_two_ray_train_workers_rewind_alike_and_resume_across_it(ray_session, ml
     assert [tags.get(spike_tag(i), "")[:22] for i in range(3)] == ["spike: step 25 skipped", "spike: step 28 skipped",
                                                                    "spike: rewind 1 of at "]
     rewinds = {(m.step, m.value) for m in client.get_metric_history(tracker.run_id, TRAIN_SPIKE_REWINDS)}
-    assert {(25, 0.0), (27, 1.0), (40, 1.0)} <= rewinds and max(v for _, v in rewinds) == 1.0
+    assert {(25, 0.0), (27, 1.0), (STEPS, 1.0)} <= rewinds and max(v for _, v in rewinds) == 1.0
     skips = {(m.step, m.value) for m in client.get_metric_history(tracker.run_id, TRAIN_SPIKE_SKIPS)}
     assert {(25, 1.0), (28, 2.0)} <= skips  # counted along the timeline: the rewind went back to before both
-    assert (40, 0.0) in skips
+    assert (STEPS, 0.0) in skips
 
 
 def fsdp_rewinds(rank: int, world: int, dataset: str, folder: str) -> dict:
@@ -279,7 +281,7 @@ def test_two_fsdp_workers_rewind_to_a_sharded_checkpoint(rewound, datasets, tmp_
     got = run_workers(fsdp_rewinds, 2, str(datasets["spiky"]), str(tmp_path))
     assert got[0] == got[1] | {"weights": got[0]["weights"]}  # both ranks saw and did the same
     r = got[0]
-    assert (r["parallel"], r["layout"], r["step"]) == ("fsdp", "sharded", 40)
+    assert (r["parallel"], r["layout"], r["step"]) == ("fsdp", "sharded", STEPS)
     assert r["events"] == [["skip", 25], ["skip", 28], ["rewind", 27]] and r["ranges"] == SKIPPED
     want, have = weights(rewound[1]), load_file(r["weights"])
     for name, tensor in want.items():
