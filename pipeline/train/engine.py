@@ -356,8 +356,7 @@ class Engine:
         guard = self.spikes
         if guard.enabled:  # the verdict rides on the step's one sync (7 numbers instead of 1 flag)
             loss_all = self._mean_over_ranks(loss_total)  # every rank decides on the same numbers
-            finite_t = torch.isfinite(loss_all) & torch.isfinite(grad_norm)
-            verdict = guard.detector.verdict(guard.detector.measure(loss_all, grad_norm, finite_t).tolist())
+            verdict = guard.detector.verdict(guard.detector.measure(loss_all, grad_norm).tolist())
             finite = verdict.finite
             hold, due = guard.observe(verdict, self.step)
         else:

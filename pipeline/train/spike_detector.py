@@ -3,7 +3,7 @@ applied, in the transfer to the host the step makes anyway. Ray-free; the engine
 pipeline/train/spike_guard.py, which decides what an outlier does).
 
     detector = SpikeDetector(SpikeSettings.of(cfg.train), device)
-    row = detector.measure(loss, grad_norm, finite)    # (7,) float64 on the device; queued ops, no sync
+    row = detector.measure(loss, grad_norm)            # (7,) float64 on the device; queued ops, no sync
     verdict = detector.verdict(row.tolist())           # the step's one transfer (the non-finite guard's) decides
     if not verdict.outlier and verdict.finite:
         detector.record(loss, grad_norm)               # into the window: a device copy, no sync
@@ -81,57 +81,51 @@ class Verdict:
 
 
 class SpikeDetector:
-    """The trailing window of losses and gradient norms (fp32, on the device) and the test against it.
+    """The trailing window of losses and gradient norms (fp64, on the device) and the test against it.
 
-    losses, norms: (window,) ring buffers; `count` (a host int) values were recorded, the newest at
-    (count - 1) % window. Nothing here reads a device value on its own: `measure` queues ops, `verdict` reads the row
-    the caller transferred with the step's own sync, `record` is a device copy at a host-known index."""
+    values: (2, window) ring buffer, row 0 the losses and row 1 the gradient norms (`losses`, `norms`: views of
+    them); `count` (a host int) steps were recorded, the newest at (count - 1) % window. Nothing here reads a device
+    value on its own: `measure` queues about fifteen small ops, `verdict` reads the row the caller transferred with
+    the step's own sync, `record` is one device copy at a host-known index."""
 
     def __init__(self, settings: SpikeSettings, device: torch.device):
         self.settings, self.device = settings, torch.device(device)
-        self.losses = torch.zeros(settings.window, dtype=torch.float32, device=self.device)
-        self.norms = torch.zeros(settings.window, dtype=torch.float32, device=self.device)
+        self.values = torch.zeros(2, settings.window, dtype=torch.float64, device=self.device)
+        self.losses, self.norms = self.values[0], self.values[1]
+        self._unarmed = torch.full((3,), math.nan, dtype=torch.float64, device=self.device)  # no limits, no mean
+        self._no = torch.zeros((), dtype=torch.bool, device=self.device)
         self.count = 0
 
     @property
     def armed(self) -> bool:
         return self.count >= max(2, self.settings.warmup_steps)
 
-    def measure(self, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-        """(7,) float64: finite, outlier, loss, loss limit, grad norm, grad norm limit, the window's mean loss (NaN
+    def measure(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """(7,) float64: finite, outlier, loss, grad norm, loss limit, grad norm limit, the window's mean loss (NaN
         limits and mean before the detector arms). loss, grad_norm: 0-d tensors of this step (the loss averaged over
-        every rank); finite: 0-d bool."""
-        loss, grad_norm = loss.detach().float(), grad_norm.detach().float()
+        every rank, the global gradient norm)."""
+        v = torch.stack([loss.detach(), grad_norm.detach()]).double()  # (2,)
+        finite = torch.isfinite(v).all()
         if not self.armed:
-            nan = torch.full((), math.nan, device=self.device)
-            return torch.stack([finite.double(), torch.zeros((), dtype=torch.float64, device=self.device),
-                                loss.double(), nan.double(), grad_norm.double(), nan.double(), nan.double()])
-        n = min(self.count, self.settings.window)
-        limits, means = [], []
-        for values in (self.losses[:n], self.norms[:n]):
-            sd, mean = torch.std_mean(values)
-            limits.append(mean + self.settings.sigmas * torch.maximum(sd, REL_FLOOR * mean.abs()))
-            means.append(mean)
-        outlier = finite & ((loss > limits[0]) | (grad_norm > limits[1]))
-        return torch.stack([finite.double(), outlier.double(), loss.double(), limits[0].double(),
-                            grad_norm.double(), limits[1].double(), means[0].double()])
+            return torch.cat([torch.stack([finite, self._no]).double(), v, self._unarmed])
+        sd, mean = torch.std_mean(self.values[:, :min(self.count, self.settings.window)], dim=1)  # (2,) each
+        limit = mean + torch.maximum(sd, mean.abs() * REL_FLOOR) * self.settings.sigmas
+        outlier = (v > limit).any() & finite
+        return torch.cat([torch.stack([finite, outlier]).double(), v, limit, mean[:1]])
 
     def verdict(self, row: list[float]) -> Verdict:
-        finite, outlier, loss, loss_limit, norm, norm_limit, mean = row
+        finite, outlier, loss, norm, loss_limit, norm_limit, mean = row
         return Verdict(finite=bool(finite), outlier=bool(outlier), loss=loss, loss_limit=loss_limit, grad_norm=norm,
                        grad_norm_limit=norm_limit, loss_mean=mean, window=min(self.count, self.settings.window))
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """A step that applied joins the window (replacing the oldest once it is full)."""
-        i = self.count % self.settings.window
-        self.losses[i] = loss.detach().float()
-        self.norms[i] = grad_norm.detach().float()
+        self.values[:, self.count % self.settings.window] = torch.stack([loss.detach(), grad_norm.detach()])
         self.count += 1
 
     def reset(self) -> None:
         """An empty window (a new phase: its data's loss level is its own); warm-up again."""
-        self.losses.zero_()
-        self.norms.zero_()
+        self.values.zero_()
         self.count = 0
 
     # A checkpoint holds the window, so a resumed run decides exactly as the run it continues (a device read: at
@@ -144,5 +138,4 @@ class SpikeDetector:
             self.reset()  # detection warms up again
             return
         self.count = int(state["count"])
-        self.losses.copy_(torch.tensor(state["losses"], dtype=torch.float32))
-        self.norms.copy_(torch.tensor(state["norms"], dtype=torch.float32))
+        self.values.copy_(torch.tensor([state["losses"], state["norms"]], dtype=torch.float64))

@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 def _step(detector: SpikeDetector, loss: float, norm: float = 1.0):
     """One step through the detector as the engine runs it: measure, one transfer, record what applied."""
     lt, nt = torch.tensor(loss), torch.tensor(norm)
-    verdict = detector.verdict(detector.measure(lt, nt, torch.isfinite(lt) & torch.isfinite(nt)).tolist())
+    verdict = detector.verdict(detector.measure(lt, nt).tolist())
     if verdict.finite and not verdict.outlier:
         detector.record(lt, nt)
     return verdict
@@ -83,7 +83,7 @@ def _guard(**settings) -> SpikeGuard:
 
 def _observe(g: SpikeGuard, loss: float, step: int, norm: float = 1.0):
     lt, nt = torch.tensor(loss), torch.tensor(norm)
-    v = g.detector.verdict(g.detector.measure(lt, nt, torch.isfinite(lt)).tolist())
+    v = g.detector.verdict(g.detector.measure(lt, nt).tolist())
     hold, due = g.observe(v, step)
     if v.finite and not v.outlier:
         g.detector.record(lt, nt)
@@ -286,7 +286,7 @@ def test_a_stop_for_spent_rewinds_is_one_line_and_not_retried():
                                "train.spike_max_rewinds": 1})
     engine = Engine(cfg, 64, CPU)
     engine.spikes.rewinds = [{"phase": 0, "to_step": 0, "ranges": []}]
-    verdict = engine.spikes.detector.verdict([1, 1, 9.0, 3.0, 1.0, 2.0, 2.5])
+    verdict = engine.spikes.detector.verdict([1, 1, 9.0, 1.0, 3.0, 2.0, 2.5])
     events = []
     with pytest.raises(SpikeStop) as err:
         rewind(engine, RewindDue("3 outliers within 100 steps", 0, verdict), None, lambda e, ev: events.append(ev))
