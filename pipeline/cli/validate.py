@@ -45,12 +45,14 @@ def stage_validate(cfg: Config, args: argparse.Namespace, argv: list[str]) -> in
 
 
 def _spike_lines(run_dir: Path) -> list[str]:
-    """The run's loss-spike events and skipped rows, from its record in the run's storage."""
+    """The run's loss-spike events and skipped rows, from its record in the run's storage (its directory for a --no-ray
+    run)."""
     from pipeline.config import from_flat
     from pipeline.storage import run_storage
     from pipeline.train.session.run_dir import read_run_file
     from pipeline.train.spike_record import read_events, report_lines
 
     record = read_run_file(run_dir)
-    store = run_storage(from_flat(record["config"]), run_dir) if record.get("config") else str(run_dir)
+    ray_run = record.get("config") and not record.get("no_ray")
+    store = run_storage(from_flat(record["config"]), run_dir) if ray_run else str(run_dir)
     return report_lines(read_events(store))

@@ -409,14 +409,14 @@ class TrainSession:
         return sized
 
     def _spike_events(self) -> list[dict[str, Any]]:
-        """The run's loss-spike events (pipeline/train/spike_record.py, in the run's storage); [] when there are
-        none or they cannot be read now (the run's outcome stands without them)."""
+        """The run's loss-spike events (pipeline/train/spike_record.py: in the run's storage, or its directory for a
+        --no-ray run); [] when there are none or they cannot be read now (the run's outcome stands without them)."""
         from pipeline.storage import StorageError, run_storage
         from pipeline.train.spike_record import read_events
 
         try:
             with faults.retry_window_of(0):
-                return read_events(run_storage(self.cfg, self.run_dir))
+                return read_events(run_storage(self.cfg, self.run_dir) if self.use_ray else str(self.run_dir))
         except (StorageError, OSError, ValueError):
             return []
 

@@ -294,3 +294,26 @@ def test_a_stop_for_spent_rewinds_is_one_line_and_not_retried():
     assert "\n" not in line and "made its 1 rewind(s) (train.spike_max_rewinds)" in line
     assert "train.spike_action=off" in line and [e["kind"] for e in events] == ["stop"] and events[0]["line"] == line
     assert repeats_on_retry(err.value)
+
+
+def test_the_run_record_gets_the_spike_summary_when_the_run_ends(tmp_path):
+    """run.json's `spikes` (counts and the skipped rows), from the run's spikes.json, as a --no-ray run keeps it."""
+    from pipeline.train.session.train_session import Phase, TrainSession
+
+    cfg = load_config("test", {"run.root": str(tmp_path), "tracking.enabled": False})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record = SpikeRecord(str(run_dir / "spikes.json"))
+    record.add(_event("skip", 25, 25))
+    record.add(_event("rewind", 27, 29, rewind={"phase": 0, "at_step": 27, "to_step": 24, "checkpoint": "c",
+                                                 "reason": "r", "ranges": [{"phase": 0, "epoch": 0, "start": 192,
+                                                                            "end": 256}]}))
+    session = TrainSession(cfg, run_dir, [Phase(8)], use_ray=False)
+
+    class NoRun:
+        run_id = None
+
+    session._finish(NoRun(), "FINISHED")
+    spikes = json.loads((run_dir / "run.json").read_text())["spikes"]
+    assert (spikes["skipped_steps"], spikes["rewinds"], spikes["rows_skipped"]) == (1, 1, 64)
+    assert spikes["skipped_rows"] == [{"phase": 0, "epoch": 0, "start": 192, "end": 256}]
