@@ -11,10 +11,11 @@ Hugging Face backend tokenizes it (the context encoded alone, the continuation a
 an empty context is the EOS token, which ends every document in the shards). Its answers:
 
 - loglikelihood: sum of log p(continuation | context) and whether greedy decoding gives the continuation. The
-  requests are grouped by their (truncated) context: each context runs once through the model into a KV cache (a
-  recurrent state for the resonance family), which is then copied to one row per continuation
-  (model/kv_cache.py select_rows), so the k choices of a question cost one context forward instead of k. Groups are
-  batched by length, longest first, up to `batch_tokens` tokens per forward.
+  requests are grouped by their (truncated) context: a context several requests share runs once through the model
+  into a KV cache (a recurrent state for the resonance family), which is then copied to one row per continuation
+  (model/kv_cache.py select_rows), so the k choices of a question cost one context forward instead of k; a context
+  nobody shares runs with its continuation in one plain causal forward. Both are batched by length, longest first,
+  up to `batch_tokens` tokens per forward.
 - loglikelihood_rolling (perplexity tasks): the harness's own rolling windows of max_length tokens, scored as above.
 - generate_until: greedy decoding (model/decode_loop.py) until a stop string, the EOS token or max_gen_toks.
 
@@ -112,12 +113,23 @@ class LongtrainLM(TemplateLM):
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]  # as the HF backend truncates
             groups[tuple(whole[:len(whole) - len(continuation)])].append((i, continuation))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for batch in self._batches(sorted(groups.items(), key=lambda g: -(len(g[0]) + max(map(len, (
+        shared = [g for g in groups.items() if len(g[1]) > 1]
+        alone = sorted(((i, list(ctx), cont) for ctx, members in groups.items() if len(members) == 1
+                        for i, cont in members), key=lambda r: -(len(r[1]) + len(r[2])))
+        for batch in self._batches(sorted(shared, key=lambda g: -(len(g[0]) + max(map(len, (
                 c for _, c in g[1])))))):
             for i, scored in self._score_batch(batch):
                 results[i] = scored
             if self.on_batch is not None:
                 self.on_batch(sum(len(g[1]) for g in batch))
+        start = 0
+        while start < len(alone):  # a context no other request shares: one plain forward, as the HF backend runs
+            rows = max(1, self.batch_tokens // (len(alone[start][1]) + len(alone[start][2])))
+            for i, scored in self._score_alone(alone[start:start + rows]):
+                results[i] = scored
+            if self.on_batch is not None:
+                self.on_batch(len(alone[start:start + rows]))
+            start += rows
         return results  # type: ignore[return-value]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -195,13 +207,35 @@ class LongtrainLM(TemplateLM):
                                  dtype=torch.long, device=device)  # (R, cont_len - 1)
             hidden = torch.cat([hidden, self.decoder(chunk, kv_cache=cache.select_rows(owner))], dim=1)
             self.forwards += 1
-        weight = self.decoder.output_weight.float()
-        out = []
-        for r, (_, i, cont) in enumerate(rows):
-            logits = F.linear(hidden[r, :len(cont)].float(), weight)  # (n, V)
-            logprobs = F.log_softmax(logits, dim=-1)
-            target = torch.tensor(cont, dtype=torch.long, device=device)
-            score = float(logprobs.gather(1, target[:, None]).sum())
-            greedy = bool((logits.argmax(dim=-1) == target).all())
-            out.append((i, (score, greedy)))
-        return out
+        return self._scores([i for _, i, _ in rows], hidden, [cont for _, _, cont in rows])
+
+    @torch.no_grad()
+    def _score_alone(self, items: list[tuple[int, list[int], list[int]]]) -> list[tuple[int, tuple[float, bool]]]:
+        """[(request index, context, continuation)] whose contexts nobody shares: context + continuation but its
+        last token, right-padded, in one causal forward without a cache."""
+        device, pad_id = self.device, self.eot_token_id
+        inputs = [(ctx + cont)[:-1] for _, ctx, cont in items]
+        width = max(map(len, inputs))
+        idx = torch.tensor([x + [pad_id] * (width - len(x)) for x in inputs], dtype=torch.long, device=device)
+        hidden = self.decoder(idx)  # (B, width, D)
+        self.forwards += 1
+        self.context_tokens += sum(len(ctx) for _, ctx, _ in items)
+        cont_len = max(len(cont) for _, _, cont in items)
+        # row b's continuation is predicted at positions len(ctx) - 1 .. len(ctx) + len(cont) - 2
+        where = torch.tensor([[min(len(ctx) - 1 + j, width - 1) for j in range(cont_len)] for _, ctx, _ in items],
+                             dtype=torch.long, device=device)  # (B, cont_len)
+        hidden = hidden.gather(1, where[..., None].expand(-1, -1, hidden.shape[-1]))
+        return self._scores([i for i, _, _ in items], hidden, [cont for _, _, cont in items])
+
+    def _scores(self, owners: list[int], hidden: torch.Tensor, conts: list[list[int]]):
+        """hidden (R, C, D): the states that predict each continuation's tokens (right-padded to C) ->
+        [(request index, (sum of log p, greedy))], in fp32."""
+        device, cont_len = hidden.device, hidden.shape[1]
+        lengths = torch.tensor([len(c) for c in conts], device=device)
+        target = torch.tensor([c + [self.eot_token_id] * (cont_len - len(c)) for c in conts], dtype=torch.long,
+                              device=device)  # (R, C)
+        logits = F.linear(hidden.float(), self.decoder.output_weight.float())  # (R, C, V)
+        scored = torch.arange(cont_len, device=device)[None] < lengths[:, None]  # (R, C): not a pad
+        logprob = F.log_softmax(logits, dim=-1).gather(2, target[..., None])[..., 0].masked_fill(~scored, 0.0)
+        hit = (logits.argmax(dim=-1) == target) | ~scored
+        return [(i, (float(lp), bool(g))) for i, lp, g in zip(owners, logprob.sum(1).tolist(), hit.all(1).tolist())]
