@@ -32,7 +32,7 @@ from typing import Any, Callable
 import yaml
 
 from pipeline.config import eval_task_names
-from pipeline.tracking.names import TASK_FAILED, task_metric, task_status_tag, task_stderr
+from pipeline.tracking.names import TASK_FAILED, task_metric, task_seconds, task_status_tag, task_stderr
 
 EXTRA_LINE = ("lm-evaluation-harness is not installed, which eval.tasks and `eval --tasks` need; install the eval "
               "extra: pip install -e '.[eval]'")
@@ -151,6 +151,8 @@ class TaskReport:
                 out[task_metric(r.name, metric)] = value
             for metric, value in r.stderr.items():
                 out[task_stderr(r.name, metric)] = value
+            if r.metrics:
+                out[task_seconds(r.name)] = r.seconds
         return {k: v for k, v in out.items() if math.isfinite(v)}
 
     @property

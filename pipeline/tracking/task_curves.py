@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline.tracking.names import (STDERR_SUFFIX, TASK_FAILED, TASK_STATUS_TAG_PREFIX, task_metric,
-                                     task_stderr)
+                                     task_seconds, task_stderr)
 
 TASK_CURVES = "eval_tasks.png"
 
@@ -74,7 +74,8 @@ def run_task_series(client, run_id: str) -> tuple[Series, dict[str, str]]:
     for task in tags:
         prefix = task_metric(task, "")
         for key in run.data.metrics:
-            if not key.startswith(prefix) or key.endswith(STDERR_SUFFIX) or "/" in key[len(prefix):]:
+            if (not key.startswith(prefix) or key.endswith(STDERR_SUFFIX) or "/" in key[len(prefix):]
+                    or key == task_seconds(task)):
                 continue
             metric = key[len(prefix):]
             errs = {m.step: m.value for m in client.get_metric_history(run_id, task_stderr(task, metric))} \
