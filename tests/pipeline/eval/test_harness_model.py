@@ -94,6 +94,26 @@ def test_perplexity_scores_equal_the_hf_backends(tiny, max_length):
     assert max(per_token) < 1e-4, per_token
 
 
+def test_greedy_generation_equals_the_hf_backends(tiny):
+    """generate_until: greedy, cut at the stop string; contexts of several lengths in one batch (left-padded)."""
+    from lm_eval.api.instance import Instance
+
+    ours, theirs = _models(tiny, 256)
+    texts = [json_line["context"] for json_line in _items(tiny[3]["builtin_cloze"])[:6]]
+    requests = [Instance("generate_until", {}, (t[:40 + 25 * i], {"until": ["."], "max_gen_toks": 12}), i)
+                for i, t in enumerate(texts)]
+    got, want = ours.generate_until(requests), theirs.generate_until(requests)
+    assert got == want and any(got)
+
+
+def _items(config: dict) -> list[dict]:
+    import json
+
+    path = config["dataset_kwargs"]["data_files"]["test"]
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def test_the_resonance_family_answers_as_its_own_plain_forward(tiny):
     """The shared-context path (a cache copied per choice) of a resonance model equals scoring each request by a
     plain forward over context + continuation."""
