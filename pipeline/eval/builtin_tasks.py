@@ -4,13 +4,13 @@ default run on the built-in corpus shows a benchmark curve without a download.
 
     config = builtin_task_config("builtin_cloze", dataset_dir, manifest, tokenizer)   # a harness task config (dict)
 
-builtin_cloze: which of four spans of CLOZE_WORDS words follows a passage of a held-out document: the right one is
-the passage's own next words, the three others are spans of other held-out documents (chance 0.25; acc, acc_norm).
+builtin_cloze: which of four orders of the CLOZE_WORDS words that follow a passage of a held-out document is the real
+one (the others are the same words shuffled; chance 0.25; acc, acc_norm).
 builtin_docs: each held-out document's log-likelihood in rolling windows (word and byte perplexity, bits per byte).
 
 The documents are the validation rows' tokens split at EOS and decoded with the dataset's tokenizer (a document cut
 by a row's edge is kept as the part the row holds). The data file is written once per dataset (its settings hash)
-into a local cache folder (LONGTRAIN_EVAL_TASKS_DIR, else <tmp>/longtrain-eval-tasks), atomically: the same bytes
+into a local cache folder (LONGTRAIN_EVAL_TASKS_DIR, else <tmp>/longtrain-eval-tasks, then <settings hash>-v<DATA_VERSION>/), atomically: the same bytes
 for every process that writes it, so concurrent scorers agree.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ CLOZE_WORDS = 6  # words per answer span
 CLOZE_CONTEXT_WORDS = (24, 64)  # words of passage before the answer (the shortest and longest)
 MAX_ITEMS = 200  # items per task at most (eval.limit takes fewer)
 SEED = 0
+DATA_VERSION = 2  # in the cache's folder name: a change to how the items are made writes them anew
 
 
 def held_out_documents(dataset_dir: str | Path, manifest, tokenizer, min_words: int = 8) -> list[str]:
@@ -61,30 +62,30 @@ def held_out_documents(dataset_dir: str | Path, manifest, tokenizer, min_words: 
 
 
 def cloze_items(docs: list[str], n: int = MAX_ITEMS, seed: int = SEED) -> list[dict[str, Any]]:
-    """Up to `n` items {context, choices (4 spans), label}: a passage of each document long enough, its next
-    CLOZE_WORDS words, and three spans of as many words from other documents. Deterministic for a seed."""
+    """Up to `n` items {context, choices (4), label}: a passage of each document long enough, then its next CLOZE_WORDS
+    words in their own order and in three other orders. The choices hold the same words, so only a model that has
+    learnt how words follow one another tells the real order from the others (how often a word occurs does not
+    help, and acc_norm, which divides by the bytes, equals acc). Deterministic for a seed."""
     rng = random.Random(seed)
-    words = [re.split(r"\s+", d.strip()) for d in docs]
     lo, hi = CLOZE_CONTEXT_WORDS
-    usable = [i for i, w in enumerate(words) if len(w) >= lo + CLOZE_WORDS]
-    spans = [i for i, w in enumerate(words) if len(w) >= CLOZE_WORDS]
     items = []
-    for i in usable:
-        if len(items) >= n or len(spans) < 4:
+    for doc in docs:
+        if len(items) >= n:
             break
-        w = words[i]
+        w = re.split(r"\s+", doc.strip())
+        if len(w) < lo + CLOZE_WORDS:
+            continue
         cut = rng.randint(lo, min(hi, len(w) - CLOZE_WORDS))
-        answer = " ".join(w[cut:cut + CLOZE_WORDS])
+        words = w[cut:cut + CLOZE_WORDS]
+        answer = " ".join(words)
         choices = [answer]
-        others = [j for j in spans if j != i]
-        rng.shuffle(others)
-        for j in others:
+        for _ in range(100):  # a span with few distinct words has fewer than four orders: left out
             if len(choices) == 4:
                 break
-            start = rng.randint(0, len(words[j]) - CLOZE_WORDS)
-            span = " ".join(words[j][start:start + CLOZE_WORDS])
-            if span not in choices:
-                choices.append(span)
+            order = words[:]
+            rng.shuffle(order)
+            if " ".join(order) not in choices:
+                choices.append(" ".join(order))
         if len(choices) < 4:
             continue
         rng.shuffle(choices)
@@ -113,7 +114,7 @@ def write_items(path: Path, items: list[dict[str, Any]]) -> Path:
 
 def task_data(name: str, dataset_dir: str | Path, manifest, tokenizer) -> Path:
     """The data file of builtin task `name` for this dataset, written when not there yet."""
-    path = cache_dir() / manifest.settings_hash / f"{name}.jsonl"
+    path = cache_dir() / f"{manifest.settings_hash}-v{DATA_VERSION}" / f"{name}.jsonl"
     if path.is_file():
         return path
     docs = held_out_documents(dataset_dir, manifest, tokenizer)

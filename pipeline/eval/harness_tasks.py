@@ -76,6 +76,9 @@ def quiet_harness() -> None:
     from tqdm import tqdm
 
     datasets.disable_progress_bars()
+    # the harness records `git describe` of the working directory in its results: not this model's (longtrain logs
+    # its own commit), and git's "fatal: not a git repository" on stderr outside a checkout
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
     for module in (lm_eval.api.task, lm_eval.evaluator):
         if getattr(module, "tqdm", None) is tqdm:
             module.tqdm = functools.partial(tqdm, disable=True)

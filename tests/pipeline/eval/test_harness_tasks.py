@@ -72,16 +72,17 @@ def test_the_report_names_its_metrics_tags_and_line():
     assert failed.failures == {"a": "the checkpoint did not load", "b": "the checkpoint did not load"}
 
 
-def test_cloze_items_are_passages_their_next_words_and_three_other_spans(tmp_path):
-    docs = [" ".join(f"w{d}_{i}" for i in range(80)) for d in range(6)]
+def test_cloze_items_are_passages_and_their_next_words_in_four_orders(tmp_path):
+    docs = [" ".join(f"w{d}_{i}" for i in range(80)) for d in range(6)] + ["too short to be used"]
     items = cloze_items(docs, seed=3)
     assert len(items) == 6 and items == cloze_items(docs, seed=3)
     for item in items:
         assert len(item["choices"]) == 4 and len(set(item["choices"])) == 4
+        assert len({tuple(sorted(c.split())) for c in item["choices"]}) == 1  # the same words in each
         answer = item["choices"][item["label"]].split()
         context = item["context"].split()
-        assert len(answer) == CLOZE_WORDS and answer[0].split("_")[0] == context[-1].split("_")[0]
-        assert int(answer[0].split("_")[1]) == int(context[-1].split("_")[1]) + 1  # the passage's own next words
+        assert len(answer) == CLOZE_WORDS
+        assert [int(w.split("_")[1]) for w in context + answer] == list(range(len(context) + CLOZE_WORDS))
     path = write_items(tmp_path / "x" / "builtin_cloze.jsonl", items)
     assert [json.loads(line) for line in path.read_text().splitlines()] == items
 
