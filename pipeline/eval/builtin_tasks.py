@@ -9,9 +9,9 @@ one (the others are the same words shuffled; chance 0.25; acc, acc_norm).
 builtin_docs: each held-out document's log-likelihood in rolling windows (word and byte perplexity, bits per byte).
 
 The documents are the validation rows' tokens split at EOS and decoded with the dataset's tokenizer (a document cut
-by a row's edge is kept as the part the row holds). The data file is written once per dataset (its settings hash)
-into a local cache folder (LONGTRAIN_EVAL_TASKS_DIR, else <tmp>/longtrain-eval-tasks, then <settings hash>-v<DATA_VERSION>/), atomically: the same bytes
-for every process that writes it, so concurrent scorers agree.
+by a row's edge is kept as the part the row holds). The data file is written once per dataset into a local cache
+folder (LONGTRAIN_EVAL_TASKS_DIR, else <tmp>/longtrain-eval-tasks; then <settings hash>-v<DATA_VERSION>/),
+atomically: the same bytes for every process that writes it, so concurrent scorers agree.
 """
 from __future__ import annotations
 

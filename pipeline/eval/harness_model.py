@@ -91,9 +91,10 @@ class LongtrainLM(TemplateLM):
         windows: list[tuple[None, list[int], list[int]]] = []
         owner: list[int] = []
         for i, (string,) in enumerate(req.args for req in requests):
-            for context, continuation in map(harness_utils.make_disjoint_window, harness_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            rolling = harness_utils.get_rolling_token_windows(token_list=self.tok_encode(string),
+                                                              prefix_token=self.prefix_token_id,
+                                                              max_seq_len=self.max_length, context_len=1)
+            for context, continuation in map(harness_utils.make_disjoint_window, rolling):
                 windows.append((None, context, continuation))
                 owner.append(i)
         totals = [0.0] * len(requests)

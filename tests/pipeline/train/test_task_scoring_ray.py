@@ -53,5 +53,5 @@ def test_tasks_are_scored_beside_training_and_a_failing_task_stops_nothing(ray_s
     # a checkpoint scored while the worker trained on: later steps were logged inside its scoring's time span
     beside = [m.step for m in scored if m.step < 40 and any(
         step > m.step and m.timestamp - 1000 * seconds[m.step] <= t <= m.timestamp for step, t in steps.items())]
-    assert beside, (f"no step was logged while a checkpoint was scored: scores {[(m.step, m.timestamp) for m in scored]}"
-                    f", seconds {seconds}, steps {sorted(steps.items())}")
+    assert beside, (f"no step was logged while a checkpoint was scored: scores "
+                    f"{[(m.step, m.timestamp) for m in scored]}, seconds {seconds}, steps {sorted(steps.items())}")
