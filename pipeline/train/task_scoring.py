@@ -74,10 +74,14 @@ def validation_config(cfg: Config, lc: dict[str, Any]):
 
     kwargs = {"config": cfg.flat(), "dataset_dir": lc["dataset_dir"], "ray_storage": lc["ray_storage"],
               "mlflow_run_id": lc.get("mlflow_run_id"), "manifest": lc["manifest"]}
+    # Outside any placement group (the run's end waits for its scoring, so the scoring must never wait for the run's
+    # own reservation). In a sweep's trial it reserves no CPU: trials that filled the cluster would otherwise each
+    # wait at their end for a scoring task that cannot start.
+    cpus = 0 if lc.get("required_metric") else cfg.eval.cpus
     return ValidationConfig(fn=score_reported_checkpoint,
                             task_config=ValidationTaskConfig(fn_kwargs=kwargs, timeout_s=cfg.eval.timeout_s or None),
-                            ray_remote_kwargs={"num_cpus": cfg.eval.cpus, "num_gpus": cfg.eval.gpus,
-                                               "max_retries": 0})
+                            ray_remote_kwargs={"num_cpus": cpus, "num_gpus": cfg.eval.gpus, "max_retries": 0,
+                                               "scheduling_strategy": "DEFAULT"})
 
 
 def score_reported_checkpoint(checkpoint, *, config: dict[str, Any], dataset_dir: str, ray_storage: str,
