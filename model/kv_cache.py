@@ -27,6 +27,7 @@ advances only `pos`, and whoever replays it keeps `length` in step (see generate
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -101,6 +102,19 @@ class KVCache:
     def advance(self, T: int) -> None:
         self.length += T
         self.pos += T
+
+    def select_rows(self, index: torch.Tensor) -> "KVCache":
+        """A cache whose row i is a copy of this cache's row index[i] (index (R,) int64): one prompt's prefix, computed
+        once, continued by several rows (the choices of a multiple-choice question, pipeline/eval/harness_model.py).
+        The RoPE tables are shared; keys, values and pads are copied."""
+        rows = copy.copy(self)
+        rows.batch_size = int(index.numel())
+        rows.k = [k.index_select(0, index) for k in self.k]
+        rows.v = [v.index_select(0, index) for v in self.v]
+        rows.left_pad = None if self.left_pad is None else self.left_pad.index_select(0, index)
+        rows.pad = self.pad.index_select(0, index)
+        rows.pos = self.pos.clone()
+        return rows
 
     # -- prefill and multi-token chunks (eager; shapes follow the chunk) ----------------------------------------
 

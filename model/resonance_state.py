@@ -25,6 +25,8 @@ and whoever replays it keeps `length`.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from cuda_ops.resonance_scan import lambdas
@@ -83,6 +85,17 @@ class ResonanceState:
     def advance(self, T: int) -> None:
         self.length += T
         self.pos += T
+
+    def select_rows(self, index: torch.Tensor) -> "ResonanceState":
+        """A state whose row i is a copy of this state's row index[i] (index (R,) int64): one prompt's prefix, run
+        once, continued by several rows (as model/kv_cache.py KVCache.select_rows). The weights are shared."""
+        rows = copy.copy(self)
+        rows.batch_size = int(index.numel())
+        rows.state = [s.index_select(0, index) for s in self.state]
+        rows.left_pad = None if self.left_pad is None else self.left_pad.index_select(0, index)
+        rows.pad = self.pad.index_select(0, index)
+        rows.pos = self.pos.clone()
+        return rows
 
     def valid(self, T: int, device: torch.device) -> torch.Tensor | None:
         """(B, T) bool, False at left-pad positions of the next T tokens (device ops, no host sync); None when the
