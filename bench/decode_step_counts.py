@@ -253,13 +253,16 @@ def main(argv: list[str] | None = None) -> int:
               "command": "python bench/decode_step_counts.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     if args.speed or args.speed_tree:
         rounds = {"this": [], "other": []}
+        load_before = os.getloadavg()
         for _ in range(args.repeat):
             if args.speed_tree:
                 rounds["other"].append(_speed_in(args.speed_tree.resolve(), args))
             rounds["this"].append(_speed_in(tree, args))
         med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in rounds.items() if v}
         result["speed"] = {"tier": args.tier, "speed_tree": str(args.speed_tree) if args.speed_tree else None,
-                           "rounds": rounds, "median_tokens_per_s": med}
+                           "rounds": rounds, "median_tokens_per_s": med,
+                           "load_average_before": [round(x, 2) for x in load_before],
+                           "load_average_after": [round(x, 2) for x in os.getloadavg()]}
         print(f"decode tokens/s, tier {args.tier} (median of {args.repeat}; 'short': after 32-token prompts, "
               f"{args.new_tokens} new tokens; 'long': the step after a cache of {args.long_len})")
         for m in med["this"]:

