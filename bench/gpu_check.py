@@ -2,9 +2,8 @@
 """One command verifies a GPU: the GPU tests, then every pending GPU figure, each step under its own time cap, the
 figures checked against the goals docs/benchmarks.md states, all written into one folder.
 
-    python bench/gpu_check.py --out DIR                          # the headline steps, 30 minutes at most
-    python bench/gpu_check.py --budget-min 9 --out DIR           # a lent GPU's first call: what fits in 9 minutes
-    python bench/gpu_check.py --steps mixer_32k fsdp --budget-min 4 --out DIR   # its second call: what it printed
+    python bench/gpu_check.py --budget-min 13.5 --out DIR        # a lent GPU's one call: the headline steps in order
+    python bench/gpu_check.py --steps sweep --budget-min 7.5 --out DIR   # what it printed it had no time for
     python bench/gpu_check.py --steps more --budget-min 60 --out DIR    # the longer runs still pending
     python bench/gpu_check.py --list                             # every step: group, caps, needs, command
     python bench/gpu_check.py --smoke --out DIR                  # every step at its smallest on a CPU: the plumbing
@@ -79,7 +78,7 @@ class Step:
     a pytest step `--junitxml`); `smoke` its smallest CPU form (None: not run under --smoke, `smoke_why` says why)."""
 
     name: str
-    group: str          # headline | more
+    group: str          # headline | pipeline | more
     cap_s: int          # time cap on an H100 (estimates from the 2026-11-24 runs; --cap NAME=S overrides)
     command: str
     smoke: str | None
@@ -110,34 +109,43 @@ def _train_speed(tier: str, table: bool) -> Step:
 
 
 STEPS: list[Step] = [
-    Step("gpu_tests", "headline", 240, "python -m pytest -q -m gpu tests/cuda_ops tests/model tests/pipeline/train",
-         "python -m pytest -q -m gpu tests/cuda_ops tests/model tests/pipeline/train", kind="pytest",
-         measures="correctness first: every GPU test (on a CPU they are collected and skipped)"),
-    Step("decoder", "headline", 75, "python bench/decoder_kernels.py", "python bench/decoder_kernels.py --smoke",
+    Step("gpu_tests", "headline", 150, "python -m pytest -q -m gpu tests/cuda_ops tests/model",
+         "python -m pytest -q -m gpu tests/cuda_ops tests/model", kind="pytest",
+         measures="correctness first: the kernels' and the model's GPU tests (on a CPU they are collected and skipped)"),
+    Step("decoder", "headline", 60, "python bench/decoder_kernels.py", "python bench/decoder_kernels.py --smoke",
          measures="fused CE vs eager and torch.compile (time, peak memory); top-p vs a torch sort; bytes per kernel"),
     Step("generate_short", "headline", 90, "python bench/generate.py --batch-sizes 1 8 64",
          "python bench/generate.py --smoke --batch-sizes 1 2", measures="tier B decode after 32-token prompts"),
-    Step("generate_long", "headline", 150, "python bench/generate.py --prompt-len 8192 32768 --batch-sizes 1",
-         "python bench/generate.py --smoke --prompt-len 16 32 --batch-sizes 1",
-         measures="attention decode after 8,192 and 32,768-token prompts"),
-    Step("generate_resonance", "headline", 75,
-         "python bench/generate.py --mixer resonance --prompt-len 32 8192 32768 --batch-sizes 1",
+    Step("decode_profile", "headline", 60, "python bench/decode_profile.py", "python bench/decode_profile.py --smoke",
+         measures="one graphed decode step of tier B at batch 1 and 64 under torch.profiler: kernels and GPU time "
+                  "per step beside the bytes it must move (after generate_short: inductor's cache has its graphs)"),
+    Step("generate_long", "headline", 60, "python bench/generate.py --prompt-len 8192 32768 --batch-sizes 1 "
+         "--samplers kernels --repeat 1", "python bench/generate.py --smoke --prompt-len 16 32 --batch-sizes 1",
+         measures="attention decode after 8,192 and 32,768-token prompts, and what comes before their first token"),
+    Step("generate_resonance", "headline", 60,
+         "python bench/generate.py --mixer resonance --prompt-len 32 8192 32768 --batch-sizes 1 --samplers kernels",
          "python bench/generate.py --smoke --mixer resonance --prompt-len 4 16 32 --batch-sizes 1",
          measures="resonance decode (its recurrent step in the compiled whole-step graph), short and long prompts"),
-    Step("engine_throughput", "headline", 75,
-         "python bench/engine_throughput.py --tier B --batch-size 2 --steps 6 --warmup 3 --attention flex",
-         "python bench/engine_throughput.py --smoke", measures="tier B training at 32,768 x 2, web documents"),
-    _mixer("mixer_32k", "headline", 120, "--seq-lens 32768 --steps 5 --gen-tokens 32",
-           measures="resonance vs attention at 32k, one document: training, decode at batch 1 and 64, saved bytes"),
-    Step("fsdp", "headline", 210, "python bench/fsdp.py --cases D:2 E:1 --ac all --seq-len 32768 --steps 5",
-         "python bench/fsdp.py --smoke", measures="FSDP on one GPU beside the unsharded engine: tiers D:2, E:1"),
-    Step("default_run", "headline", 330, "python pipeline/run.py", "python pipeline/run.py --preset test",
+    Step("default_run", "pipeline", 300, "python pipeline/run.py", "python pipeline/run.py --preset test",
          kind="default_run", needs=("ray",), in_tmp=True, smoke_cap_s=600,
          measures="the default run in an empty directory: console lines, wall time, final eval loss"),
-    Step("sweep", "headline", 420, "python pipeline/run.py tune --space tune_spaces/one_gpu_bs.yaml --preset gpu",
+    Step("sweep", "pipeline", 420, "python pipeline/run.py tune --space tune_spaces/one_gpu_bs.yaml --preset gpu",
          "python pipeline/run.py tune --space smoke_space.yaml --preset test", kind="sweep", needs=("ray",),
          in_tmp=True, smoke_cap_s=600, smoke_files=(("smoke_space.yaml", SMOKE_SPACE),),
          measures="tier A x batch 1/2/4 with ASHA on one GPU: the trial table"),
+    Step("decode_profile_paths", "more", 240, "python bench/decode_profile.py --batches 1 8 64 --attention fused "
+         "split_k", "python bench/decode_profile.py --smoke --attention fused split_k",
+         measures="both decode attention paths at batch 1, 8 and 64: the data decode_attention's rule awaits"),
+    Step("gpu_tests_train", "more", 120, "python -m pytest -q -m gpu tests/pipeline/train",
+         "python -m pytest -q -m gpu tests/pipeline/train", kind="pytest",
+         measures="the training stage's GPU tests (max-batch finder on a capped allocator)"),
+    Step("engine_throughput", "more", 75,
+         "python bench/engine_throughput.py --tier B --batch-size 2 --steps 6 --warmup 3 --attention flex",
+         "python bench/engine_throughput.py --smoke", measures="tier B training at 32,768 x 2, web documents"),
+    _mixer("mixer_32k", "more", 120, "--seq-lens 32768 --steps 5 --gen-tokens 32",
+           measures="resonance vs attention at 32k, one document: training, decode at batch 1 and 64, saved bytes"),
+    Step("fsdp", "more", 210, "python bench/fsdp.py --cases D:2 E:1 --ac all --seq-len 32768 --steps 5",
+         "python bench/fsdp.py --smoke", measures="FSDP on one GPU beside the unsharded engine: tiers D:2, E:1"),
     _mixer("mixer_32k_docmasked", "more", 90,
            "--seq-lens 32768 --steps 5 --gen-tokens 32 --doc-masking --saved-seq-len 0 --gen-batch-sizes",
            smoke="--smoke --doc-masking", measures="resonance vs attention at 32k with document masking"),
@@ -163,6 +171,7 @@ STEPS: list[Step] = [
                   "per GPU; attention at 131,072 needs 4 (its tiers hold 32,768 a GPU): recorded as refused"),
 ]
 GROUPS = {"headline": [s.name for s in STEPS if s.group == "headline"],
+          "pipeline": [s.name for s in STEPS if s.group == "pipeline"],
           "more": [s.name for s in STEPS if s.group == "more"], "all": [s.name for s in STEPS]}
 
 
@@ -197,6 +206,16 @@ def top_p(batch, vocab):  # the torch sort's time over the sampler's
 def decode(prompt_len, batch):  # the kernels' sampler (generation's default)
     return lambda rec, exact: _pick(rec["rows"], exact, {"prompt_len": prompt_len, "batch": batch},
                                     sampler="kernels")["decode_tokens_per_s"]
+
+
+def first_token(prompt_len, key):  # what the first (compiling) call spent before its first token
+    return lambda rec, exact: _pick(rec["rows"], exact, {"prompt_len": prompt_len, "batch": 1},
+                                    sampler="kernels")["first_token"][key]
+
+
+def profiled(batch, key, attention=None):  # bench/decode_profile.py's row (the path given, or the one it ran)
+    match = {} if attention is None else {"attention": attention}
+    return lambda rec, exact: _pick(rec["rows"], exact, {"batch": batch}, **match)[key]
 
 
 def training(key):  # engine_throughput's one row: tier B, 32,768 x 2
@@ -283,9 +302,30 @@ GOALS: list[Goal] = [
     Goal("tier B decode tokens/s, batch 8, 32-token prompt", "generate_short", decode(32, 8), INFO, "{:,.0f}"),
     Goal("tier B decode tokens/s, batch 64, 32-token prompt", "generate_short", decode(32, 64), at_least(80000),
          "{:,.0f}"),
+    Goal("decode step ms, tier B, batch 1 (graphed, profiled)", "decode_profile", profiled(1, "step_ms"), INFO,
+         "{:.3f}"),
+    Goal("decode kernels per step, tier B, batch 1", "decode_profile", profiled(1, "kernels_per_step"), INFO,
+         "{:.0f}"),
+    Goal("decode step ms, tier B, batch 64", "decode_profile", profiled(64, "step_ms"), INFO, "{:.3f}"),
+    Goal("decode step floor ms at peak bandwidth, batch 64", "decode_profile", profiled(64, "floor_ms_at_peak_bw"),
+         INFO, "{:.3f}"),
+    Goal("decode step ms, batch 64, fused attention", "decode_profile_paths", profiled(64, "step_ms", "fused"), INFO,
+         "{:.3f}"),
+    Goal("decode step ms, batch 64, split-K attention", "decode_profile_paths", profiled(64, "step_ms", "split_k"),
+         INFO, "{:.3f}"),
+    Goal("decode step ms, batch 8, fused attention", "decode_profile_paths", profiled(8, "step_ms", "fused"), INFO,
+         "{:.3f}"),
+    Goal("decode step ms, batch 8, split-K attention", "decode_profile_paths", profiled(8, "step_ms", "split_k"),
+         INFO, "{:.3f}"),
     Goal("attention decode tokens/s after 8,192 tokens, batch 1", "generate_long", decode(8192, 1), INFO, "{:,.0f}"),
     Goal("attention decode tokens/s after 32,768 tokens, batch 1", "generate_long", decode(32768, 1), at_least(1000),
          "{:,.0f}"),
+    Goal("32,768-token prompt: compiles of the step after the 8,192 one", "generate_long",
+         first_token(32768, "compiles"), exactly(0), "{:.0f}"),
+    Goal("32,768-token prompt: prefill s (cache allocation apart)", "generate_long", first_token(32768, "prefill_s"),
+         INFO, "{:.2f}"),
+    Goal("8,192-token prompt: first decode step s (torch.compile)", "generate_long", first_token(8192, "first_step_s"),
+         INFO, "{:.1f}"),
     Goal("resonance decode tokens/s after 32 tokens, batch 1", "generate_resonance", decode(32, 1), INFO, "{:,.0f}"),
     Goal("resonance decode tokens/s after 32,768 tokens, batch 1", "generate_resonance", decode(32768, 1),
          at_least(2000), "{:,.0f}"),
@@ -578,8 +618,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="folder for the bench JSONs, the check's JSON and its table")
     p.add_argument("--budget-min", type=float, default=30.0, help="the whole run's budget in minutes (default 30)")
-    p.add_argument("--steps", nargs="+", default=["headline"], metavar="NAME",
-                   help="steps or groups (headline, more, all) to run, in this order (default: headline)")
+    p.add_argument("--steps", nargs="+", default=["headline", "pipeline"], metavar="NAME",
+                   help="steps or groups (headline, pipeline, more, all) to run, in this order (default: headline "
+                        "pipeline)")
     p.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="steps or groups to leave out")
     p.add_argument("--smoke", action="store_true", help="every step at its smallest, on a CPU: tests the plumbing")
     p.add_argument("--cap", action="append", default=[], metavar="NAME=SECONDS", help="another time cap for a step")

@@ -234,8 +234,8 @@ def test_sampler_draws_what_sample_draws_step_after_step():
 def test_splits_fill_the_gpu_where_the_vocabulary_allows():
     from cuda_ops.sampling_kernel import MIN_GRID, pick_splits
 
-    assert pick_splits(1, 32000, 132) == 64 and pick_splits(64, 32000, 132) == 5
-    assert pick_splits(256, 128256, 132) == 2 and pick_splits(3, 32000, 132) * 3 >= MIN_GRID
+    assert pick_splits(1, 32000, 132) == 64 and pick_splits(64, 32000, 132) == 13
+    assert pick_splits(256, 128256, 132) == 4 and pick_splits(3, 32000, 132) * 3 >= MIN_GRID
     assert pick_splits(3, 300, 132) == 1  # a tiny vocabulary: one block per row is all there is to do
 
 
