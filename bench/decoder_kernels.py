@@ -22,8 +22,9 @@ latency, host work the GPU waited for).
 Bytes moved (the traffic model; `kernels` in the JSON, one table on stdout): for every kernel the bytes it must
 read and write by construction (what a perfect cache would still move), the achieved GB/s and share of the
 device's peak bandwidth (pipeline/train/memory/hardware.py's table) next to its measured time, and the time that traffic
-would take at 3 TB/s. For the fused cross-entropy: the logits chunk written by cuBLAS and read twice and written
-once by the row kernel in the input dtype, the gradient read by two matmuls, the weight read by every chunk's
+would take at 3 TB/s. For the fused cross-entropy: the logits chunk written by cuBLAS, read once (the staged row
+kernel: rows up to 32,768 bf16 logits held in registers) or twice and written once by the row kernel in the input
+dtype, the gradient read by two matmuls, the weight read by every chunk's
 matmuls and the fp32 grad_weight accumulator read and written by each chunk after the first. For the sampler:
 one read of the logits (the floor) and the most its launches may read (every launch but the last reads the rows:
 an upper bound, since rows that finish early skip theirs, and the search rounds re-read mostly from L2). Matmul FLOPs are printed beside the bytes: those matmuls are bound by compute, not bytes.
@@ -115,7 +116,7 @@ def bench_method(loss_fn, hidden, weight, targets, device, warmup, iters) -> dic
     return {"first_call_ms": first, "median_ms": statistics.median(times), "min_ms": min(times), "peak_bytes": peak}
 
 
-def ce_traffic(N: int, D: int, V: int, dtype: torch.dtype, rows: int, backend: str) -> dict:
+def ce_traffic(N: int, D: int, V: int, dtype: torch.dtype, rows: int, backend: str, staged: bool = False) -> dict:
     """Bytes and FLOPs of the fused cross-entropy's kernels, forward + backward, by construction (module doc)."""
     e = torch.finfo(dtype).bits // 8  # input dtype
     le = 4 if backend == "reference" or dtype == torch.float32 else e  # logits chunk dtype
@@ -123,7 +124,7 @@ def ce_traffic(N: int, D: int, V: int, dtype: torch.dtype, rows: int, backend: s
     acc = 0 if c == 1 else (2 * c - 1) * V * D * 4  # fp32 grad_weight accumulator traffic (several chunks)
     return {
         "logits_matmul": {"bytes": N * D * e + c * V * D * e + N * V * le, "flops": 2 * N * V * D},
-        "rowwise_kernel": {"bytes": 3 * N * V * le + N * 16, "flops": 0},
+        "rowwise_kernel": {"bytes": (2 if staged else 3) * N * V * le + N * 16, "flops": 0},
         "grad_h_matmul": {"bytes": N * V * le + c * V * D * e + N * D * e, "flops": 2 * N * V * D},
         "grad_w_matmul": {"bytes": N * V * le + N * D * e + acc + V * D * e, "flops": 2 * N * V * D},
         "chunks": c, "rows_per_chunk": rows,
@@ -146,11 +147,24 @@ def bench_rowwise(rows: int, vocab: int, dtype: torch.dtype, device, backend: st
     targets = torch.randint(0, vocab, (rows,), device=device, generator=g)
     loss_rows = torch.empty(rows, device=device)
     correct = torch.empty(rows, dtype=torch.int32, device=device)
-    fn = cross_entropy._rowwise_reference if backend == "reference" else cross_entropy._rowwise_numba
-    times = time_calls_ms(lambda: fn(buf, targets, -100, 0.0, True, loss_rows, correct), device, args.warmup,
-                          args.iters)
-    return {"median_ms": statistics.median(times), "rows": rows, "logits_dtype": str(logits_dtype).split(".")[-1],
-            "bytes": 3 * rows * vocab * buf.element_size() + rows * 16}
+    res = {"rows": rows, "logits_dtype": str(logits_dtype).split(".")[-1]}
+    if backend == "reference":
+        fn = lambda: cross_entropy._rowwise_reference(buf, targets, -100, 0.0, True, loss_rows, correct)  # noqa: E731
+        times = time_calls_ms(fn, device, args.warmup, args.iters)
+        return {**res, "median_ms": statistics.median(times), "bytes": 3 * rows * vocab * buf.element_size()}
+    # the kernel training runs (staged where the row fits: read once, written once) and the two-read one, each on
+    # its own copy of the chunk (the kernel overwrites logits with gradients)
+    words = cross_entropy._storage_view(buf)[0].shape[1]
+    staged = cross_entropy.rowwise_plan(words)[1] > 0
+    for name, flag in (("staged" if staged else "two_read", None), ("two_read_forced", False)):
+        fresh = buf.clone()
+        fn = lambda: cross_entropy._rowwise_numba(fresh, targets, -100, 0.0, True, loss_rows, correct,  # noqa: E731
+                                                  staged=flag)
+        times = time_calls_ms(fn, device, args.warmup, args.iters)
+        passes = 2 if name == "staged" else 3
+        res[name] = {"median_ms": statistics.median(times), "bytes": passes * rows * vocab * buf.element_size()}
+    first = res["staged" if staged else "two_read"]
+    return {**res, "median_ms": first["median_ms"], "bytes": first["bytes"] + rows * 16, "staged": staged}
 
 
 def bench_cross_entropy(tokens, hidden_size, vocab, dtype, device, args) -> dict:
@@ -172,7 +186,9 @@ def bench_cross_entropy(tokens, hidden_size, vocab, dtype, device, args) -> dict
     ratios = {f"{name}_time_over_fused": res[name]["median_ms"] / fused["median_ms"] for name in res if name != "fused"}
     ratios.update({f"{name}_peak_over_fused": res[name]["peak_bytes"] / max(fused["peak_bytes"], 1)
                    for name in res if name != "fused"})
-    traffic = ce_traffic(tokens, hidden_size, vocab, dtype, min(rows, tokens), fused_backend)
+    rowwise = bench_rowwise(min(rows, tokens), vocab, dtype, device, fused_backend, args)
+    traffic = ce_traffic(tokens, hidden_size, vocab, dtype, min(rows, tokens), fused_backend,
+                         bool(rowwise.get("staged")))
 
     def fused_step():
         hidden.grad = weight.grad = None
@@ -181,7 +197,7 @@ def bench_cross_entropy(tokens, hidden_size, vocab, dtype, device, args) -> dict
     return {"profile": profile,"shape": {"tokens": tokens, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype).split(".")[-1],
                       "chunk_size": args.chunk_size, "rows_per_chunk": min(rows, tokens)},
             "fused_backend": fused_backend, "methods": res, "ratios": ratios, "traffic": traffic,
-            "rowwise": bench_rowwise(min(rows, tokens), vocab, dtype, device, fused_backend, args)}
+            "rowwise": rowwise}
 
 
 def torch_top_p(logits: torch.Tensor, top_p: float, temperature: float, generator: torch.Generator) -> torch.Tensor:
@@ -227,10 +243,10 @@ def print_profile(what: str, profile: list[dict], wall_ms: float, top: int = 6) 
 def print_kernel_table(rows: list[dict], peak_bw: float | None) -> None:
     peak = "unknown" if peak_bw is None else f"{peak_bw / 1e12:.2f} TB/s"
     print(f"bytes moved per kernel (traffic model; device peak {peak}; last column: the same bytes at 3 TB/s)")
-    print(f"  {'kernel':<24}{'shape':<22}{'ms':>9}{'MB':>10}{'GB/s':>9}{'% peak':>8}{'ms @3TB/s':>11}{'TFLOP':>8}")
+    print(f"  {'kernel':<30}{'shape':<18}{'ms':>9}{'MB':>10}{'GB/s':>9}{'% peak':>8}{'ms @3TB/s':>11}{'TFLOP':>8}")
     for r in rows:
         pct = "-" if r["pct_of_peak_bw"] is None else f"{r['pct_of_peak_bw']:.0f}"
-        print(f"  {r['kernel']:<24}{r['shape']:<22}{r['median_ms']:>9.3f}{r['bytes'] / 1e6:>10.1f}"
+        print(f"  {r['kernel']:<30}{r['shape']:<18}{r['median_ms']:>9.3f}{r['bytes'] / 1e6:>10.1f}"
               f"{r['gb_per_s']:>9.1f}{pct:>8}{r['ms_at_3tbps']:>11.3f}{r['flops'] / 1e12:>8.2f}")
 
 
@@ -290,8 +306,13 @@ def main(argv=None) -> int:
             total_f = sum(v["flops"] for v in t.values() if isinstance(v, dict))
             kernels.append(kernel_row("fused CE fwd+bwd", shape, m["fused"]["median_ms"], total_b, peak_bw, total_f))
             rw = row["rowwise"]
-            kernels.append(kernel_row(f"CE row kernel ({rw['logits_dtype']})", f"{rw['rows']}x{args.vocab}",
+            kind = "staged" if rw.get("staged") else "two reads"
+            kernels.append(kernel_row(f"CE row ({rw['logits_dtype']}, {kind})", f"{rw['rows']}x{args.vocab}",
                                       rw["median_ms"], rw["bytes"], peak_bw))
+            if rw.get("staged"):
+                two = rw["two_read_forced"]
+                kernels.append(kernel_row(f"CE row ({rw['logits_dtype']}, two reads)", f"{rw['rows']}x{args.vocab}",
+                                          two["median_ms"], two["bytes"], peak_bw))
     for row in ce_rows:
         print_profile(f"fused CE {row['shape']['tokens']}x{row['shape']['hidden']}", row["profile"],
                       row["methods"]["fused"]["median_ms"])
