@@ -3,6 +3,7 @@
     python bench/decode_profile.py                      # CUDA: tier B, bf16, 32-token prompts, batches 1 and 64
     python bench/decode_profile.py --batches 1 8 64 --attention fused split_k   # both decode attention paths
     python bench/decode_profile.py --cache-len 8192
+    python bench/decode_profile.py --mixer resonance --batches 1   # the resonance family's step (no attention path)
     python bench/decode_profile.py --smoke --out /tmp/r # CPU, tier nano, eager: the plumbing (seconds)
 
 The step is model/decode_loop.py's: the compiled model step, the Numba sampler (top-p 0.95) and the bookkeeping,
@@ -32,18 +33,22 @@ import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
 from cuda_ops.sampling import Sampler  # noqa: E402
-from model.decode_loop import _DecodeLoop  # noqa: E402
+from model.decode_loop import _DecodeLoop, generation_autocast  # noqa: E402
 from model.decoder import build_model  # noqa: E402
 from pipeline.train.handoff.text_generation import prepare_for_generation  # noqa: E402
 from pipeline.train.memory.hardware import peak_memory_bandwidth  # noqa: E402
 
 
-def traffic(model, batch: int, span: int, vocab: int) -> dict:
+def traffic(model, cache, batch: int, span: int | None, vocab: int) -> dict:
     t = model.tier
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    elem = next(model.parameters()).element_size()
-    kv_read = batch * t.n_layers * 2 * t.n_kv_heads * span * t.head_dim * elem
-    written = batch * (t.n_layers * 2 * t.n_kv_heads * t.head_dim * elem + vocab * 4)
+    if hasattr(cache, "k"):  # attention: the span's keys and values read, one slot of each written
+        elem = cache.k[0].element_size()
+        kv_read = batch * t.n_layers * 2 * t.n_kv_heads * span * t.head_dim * elem
+        written = batch * (t.n_layers * 2 * t.n_kv_heads * t.head_dim * elem + vocab * 4)
+    else:  # resonance: every layer's state read and written
+        state = sum(s.numel() * s.element_size() for s in cache.state)
+        kv_read, written = state, state + batch * vocab * 4
     return {"weights": weights, "kv_read": kv_read, "kv_and_logits_written": written, "logits_read": batch * vocab * 4,
             "total": weights + kv_read + written + batch * vocab * 4}
 
@@ -55,7 +60,7 @@ def profile_one(model, batch: int, cache_len: int, attention: str, args, device)
     prompt = torch.randint(0, vocab, (batch, cache_len), generator=g).to(device)
     steps = 2 + args.replays + args.timed + 4
     cache = model.new_kv_cache(batch, cache_len + steps)
-    if attention != "auto":
+    if attention != "auto" and hasattr(cache, "attention"):
         cache.attention = attention
     with torch.no_grad():
         logits = model.logits(model(prompt, kv_cache=cache)[:, -1])
@@ -112,10 +117,11 @@ def profile_one(model, batch: int, cache_len: int, attention: str, args, device)
         rows.append({"name": e.key[:120], "calls_per_step": e.count / args.replays,
                      "us_per_step": (dev_us if on_cuda else e.self_cpu_time_total) / args.replays})
     rows.sort(key=lambda r: -r["us_per_step"])
-    model_bytes = traffic(model, batch, span, vocab)
+    model_bytes = traffic(model, cache, batch, span, vocab)
     bw = peak_memory_bandwidth(device)
     step_ms = statistics.median(times)
-    return {"batch": batch, "cache_len": cache_len, "span": span, "attention": cache.attention, "activity": kind,
+    return {"batch": batch, "cache_len": cache_len, "span": span, "attention": getattr(cache, "attention", None),
+            "mixer": "attention" if hasattr(cache, "attention") else "resonance", "activity": kind,
             "step_ms": step_ms, "tokens_per_s": batch / (step_ms * 1e-3),
             "kernels_per_step": sum(r["calls_per_step"] for r in rows),
             "device_us_per_step": sum(r["us_per_step"] for r in rows) if on_cuda else None,
@@ -126,6 +132,7 @@ def profile_one(model, batch: int, cache_len: int, attention: str, args, device)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tier", default=None, help="default B on CUDA, nano on CPU")
+    p.add_argument("--mixer", choices=["attention", "resonance"], default="attention")
     p.add_argument("--vocab", type=int, default=None, help="default 32000 on CUDA, 2000 on CPU")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     p.add_argument("--cache-len", type=int, default=32, help="prompt tokens before the profiled steps")
@@ -143,14 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.batches, args.replays, args.timed, args.vocab = [1, 2], 2, 3, 300
     torch.manual_seed(0)
-    model = prepare_for_generation(build_model(args.tier, args.vocab), device)
+    model = prepare_for_generation(build_model(args.tier, args.vocab, mixer=args.mixer), device)
     rows = []
-    print(f"decode step profile: tier {args.tier}, vocab {args.vocab}, {next(model.parameters()).dtype} on {device}, "
+    if args.mixer == "resonance":
+        args.attention = ["auto"]
+    print(f"decode step profile: {args.mixer} tier {args.tier}, vocab {args.vocab}, {next(model.parameters()).dtype} on {device}, "
           f"{args.cache_len} cached tokens")
     print(f"{'batch':>6}{'attention':>10}{'step ms':>10}{'tokens/s':>12}{'kernels':>9}{'GPU us':>9}{'floor ms':>10}")
     for batch in args.batches:
         for attention in args.attention:
-            r = profile_one(model, batch, args.cache_len, attention, args, device)
+            with generation_autocast(model):  # the resonance family's fp32 weights decode under bf16 autocast on CUDA
+                r = profile_one(model, batch, args.cache_len, attention, args, device)
             rows.append(r)
             gpu = "-" if r["device_us_per_step"] is None else f"{r['device_us_per_step']:.0f}"
             floor = "-" if r["floor_ms_at_peak_bw"] is None else f"{r['floor_ms_at_peak_bw']:.3f}"
@@ -158,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['kernels_per_step']:>9.0f}{gpu:>9}{floor:>10}")
             for k in r["top"][:6]:
                 print(f"{'':>8}{k['us_per_step']:>9.1f} us  x{k['calls_per_step']:<5.1f} {k['name'][:80]}")
-    path = write_result("decode_profile", {"smoke": args.smoke, "rows": rows,
-                                           "shapes": {"tier": args.tier, "vocab": args.vocab, "batches": args.batches,
+    path = write_result("decode_profile" + ("_resonance" if args.mixer == "resonance" else ""), {"smoke": args.smoke, "rows": rows,
+                                           "shapes": {"mixer": args.mixer, "tier": args.tier, "vocab": args.vocab, "batches": args.batches,
                                                       "cache_len": args.cache_len, "attention": args.attention},
                                            "peak_memory_bandwidth": peak_memory_bandwidth(device)}, args.out)
     print(f"wrote {path}")
