@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.mixer == "resonance":
         args.attention = ["auto"]
-    print(f"decode step profile: {args.mixer} tier {args.tier}, vocab {args.vocab}, {next(model.parameters()).dtype} on {device}, "
+    dtype = next(model.parameters()).dtype
+    print(f"decode step profile: {args.mixer} tier {args.tier}, vocab {args.vocab}, {dtype} on {device}, "
           f"{args.cache_len} cached tokens")
     print(f"{'batch':>6}{'attention':>10}{'step ms':>10}{'tokens/s':>12}{'kernels':>9}{'GPU us':>9}{'floor ms':>10}")
     for batch in args.batches:
@@ -164,14 +165,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             gpu = "-" if r["device_us_per_step"] is None else f"{r['device_us_per_step']:.0f}"
             floor = "-" if r["floor_ms_at_peak_bw"] is None else f"{r['floor_ms_at_peak_bw']:.3f}"
-            print(f"{batch:>6}{attention:>10}{r['step_ms']:>10.3f}{r['tokens_per_s']:>12,.0f}"
+            print(f"{batch:>6}{str(r['attention']):>10}{r['step_ms']:>10.3f}{r['tokens_per_s']:>12,.0f}"
                   f"{r['kernels_per_step']:>9.0f}{gpu:>9}{floor:>10}")
             for k in r["top"][:6]:
                 print(f"{'':>8}{k['us_per_step']:>9.1f} us  x{k['calls_per_step']:<5.1f} {k['name'][:80]}")
-    path = write_result("decode_profile" + ("_resonance" if args.mixer == "resonance" else ""), {"smoke": args.smoke, "rows": rows,
-                                           "shapes": {"mixer": args.mixer, "tier": args.tier, "vocab": args.vocab, "batches": args.batches,
-                                                      "cache_len": args.cache_len, "attention": args.attention},
-                                           "peak_memory_bandwidth": peak_memory_bandwidth(device)}, args.out)
+    name = "decode_profile" + ("_resonance" if args.mixer == "resonance" else "")
+    shapes = {"mixer": args.mixer, "tier": args.tier, "vocab": args.vocab, "batches": args.batches,
+              "cache_len": args.cache_len, "attention": args.attention}
+    path = write_result(name, {"smoke": args.smoke, "rows": rows, "shapes": shapes,
+                               "peak_memory_bandwidth": peak_memory_bandwidth(device)}, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -103,16 +103,21 @@ def count_shape(model, batch: int, cache_len: int, attention: str | None, vocab:
     base = {"batch": batch, "cache_len": cache_len, "span": span, "attention": attention or "split_k"}
     with torch.no_grad():
         if "model_compiled" in parts:
-            rows.append({**base, "part": "model_compiled", **sc.count_graph(sc.forward_graph(model_step, tok)).as_dict()})
+            graph = sc.forward_graph(model_step, tok)
+            rows.append({**base, "part": "model_compiled", **sc.count_graph(graph).as_dict()})
         if "model_eager" in parts:
             rows.append({**base, "part": "model_eager", **sc.count_eager(model_step, tok).as_dict()})
         if "sampler_emit" not in parts:
             return rows
         logits = model_step(tok)
+        import model.decoder
         try:
-            from model.decode_loop import _DecodeLoop
-        except ImportError:  # an older checkout: the loop lived elsewhere; its model step is counted all the same
-            return rows
+            from model import decode_loop
+        except ImportError:
+            decode_loop = None
+        if decode_loop is None or Path(decode_loop.__file__).parent != Path(model.decoder.__file__).parent:
+            return rows  # an older checkout: the loop lived elsewhere (or would come from this one's editable install)
+        _DecodeLoop = decode_loop._DecodeLoop
         sampler = Sampler(batch, vocab, temperature=1.0, top_p=0.95, seed=1, backend="reference", graph=False)
         out = torch.empty(batch, 4, dtype=torch.int64)
         loop = _DecodeLoop(model, cache, sampler, out, eos_id=0, compile_backend=None)
@@ -237,15 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(rows, model_bytes)
     print(f"decode step counts: tier {args.tier}, vocab {args.vocab}, {tree}; per row: new K/V "
           f"{model_bytes['kv_entry_bytes_per_row']:,} B, logits {model_bytes['logits_bytes_per_row']:,} B")
-    print(f"{'part':<16}{'attention':<10}{'batch':>6}{'cache':>7}{'span':>7}{'ops':>6}{'syncs':>6}{'bytes written':>16}")
+    print(f"{'part':<16}{'attention':<10}{'batch':>6}{'cache':>7}{'span':>7}{'ops':>6}{'syncs':>6}"
+          f"{'bytes written':>16}")
     for r in rows:
         print(f"{r['part']:<16}{r['attention']:<10}{r['batch']:>6}{r['cache_len']:>7}{r['span']:>7}{r['ops']:>6}"
               f"{r['syncs']:>6}{r['bytes_written']:>16,}")
     for s in summary:
+        growth = s["bytes_growth_from_shortest_to_longest_cache_by_batch"]
         fit = "; ".join(f"cache {L}: {f['intercept_bytes']:,} + {f['per_row_bytes']:,} x batch" for L, f in
                         s["fits"].items())
         print(f"  {s['part']} ({s['attention']}): {fit}; grows with the cache length: "
-              f"{'yes ' + str(s['bytes_growth_from_shortest_to_longest_cache_by_batch']) if s['grows_with_cache_len'] else 'no'}; "
+              f"{'yes ' + str(growth) if s['grows_with_cache_len'] else 'no'}; "
               f"ops {s['ops']}, syncs {s['syncs']}")
     result = {"shapes": {"tier": args.tier, "vocab": args.vocab, "batch_sizes": args.batch_sizes,
                          "cache_lens": args.cache_lens}, "tree": str(tree), "smoke": args.smoke,

@@ -194,7 +194,8 @@ def bench_cross_entropy(tokens, hidden_size, vocab, dtype, device, args) -> dict
         hidden.grad = weight.grad = None
         methods["fused"](hidden, weight, targets).backward()
     profile = profile_kernels(fused_step, device, args.profile_iters)
-    return {"profile": profile,"shape": {"tokens": tokens, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype).split(".")[-1],
+    return {"profile": profile,
+            "shape": {"tokens": tokens, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype).split(".")[-1],
                       "chunk_size": args.chunk_size, "rows_per_chunk": min(rows, tokens)},
             "fused_backend": fused_backend, "methods": res, "ratios": ratios, "traffic": traffic,
             "rowwise": rowwise}

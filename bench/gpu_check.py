@@ -111,7 +111,8 @@ def _train_speed(tier: str, table: bool) -> Step:
 STEPS: list[Step] = [
     Step("gpu_tests", "headline", 150, "python -m pytest -q -m gpu tests/cuda_ops tests/model",
          "python -m pytest -q -m gpu tests/cuda_ops tests/model", kind="pytest",
-         measures="correctness first: the kernels' and the model's GPU tests (on a CPU they are collected and skipped)"),
+         measures="correctness first: the kernels' and the model's GPU tests (on a CPU they are collected and "
+                  "skipped)"),
     Step("decoder", "headline", 60, "python bench/decoder_kernels.py", "python bench/decoder_kernels.py --smoke",
          measures="fused CE vs eager and torch.compile (time, peak memory); top-p vs a torch sort; bytes per kernel"),
     Step("generate_short", "headline", 90, "python bench/generate.py --batch-sizes 1 8 64",
@@ -138,7 +139,8 @@ STEPS: list[Step] = [
          measures="both decode attention paths at batch 1, 8 and 64: the data decode_attention's rule awaits"),
     Step("decode_profile_resonance", "more", 90, "python bench/decode_profile.py --mixer resonance --batches 1 64",
          "python bench/decode_profile.py --smoke --mixer resonance",
-         measures="the resonance family's graphed decode step: kernels and GPU time per step (its 2,000 tokens/s goal)"),
+         measures="the resonance family's graphed decode step: kernels and GPU time per step (its 2,000 tokens/s "
+                  "goal)"),
     Step("gpu_tests_train", "more", 120, "python -m pytest -q -m gpu tests/pipeline/train",
          "python -m pytest -q -m gpu tests/pipeline/train", kind="pytest",
          measures="the training stage's GPU tests (max-batch finder on a capped allocator)"),

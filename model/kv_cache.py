@@ -44,7 +44,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from model.rope import RopeConfig, apply_rope, rope_table
 
@@ -150,6 +149,8 @@ class KVCache:
         if self.left_pad is None:
             mask = None
             if self.length > 0:  # new tokens after a prefix: bottom-right aligned causal
+                from torch.nn.attention.bias import causal_lower_right  # here: it loads torch._dynamo
+
                 mask = causal_lower_right(T, self.length + T)
             return q_abs[None], mask
         pad = self.left_pad[:, None]  # (B, 1)

@@ -1,4 +1,5 @@
-"""What one decode step writes, dispatches and syncs, counted on CPU (bench/decode_step_counts.py, bench/step_counts.py).
+"""What one decode step writes, dispatches and syncs, counted on CPU (bench/decode_step_counts.py and its counter,
+bench/step_counts.py).
 
 A decode step must write its new K/V entries, its logits and the row's activations; nothing of the size of the
 cache. The H200's batch-64 generation ran at a quarter of its speed because the compiled step copied the whole
