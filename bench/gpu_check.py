@@ -13,8 +13,8 @@ figures checked against the goals docs/benchmarks.md states, all written into on
 No environment to set by hand: every process a step starts gets PYTHONPATH=<temp site>:<repo>, PYTHONUNBUFFERED=1
 and a sitecustomize.py in that temp site which gives numpy 2.5 back the `np.row_stack` numba-cuda 0.30.4 still calls
 (the GPU image's mismatch). The default run and the sweep need Ray and MLflow, which a lent machine lacks and
-cannot download: `--pack`, run here, builds them into .gpu/site.tar.xz (bench/gpu_site.py, ~48 MB); carried with the
-checkout, it is unpacked into that temp site for the steps that need Ray.
+cannot download: `--pack`, run here, builds them into .gpu/site.tar.xz (bench/gpu_site.py, ~50 MiB); carried with
+the checkout, it is unpacked into that temp site for the steps that need Ray.
 
 Each step runs in its own process group under its own time cap (a step over it is killed with every process it
 started, found by a marker in their environment, and recorded as `timeout`); a failing step is recorded with its

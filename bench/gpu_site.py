@@ -1,6 +1,6 @@
 """The Ray + MLflow site a bare GPU machine lacks, packed here into one tarball that bench/gpu_check.py unpacks there.
 
-    python bench/gpu_check.py --pack             # builds .gpu/site.tar.xz (~48 MB): run it here, then carry .gpu
+    python bench/gpu_check.py --pack             # builds .gpu/site.tar.xz (~50 MiB): run it here, then carry .gpu
     python bench/gpu_site.py --dest .gpu         # the same, on its own
 
 A lent GPU machine has torch, numba-cuda and the CUDA stack but neither Ray nor MLflow, and no network. The default
