@@ -14,14 +14,20 @@ Sampling at 1 x 32,000, 64 x 32,000 and 256 x 128,256 fp32 logits, temperature 1
     torch_sort  softmax -> sort -> cumsum -> mask -> multinomial top-p (Hugging Face's TopPLogitsWarper recipe)
 and the sampler's kernels alone on logits already in its buffer (what generation does).
 
+Where the time goes (CUDA only; `profile` in each row of the JSON, the six largest printed): the fused CE call and
+the sampler call run --profile-iters times under torch.profiler, and every kernel's GPU time per call is listed
+(CUPTI sees the Numba kernels too), with the gap between the call's wall time and the sum of its kernels (launch
+latency, host work the GPU waited for).
+
 Bytes moved (the traffic model; `kernels` in the JSON, one table on stdout): for every kernel the bytes it must
 read and write by construction (what a perfect cache would still move), the achieved GB/s and share of the
 device's peak bandwidth (pipeline/train/memory/hardware.py's table) next to its measured time, and the time that traffic
-would take at 3 TB/s. For the fused cross-entropy: the logits chunk written by cuBLAS and read twice and written
-once by the row kernel in the input dtype, the gradient read by two matmuls, the weight read by every chunk's
+would take at 3 TB/s. For the fused cross-entropy: the logits chunk written by cuBLAS, read once (the staged row
+kernel: rows up to 32,768 bf16 logits held in registers) or twice and written once by the row kernel in the input
+dtype, the gradient read by two matmuls, the weight read by every chunk's
 matmuls and the fp32 grad_weight accumulator read and written by each chunk after the first. For the sampler:
-one read of the logits (the floor: its search rounds re-read the part of a row inside the bracket, mostly from
-L2). Matmul FLOPs are printed beside the bytes: those matmuls are bound by compute, not bytes.
+one read of the logits (the floor) and the most its launches may read (every launch but the last reads the rows:
+an upper bound, since rows that finish early skip theirs, and the search rounds re-read mostly from L2). Matmul FLOPs are printed beside the bytes: those matmuls are bound by compute, not bytes.
 
 Timing: CUDA events around each call (perf_counter on CPU), `--warmup` untimed calls, median of `--iters`.
 The first call of each method is timed on its own and reported apart (first_call_ms): it includes Numba's
@@ -81,6 +87,22 @@ def first_call_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def profile_kernels(fn: Callable[[], object], device: torch.device, iters: int) -> list[dict]:
+    """GPU time per call of every kernel fn launches, largest first (CUDA; [] elsewhere or with iters 0)."""
+    if device.type != "cuda" or iters <= 0:
+        return []
+    fn()
+    torch.cuda.synchronize(device)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize(device)
+    rows = [{"kernel": e.key[:120], "us_per_call": e.self_device_time_total / iters, "calls_per_call": e.count / iters}
+            for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
 def bench_method(loss_fn, hidden, weight, targets, device, warmup, iters) -> dict:
     def step():
         hidden.grad = weight.grad = None
@@ -94,7 +116,7 @@ def bench_method(loss_fn, hidden, weight, targets, device, warmup, iters) -> dic
     return {"first_call_ms": first, "median_ms": statistics.median(times), "min_ms": min(times), "peak_bytes": peak}
 
 
-def ce_traffic(N: int, D: int, V: int, dtype: torch.dtype, rows: int, backend: str) -> dict:
+def ce_traffic(N: int, D: int, V: int, dtype: torch.dtype, rows: int, backend: str, staged: bool = False) -> dict:
     """Bytes and FLOPs of the fused cross-entropy's kernels, forward + backward, by construction (module doc)."""
     e = torch.finfo(dtype).bits // 8  # input dtype
     le = 4 if backend == "reference" or dtype == torch.float32 else e  # logits chunk dtype
@@ -102,7 +124,7 @@ def ce_traffic(N: int, D: int, V: int, dtype: torch.dtype, rows: int, backend: s
     acc = 0 if c == 1 else (2 * c - 1) * V * D * 4  # fp32 grad_weight accumulator traffic (several chunks)
     return {
         "logits_matmul": {"bytes": N * D * e + c * V * D * e + N * V * le, "flops": 2 * N * V * D},
-        "rowwise_kernel": {"bytes": 3 * N * V * le + N * 16, "flops": 0},
+        "rowwise_kernel": {"bytes": (2 if staged else 3) * N * V * le + N * 16, "flops": 0},
         "grad_h_matmul": {"bytes": N * V * le + c * V * D * e + N * D * e, "flops": 2 * N * V * D},
         "grad_w_matmul": {"bytes": N * V * le + N * D * e + acc + V * D * e, "flops": 2 * N * V * D},
         "chunks": c, "rows_per_chunk": rows,
@@ -125,11 +147,24 @@ def bench_rowwise(rows: int, vocab: int, dtype: torch.dtype, device, backend: st
     targets = torch.randint(0, vocab, (rows,), device=device, generator=g)
     loss_rows = torch.empty(rows, device=device)
     correct = torch.empty(rows, dtype=torch.int32, device=device)
-    fn = cross_entropy._rowwise_reference if backend == "reference" else cross_entropy._rowwise_numba
-    times = time_calls_ms(lambda: fn(buf, targets, -100, 0.0, True, loss_rows, correct), device, args.warmup,
-                          args.iters)
-    return {"median_ms": statistics.median(times), "rows": rows, "logits_dtype": str(logits_dtype).split(".")[-1],
-            "bytes": 3 * rows * vocab * buf.element_size() + rows * 16}
+    res = {"rows": rows, "logits_dtype": str(logits_dtype).split(".")[-1]}
+    if backend == "reference":
+        fn = lambda: cross_entropy._rowwise_reference(buf, targets, -100, 0.0, True, loss_rows, correct)  # noqa: E731
+        times = time_calls_ms(fn, device, args.warmup, args.iters)
+        return {**res, "median_ms": statistics.median(times), "bytes": 3 * rows * vocab * buf.element_size()}
+    # the kernel training runs (staged where the row fits: read once, written once) and the two-read one, each on
+    # its own copy of the chunk (the kernel overwrites logits with gradients)
+    words = cross_entropy._storage_view(buf)[0].shape[1]
+    staged = cross_entropy.rowwise_plan(words)[1] > 0
+    for name, flag in (("staged" if staged else "two_read", None), ("two_read_forced", False)):
+        fresh = buf.clone()
+        fn = lambda: cross_entropy._rowwise_numba(fresh, targets, -100, 0.0, True, loss_rows, correct,  # noqa: E731
+                                                  staged=flag)
+        times = time_calls_ms(fn, device, args.warmup, args.iters)
+        passes = 2 if name == "staged" else 3
+        res[name] = {"median_ms": statistics.median(times), "bytes": passes * rows * vocab * buf.element_size()}
+    first = res["staged" if staged else "two_read"]
+    return {**res, "median_ms": first["median_ms"], "bytes": first["bytes"] + rows * 16, "staged": staged}
 
 
 def bench_cross_entropy(tokens, hidden_size, vocab, dtype, device, args) -> dict:
@@ -151,11 +186,19 @@ def bench_cross_entropy(tokens, hidden_size, vocab, dtype, device, args) -> dict
     ratios = {f"{name}_time_over_fused": res[name]["median_ms"] / fused["median_ms"] for name in res if name != "fused"}
     ratios.update({f"{name}_peak_over_fused": res[name]["peak_bytes"] / max(fused["peak_bytes"], 1)
                    for name in res if name != "fused"})
-    traffic = ce_traffic(tokens, hidden_size, vocab, dtype, min(rows, tokens), fused_backend)
-    return {"shape": {"tokens": tokens, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype).split(".")[-1],
+    rowwise = bench_rowwise(min(rows, tokens), vocab, dtype, device, fused_backend, args)
+    traffic = ce_traffic(tokens, hidden_size, vocab, dtype, min(rows, tokens), fused_backend,
+                         bool(rowwise.get("staged")))
+
+    def fused_step():
+        hidden.grad = weight.grad = None
+        methods["fused"](hidden, weight, targets).backward()
+    profile = profile_kernels(fused_step, device, args.profile_iters)
+    return {"profile": profile,
+            "shape": {"tokens": tokens, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype).split(".")[-1],
                       "chunk_size": args.chunk_size, "rows_per_chunk": min(rows, tokens)},
             "fused_backend": fused_backend, "methods": res, "ratios": ratios, "traffic": traffic,
-            "rowwise": bench_rowwise(min(rows, tokens), vocab, dtype, device, fused_backend, args)}
+            "rowwise": rowwise}
 
 
 def torch_top_p(logits: torch.Tensor, top_p: float, temperature: float, generator: torch.Generator) -> torch.Tensor:
@@ -184,17 +227,27 @@ def bench_sampling(batch, vocab, device, args) -> dict:
     launches = getattr(sampler, "n_launches", 0)
     return {"shape": {"batch": batch, "vocab": vocab, "top_p": 0.9, "temperature": 1.0}, "backend": backend,
             "splits": getattr(getattr(sampler, "plan", None), "S", None), "launches": launches,
-            "bytes_one_read": batch * vocab * 4, "methods": res,
+            "bytes_one_read": batch * vocab * 4, "bytes_at_most": max(launches - 1, 1) * batch * vocab * 4,
+            "profile": profile_kernels(lambda: sampler(in_place), device, args.profile_iters), "methods": res,
             "ratios": {"torch_sort_time_over_sampler": res["torch_sort"]["median_ms"] / res["sampler"]["median_ms"]}}
+
+
+def print_profile(what: str, profile: list[dict], wall_ms: float, top: int = 6) -> None:
+    if not profile:
+        return
+    gpu_ms = sum(r["us_per_call"] for r in profile) / 1e3
+    print(f"  {what}: kernels {gpu_ms:.3f} ms of {wall_ms:.3f} ms a call (gap {wall_ms - gpu_ms:.3f})")
+    for r in profile[:top]:
+        print(f"    {r['us_per_call']:>9.1f} us  x{r['calls_per_call']:<4.1f} {r['kernel'][:90]}")
 
 
 def print_kernel_table(rows: list[dict], peak_bw: float | None) -> None:
     peak = "unknown" if peak_bw is None else f"{peak_bw / 1e12:.2f} TB/s"
     print(f"bytes moved per kernel (traffic model; device peak {peak}; last column: the same bytes at 3 TB/s)")
-    print(f"  {'kernel':<24}{'shape':<22}{'ms':>9}{'MB':>10}{'GB/s':>9}{'% peak':>8}{'ms @3TB/s':>11}{'TFLOP':>8}")
+    print(f"  {'kernel':<30}{'shape':<18}{'ms':>9}{'MB':>10}{'GB/s':>9}{'% peak':>8}{'ms @3TB/s':>11}{'TFLOP':>8}")
     for r in rows:
         pct = "-" if r["pct_of_peak_bw"] is None else f"{r['pct_of_peak_bw']:.0f}"
-        print(f"  {r['kernel']:<24}{r['shape']:<22}{r['median_ms']:>9.3f}{r['bytes'] / 1e6:>10.1f}"
+        print(f"  {r['kernel']:<30}{r['shape']:<18}{r['median_ms']:>9.3f}{r['bytes'] / 1e6:>10.1f}"
               f"{r['gb_per_s']:>9.1f}{pct:>8}{r['ms_at_3tbps']:>11.3f}{r['flops'] / 1e12:>8.2f}")
 
 
@@ -213,6 +266,7 @@ def main(argv=None) -> int:
                    help="sampling shapes (default: 1x32000 64x32000 256x128256)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--profile-iters", type=int, default=3, help="calls profiled per shape on CUDA (0: none)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few iterations (CPU, seconds)")
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     args = p.parse_args(argv)
@@ -253,8 +307,16 @@ def main(argv=None) -> int:
             total_f = sum(v["flops"] for v in t.values() if isinstance(v, dict))
             kernels.append(kernel_row("fused CE fwd+bwd", shape, m["fused"]["median_ms"], total_b, peak_bw, total_f))
             rw = row["rowwise"]
-            kernels.append(kernel_row(f"CE row kernel ({rw['logits_dtype']})", f"{rw['rows']}x{args.vocab}",
+            kind = "staged" if rw.get("staged") else "two reads"
+            kernels.append(kernel_row(f"CE row ({rw['logits_dtype']}, {kind})", f"{rw['rows']}x{args.vocab}",
                                       rw["median_ms"], rw["bytes"], peak_bw))
+            if rw.get("staged"):
+                two = rw["two_read_forced"]
+                kernels.append(kernel_row(f"CE row ({rw['logits_dtype']}, two reads)", f"{rw['rows']}x{args.vocab}",
+                                          two["median_ms"], two["bytes"], peak_bw))
+    for row in ce_rows:
+        print_profile(f"fused CE {row['shape']['tokens']}x{row['shape']['hidden']}", row["profile"],
+                      row["methods"]["fused"]["median_ms"])
     print("  first call ms (compile included): " + "; ".join(
         f"{row['shape']['tokens']}x{row['shape']['hidden']}: " + ", ".join(
             f"{k} {v['first_call_ms']:.0f}" for k, v in row["methods"].items()) for row in ce_rows))
@@ -271,6 +333,11 @@ def main(argv=None) -> int:
               f"{ms['torch_sort']['median_ms']:>12.3f}{samp['ratios']['torch_sort_time_over_sampler']:>8.2f}")
         kernels.append(kernel_row("sampler kernels (top-p)", f"{sh['batch']}x{sh['vocab']}",
                                   ms["sampler_kernels"]["median_ms"], samp["bytes_one_read"], peak_bw))
+        kernels.append(kernel_row("sampler, every launch", f"{sh['batch']}x{sh['vocab']}",
+                                  ms["sampler_kernels"]["median_ms"], samp["bytes_at_most"], peak_bw))
+    for samp in samp_rows:
+        print_profile(f"sampler {samp['shape']['batch']}x{samp['shape']['vocab']}", samp["profile"],
+                      samp["methods"]["sampler_kernels"]["median_ms"])
     print_kernel_table(kernels, peak_bw)
     if compile_s:
         print("  numba compile: " + ", ".join(f"{k} {v:.2f}" for k, v in compile_s.items()))

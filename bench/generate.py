@@ -7,6 +7,7 @@ for either model family.
     python bench/generate.py --tier B --vocab 32000 --batch-sizes 1 64 --new-tokens 128
     python bench/generate.py --prompt-len 32 8192 32768 --batch-sizes 1      # decode after long prompts
     python bench/generate.py --mixer resonance --prompt-len 32 32768 --batch-sizes 1
+    python bench/generate.py --prompt-len 8192 32768 --batch-sizes 1 --samplers kernels --repeat 1   # gpu_check's
     python bench/generate.py --threads 1              # CPU: torch intra-op threads for the run
     python bench/generate.py --smoke --out /tmp/r     # tiny, seconds (used by a test)
 
@@ -18,11 +19,19 @@ on CUDA, the compile and graph capture), each phase closed by a device sync (see
 decode tokens per CPU-second (process time) is reported beside the wall-clock figure: on a shared machine the wall
 clock includes time spent waiting for a core. On CPU the kernels' dispatch resolves to the reference sampler, so
 the two columns run the same code there. --compile (default on CUDA) compiles the decode step before capture.
+
+Before the first token (the JSON's `first_token` per row, from the first call, which pays every one-off cost): the
+cache allocation, the prefill (its forwards: one per PREFILL_CHUNK tokens a row), the first sampler call (Numba's
+compile on CUDA), the first decode step (torch.compile's trace and compile) and the graph captures (CUDA only: the
+CPU runs eagerly); `compiles` counts the graphs torch.compile made during the call (0 once the step is compiled
+for this batch size: the cache length and span are symbolic); peak memory is torch's CUDA peak (CPU: the process's
+maximum resident set, which only grows).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -55,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--samplers", nargs="+", choices=list(SAMPLERS), default=list(SAMPLERS),
+                   help="samplers to run (default both: the kernels' and the reference, side by side)")
     p.add_argument("--threads", type=int, help="CPU: torch.set_num_threads for the run (default: torch's)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
     p.add_argument("--out", type=Path, help="results directory (default bench/results)")
@@ -74,19 +85,32 @@ def measure(decoder, batch: int, prompt_len: int, args, sampling_backend: str | 
     compile_step = bool(args.compile) and hasattr(decoder, "decode_compute")
     kw = dict(max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, sampling_backend=sampling_backend,
               compile_step=compile_step)
+    from torch._dynamo.utils import counters
+
     with generation_autocast(decoder):
+        graphs_before = counters["stats"]["unique_graphs"]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        generate_ids_timed(decoder, prompts, **kw)  # first call: compiles (Numba sampler, the step), warms up
+        _, first = generate_ids_timed(decoder, prompts, **kw)  # first call: compiles (Numba sampler, the step)
         first_call_s = time.perf_counter() - t0
+        compiles = counters["stats"]["unique_graphs"] - graphs_before
+        peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         runs = [generate_ids_timed(decoder, prompts, seed=r, **kw)[1] for r in range(args.repeat)]
     med = lambda f: statistics.median(f(t) for t in runs)  # noqa: E731
+    first_token = {"cache_s": round(first.cache_s, 4), "prefill_s": round(first.prefill_s - first.cache_s, 4),
+                   "prefill_chunks": first.prefill_chunks, "first_sample_s": round(first.first_sample_s, 4),
+                   "first_step_s": round(first.first_step_s, 4), "capture_s": round(first.capture_s, 4),
+                   "compiles": compiles, "peak_memory_bytes": peak, "peak_memory_kind": "cuda_allocated"
+                   if device.type == "cuda" else "process_max_rss"}
     return {"batch": batch, "prompt_len": prompt_len, "first_call_s": round(first_call_s, 4),
             "prefill_tokens_per_s": round(med(lambda t: t.prefill_tokens_per_s), 1),
             "decode_tokens_per_s": round(med(lambda t: t.decode_tokens_per_s), 1),
             "decode_tokens_per_cpu_s": round(med(lambda t: t.decode_tokens / max(t.decode_cpu_s, 1e-9)), 1),
             "warmup_s": round(med(lambda t: t.warmup_s), 4), "decode_tokens": runs[0].decode_tokens,
             "cuda_graph": runs[0].cuda_graph, "compiled": runs[0].compiled, "graphs": runs[0].graphs,
-            "sampler_backend": resolve_backend(device, sampling_backend)}
+            "sampler_backend": resolve_backend(device, sampling_backend), "first_token": first_token}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             "shapes": {"mixer": args.mixer, "tier": args.tier, "vocab": args.vocab, "dtype": dtype,
                        "prompt_lens": args.prompt_len, "new_tokens": args.new_tokens,
                        "batch_sizes": args.batch_sizes, "top_p": args.top_p, "repeat": args.repeat,
+                       "samplers": args.samplers,
                        "compiled_step": args.compile},
             "torch_threads": torch.get_num_threads(),
             "load_average_before": [round(x, 2) for x in load_before],
@@ -130,16 +155,23 @@ def main(argv: list[str] | None = None) -> int:
 
     for prompt_len in args.prompt_len:
         for batch in args.batch_sizes:
-            for name, backend in SAMPLERS.items():
+            for name in args.samplers:
+                backend = SAMPLERS[name]
                 row = {"sampler": name, **measure(decoder, batch, prompt_len, args, backend, device)}
                 rows.append(row)
                 print(f"{prompt_len:>6} | {batch:>5} | {name:>9} | {row['prefill_tokens_per_s']:>13,.0f} | "
                       f"{row['decode_tokens_per_s']:>12,.0f} | {row['decode_tokens_per_cpu_s']:>16,.0f} | "
                       f"{'yes' if row['cuda_graph'] else 'no':>5} | {row['first_call_s']:>12.2f}")
+                ft = row["first_token"]
+                print(f"{'':>6}   before the first token: cache {ft['cache_s']:.3f} s, prefill {ft['prefill_s']:.3f} s "
+                      f"({ft['prefill_chunks']} forward(s)), first sample {ft['first_sample_s']:.3f} s, first step "
+                      f"{ft['first_step_s']:.3f} s ({ft['compiles']} compile(s)), capture {ft['capture_s']:.3f} s, "
+                      f"peak {ft['peak_memory_bytes'] / 2**20:,.0f} MiB")
                 write(complete=False)
-            k, r = rows[-2], rows[-1]
-            print(f"{'':>6}   {'':>5}   ratio kernels / reference decode tokens/s: "
-                  f"{k['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}")
+            if len(args.samplers) == 2:
+                k, r = rows[-2], rows[-1]
+                print(f"{'':>6}   {'':>5}   ratio kernels / reference decode tokens/s: "
+                      f"{k['decode_tokens_per_s'] / r['decode_tokens_per_s']:.2f}")
     path = write(complete=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}\nwrote {path}")
     return 0

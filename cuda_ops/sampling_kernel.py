@@ -13,16 +13,19 @@ it. Index names:
     key  order-preserving int key of a float32 logit (-0.0 and +0.0 share key 0); w = exp((l - m) / T)
 
 Why split and why several launches. Reading a (64, 32000) fp32 batch takes ~3 us, so the sampler is bound by
-latency, not bytes: one block per row leaves half an H100 idle at batch 64 and 131 of 132 SMs at batch 1. Here
-each row is cut into S slices (S chosen so the grid has >= 2 blocks per SM and >= 128 blocks where the vocabulary
-allows), every pass over the logits is spread over S * B blocks, and the S partial results of a pass are merged
-at the start of the next launch (a kernel boundary is the only grid-wide barrier that is graph-capturable and
-that the CUDA simulator can run). Thresholds are found by pivot search, FlashInfer-style, but NB-ary: a round
-splits the bracket [lo, hi] of keys into NB buckets and measures each (count for top-k, mass for top-p) with the
-smallest and largest key seen in it; the next launch keeps the one bucket holding the threshold and snaps the
-bracket to its extreme keys. A round divides the key range by NB = 16 at least, so 9 rounds bound any search of
-32-bit keys; rows that finish early skip the remaining launches. Keys above the bracket are counted once (the
-`above` measure carried in the row state), so later rounds touch only keys inside the bracket.
+latency, not bytes: one block per row leaves half an H100 idle at batch 64 and 131 of 132 SMs at batch 1. Here each
+row is cut into S slices (S chosen so the grid fills every SM with BLOCKS_PER_SM blocks, one wave, and has >= 128
+blocks where the vocabulary allows), every pass over the logits is spread over S * B blocks, and the S partial
+results of a pass are merged at the start of the next launch (a kernel boundary is the only grid-wide barrier that
+is graph-capturable and that the CUDA simulator can run). Thresholds are found by pivot search, FlashInfer-style,
+but NB-ary: a round splits the bracket [lo, hi] of keys into NB buckets and measures each (count for top-k, mass for
+top-p) with the smallest and largest key seen in it; the next launch keeps the one bucket holding the threshold and
+snaps the bracket to its extreme keys. A round divides the key range by NB = 16 at least, so 9 rounds bound any
+search of 32-bit keys; rows that finish early skip the remaining launches. Keys above the bracket are counted once
+(the `above` measure carried in the row state), so later rounds touch only keys inside the bracket. A thread keeps
+its buckets in its own column of the block's shared arrays (no local memory: the PTX for sm_90 has none) and its
+index arithmetic is shifts, masks and one exact fp64 division per visited key (no 64-bit integer division in the
+loop).
 
 Every number a row needs between launches lives in device memory (the row state and the partials), the step
 counter too (incremented by the last launch), so the fixed launch sequence can be captured in a CUDA graph and
@@ -94,6 +97,7 @@ ARGMAX, KSEARCH, PSEARCH, DRAW, DONE = range(5)
 KEY_EMPTY_LO, KEY_EMPTY_HI = 2**31 - 1, -(2**31)  # bucket min / max of an empty bucket (outside every key)
 UNROLL = 4  # loads in flight per thread in a streaming pass (the loop in build_kernel is written out for 4)
 cuda = float32 = float64 = int32 = int64 = None  # bound by build_kernel (module globals: the simulator swaps `cuda`)
+_int_as_float = None  # int32 bits -> the float32 they hold (libdevice on the GPU, numpy under the simulator)
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,13 +121,23 @@ def build_kernel(block: int, nb: int):
     Launch `it` reads state and partials from copy it % 2 and writes copy 1 - it % 2: a block that finishes
     early must not overwrite what the other blocks of its row are still reading in the same launch.
     """
-    global cuda, float32, float64, int32, int64
+    global cuda, float32, float64, int32, int64, _int_as_float
     from numba import cuda, float32, float64, int32, int64
     from numba.cuda.core import config
 
-    if block & (block - 1) or not nb <= block <= 1024 or nb < 2:
-        raise ValueError(f"block must be a power of two in [nb, 1024] and nb >= 2, got block={block}, nb={nb}")
+    if block & (block - 1) or nb & (nb - 1) or not nb <= block <= 1024 or nb < 2:
+        raise ValueError(f"block and nb must be powers of two, 2 <= nb <= block <= 1024; got block={block}, nb={nb}")
+    # index arithmetic by shifts and masks: a 64-bit integer division costs ~100 instructions on a GPU
+    log2_nb, log2_block = nb.bit_length() - 1, block.bit_length() - 1
     _register_helpers()
+    if config.ENABLE_CUDASIM:  # the simulator has no libdevice: a numpy bit cast, the same value
+        import numpy as np
+
+        _int_as_float = lambda i: np.array(i, dtype=np.int64).astype(np.int32).view(np.float32)[()]  # noqa: E731
+    else:
+        from numba.cuda import libdevice
+
+        _int_as_float = libdevice.int_as_float
     kernel_options = {} if config.ENABLE_CUDASIM else {"launch_bounds": block}
 
     @cuda.jit(device=True)
@@ -144,26 +158,26 @@ def build_kernel(block: int, nb: int):
         """Load the S partials of every bucket into red_*[j, s]; with `reduce`, fold them over s in a fixed tree
         order so that bucket j ends in column 0. Ends synchronised."""
         for idx in range(tid, S * nb, block):
-            j = idx // S
-            s = idx % S
+            j = idx & (nb - 1)  # idx = s * nb + j: consecutive threads read consecutive buckets of one partial
+            s = idx >> log2_nb
             red_f[j, s] = part_f[rd, row, s, j]
             red_lo[j, s] = part_lo[rd, row, s, j]
             red_hi[j, s] = part_hi[rd, row, s, j]
         cuda.syncthreads()
         if not reduce:
             return
-        width = 1
-        while width < S:
-            width *= 2
-        while width > 1:
-            half = width // 2
+        shift = 0  # width = 2**shift, the power of two at or above S
+        while (1 << shift) < S:
+            shift += 1
+        while shift > 0:
+            shift -= 1
+            half = 1 << shift
             for idx in range(tid, nb * half, block):
-                j = idx // half
-                s = idx % half
+                j = idx >> shift
+                s = idx & (half - 1)
                 if s + half < S:
                     combine(red_f, red_lo, red_hi, j, s, s + half, argmax_pair)
             cuda.syncthreads()
-            width = half
 
     @cuda.jit(device=True)
     def decide(red_f, red_lo, red_hi, st_i, st_f):
@@ -190,36 +204,40 @@ def build_kernel(block: int, nb: int):
         return True
 
     @cuda.jit(device=True)
-    def visit(job, b, i, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi):
-        """Fold logit i (its float32 bits b) into this thread's buckets for the pass `job`. ARGMAX: bucket 0 holds
-        the min key, bucket 1 (first index of the max key, max key). KSEARCH / PSEARCH: the bucket of keys in
-        [lo, hi] gets its count / mass and key range. DRAW: bucket 0 sums the kept mass (key >= lo, w >= min-p)."""
+    def visit(job, b, i, lo, hi, width_f, m, T, q, red_f, red_lo, red_hi, c):
+        """Fold logit i (its float32 bits b) into this thread's buckets, column c of the block's shared bucket arrays
+        (a per-thread array indexed by a computed bucket would live in local memory), for the pass `job`. ARGMAX:
+        bucket 0 holds the min key, bucket 1 (first index of the max key, max key). KSEARCH / PSEARCH: the bucket of
+        keys in [lo, hi] gets its count / mass and key range. DRAW: bucket 0 sums the kept mass (key >= lo, w >= min-p).
+        The logit's value is its bits cast back (no second load); the bucket is floor((key - lo) * nb / width) in
+        fp64, which is exact (operands below 2**37, a quotient at least 1 / width from any integer it is not), so
+        buckets are the integer key ranges a 64-bit integer division would give, without the division's cost."""
         key = order_key(b)
         if job == ARGMAX:
-            if key < acc_lo[0]:
-                acc_lo[0] = key
-            if key > acc_hi[1]:  # strict: the first (lowest) i of this thread wins ties (i grows in a thread)
-                acc_hi[1] = key
-                acc_lo[1] = i
+            if key < red_lo[0, c]:
+                red_lo[0, c] = key
+            if key > red_hi[1, c]:  # strict: the first (lowest) i of this thread wins ties (i grows in a thread)
+                red_hi[1, c] = key
+                red_lo[1, c] = i
             return
         if key < lo:
             return
         if job == DRAW:
-            w = math.exp((logits[row, i] - m) / T)
+            w = math.exp((_int_as_float(b) - m) / T)
             if w >= q:
-                acc_f[0] += w
+                red_f[0, c] += w
             return
         if key > hi:
             return
-        j = ((key - lo) * nb) // width_keys
+        j = int32(math.floor(float64((key - lo) * nb) / width_f))
         if job == KSEARCH:
-            acc_f[j] += 1.0
+            red_f[j, c] += 1.0
         else:
-            acc_f[j] += math.exp((logits[row, i] - m) / T)
-        if key < acc_lo[j]:
-            acc_lo[j] = key
-        if key > acc_hi[j]:
-            acc_hi[j] = key
+            red_f[j, c] += math.exp((_int_as_float(b) - m) / T)
+        if key < red_lo[j, c]:
+            red_lo[j, c] = key
+        if key > red_hi[j, c]:
+            red_hi[j, c] = key
 
     @cuda.jit(**kernel_options)
     def kernel(logits, bits, temps, ks, ps, minps, seeds, steps, out, state_i, state_f, part_f, part_lo, part_hi,
@@ -341,8 +359,9 @@ def build_kernel(block: int, nb: int):
             b = min(a + piece, end)
             tot = 0.0
             for i in range(a, b):
-                if order_key(bits[row, i]) >= lo:
-                    w = math.exp((logits[row, i] - m) / T)
+                bi = bits[row, i]
+                if order_key(bi) >= lo:
+                    w = math.exp((_int_as_float(bi) - m) / T)
                     if w >= q:
                         tot += w
             red_f[0, tid] = tot  # inclusive Hillis-Steele scan of the pieces
@@ -380,8 +399,9 @@ def build_kernel(block: int, nb: int):
                 acc = excl
                 ans = -1
                 for i in range(a, b):
-                    if order_key(bits[row, i]) >= lo:
-                        w = math.exp((logits[row, i] - m) / T)
+                    bi = bits[row, i]
+                    if order_key(bi) >= lo:
+                        w = math.exp((_int_as_float(bi) - m) / T)
                         if w >= q and w > 0.0:
                             ans = i
                             acc += w
@@ -390,17 +410,15 @@ def build_kernel(block: int, nb: int):
                 out[row] = ans
             return
 
-        # ARGMAX, KSEARCH, PSEARCH, DRAW: per-thread buckets over the slice (strided: coalesced loads)
-        acc_f = cuda.local.array(nb, float64)
-        acc_lo = cuda.local.array(nb, int32)
-        acc_hi = cuda.local.array(nb, int32)
+        # ARGMAX, KSEARCH, PSEARCH, DRAW: per-thread buckets over the slice (strided: coalesced loads), each thread
+        # in its own column of red_* (the merge's readers are past the barrier above)
         for j in range(nb):
-            acc_f[j] = 0.0
-            acc_lo[j] = KEY_EMPTY_LO
-            acc_hi[j] = KEY_EMPTY_HI
+            red_f[j, tid] = 0.0
+            red_lo[j, tid] = KEY_EMPTY_LO
+            red_hi[j, tid] = KEY_EMPTY_HI
         lo = st_i[LO]
         hi = st_i[HI]
-        width_keys = hi - lo + 1  # int64: up to 2**32
+        width_f = float64(hi - lo + 1)  # keys in the bracket: up to 2**32, exact in fp64
         q = minps[row]
         # UNROLL independent loads per thread before any is used: a streaming pass needs several loads in flight
         # per thread (128-thread blocks, ~6 per SM) to get near the memory bandwidth
@@ -412,31 +430,27 @@ def build_kernel(block: int, nb: int):
             b1 = bits[row, i1] if i1 < end else 0
             b2 = bits[row, i2] if i2 < end else 0
             b3 = bits[row, i3] if i3 < end else 0
-            visit(job, b0, base, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi)
+            visit(job, b0, base, lo, hi, width_f, m, T, q, red_f, red_lo, red_hi, tid)
             if i1 < end:
-                visit(job, b1, i1, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi)
+                visit(job, b1, i1, lo, hi, width_f, m, T, q, red_f, red_lo, red_hi, tid)
             if i2 < end:
-                visit(job, b2, i2, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi)
+                visit(job, b2, i2, lo, hi, width_f, m, T, q, red_f, red_lo, red_hi, tid)
             if i3 < end:
-                visit(job, b3, i3, logits, row, lo, hi, width_keys, m, T, q, acc_f, acc_lo, acc_hi)
+                visit(job, b3, i3, lo, hi, width_f, m, T, q, red_f, red_lo, red_hi, tid)
         if job == ARGMAX:
-            acc_hi[0] = acc_hi[1]
+            red_hi[0, tid] = red_hi[1, tid]
 
         # block reduction of the nb buckets in a fixed tree order, then one partial per (row, s, bucket)
-        cuda.syncthreads()  # the merge above read red_* (block-uniform path: every thread gets here)
-        for j in range(nb):
-            red_f[j, tid] = acc_f[j]
-            red_lo[j, tid] = acc_lo[j]
-            red_hi[j, tid] = acc_hi[j]
-        cuda.syncthreads()
-        half = block // 2
-        while half > 0:
+        cuda.syncthreads()  # block-uniform path: every thread gets here
+        shift = log2_block - 1
+        while shift >= 0:
+            half = 1 << shift
             for idx in range(tid, nb * half, block):
-                j = idx // half
-                t = idx % half
+                j = idx >> shift
+                t = idx & (half - 1)
                 combine(red_f, red_lo, red_hi, j, t, t + half, job == ARGMAX)
             cuda.syncthreads()
-            half //= 2
+            shift -= 1
         if tid < nb:
             part_f[wr, row, s, tid] = red_f[tid, 0]
             part_lo[wr, row, s, tid] = red_lo[tid, 0]
@@ -454,12 +468,17 @@ BLOCK, NB = 128, 16  # 128 threads: the bucket scratch (16 x 128 x 16 B = 32 KB)
 MAX_SPLITS = 64
 MIN_SLICE = 256  # vocab entries per block at least: below that, more blocks only add merge work
 MIN_GRID = 128  # numba-cuda warns below this many blocks (NumbaPerformanceWarning "Grid size N ...")
+# Blocks a launch aims to put on each SM: 7 fit (32 KB of shared memory each, 228 KB an SM on H100/H200), 6 leave
+# room. The H200's per-launch times (bench/results/decoder-nvidia-h200-20261127.json: 14 us at 500 entries a block,
+# 31 us at 6,400, 332 us at 64,128, in one wave each) grow with the entries a block walks, not with the bytes: a
+# block's threads walk their slice serially, so the widest grid that is still one wave is the fastest.
+BLOCKS_PER_SM = 6
 
 
 def pick_splits(B: int, V: int, n_sm: int) -> int:
-    """Blocks per row: enough for >= 2 blocks per SM and >= MIN_GRID blocks, as far as slices of >= MIN_SLICE
-    entries allow, at most MAX_SPLITS. 1 x 32,000 -> 64 splits, 64 x 32,000 -> 5, 256 x 128,256 -> 2 (132 SMs)."""
-    want = max(-(-2 * n_sm // B), -(-MIN_GRID // B))
+    """Blocks per row: enough for BLOCKS_PER_SM blocks per SM and >= MIN_GRID blocks, as far as slices of >= MIN_SLICE
+    entries allow, at most MAX_SPLITS. 1 x 32,000 -> 64 splits, 64 x 32,000 -> 13, 256 x 128,256 -> 4 (132 SMs)."""
+    want = max(-(-BLOCKS_PER_SM * n_sm // B), -(-MIN_GRID // B))
     cap = max(1, min(MAX_SPLITS, V // MIN_SLICE))
     return max(1, min(want, cap))
 

@@ -27,10 +27,19 @@ dozen kernels per layer instead of ~40. A model without `decode_compute` (only t
 same step eagerly. An fp32 model (the eval-time samples) generates under bf16 autocast on CUDA
 (generation_autocast); the command loads a checkpoint in bf16.
 
-Timing (GenerationTimings): prefill = the prompt forward and its logits; warm-up = the first sampling call (where
-Numba compiles the sampling kernel on first use), the eager warm-up steps (where torch.compile compiles) and the
-graph capture; decode = the remaining steps (a capture for a new span bucket included). Each phase ends with a
-device sync, so the three are measured apart and the decode figure is the steady state.
+Long prompts. What a prompt costs before the first token is bounded apart from its length where it can be: the
+cache is allocated once (zeros: a memset at the device's bandwidth); the prompt runs in chunks of at most
+PREFILL_CHUNK tokens a row when it is longer (each chunk attends to the cache filled so far, so activations and any
+mask stay at B x PREFILL_CHUNK x ...; without left padding no mask is materialised at all, model/kv_cache.py); the
+compiled step does not specialise on the cache's length or the span (those dimensions are marked dynamic before
+the first compile), so a process compiles the step once per batch size whatever its prompts, and inductor's cache
+serves the same graph to the next process; graph capture records one graph per span bucket (a few per generation).
+
+Timing (GenerationTimings): prefill = the cache allocation, the prompt forward(s) and its logits; warm-up = the
+first sampling call (where Numba compiles the sampling kernel on first use), the eager warm-up steps (where
+torch.compile compiles) and the graph capture; decode = the remaining steps (a capture for a new span bucket
+included). Each phase ends with a device sync, so the three are measured apart and the decode figure is the steady
+state; cache_s, first_sample_s, first_step_s and capture_s split out what happens once.
 """
 from __future__ import annotations
 
@@ -45,6 +54,7 @@ from cuda_ops.sampling import Sampler
 
 WARMUP_STEPS = 2  # eager decode steps before capture: cuBLAS and the allocator settle on the side stream first
 COMPILE_MIN_TOKENS = 8192  # compile_step=None compiles on CUDA when batch x new tokens reach this (amortised)
+PREFILL_CHUNK = 4096  # prompt tokens a row per prefill forward: longer prompts run in chunks
 
 
 @dataclass
@@ -61,6 +71,12 @@ class GenerationTimings:
     cuda_graph: bool  # whether the decode steps replayed a CUDA graph (model + sampler: the whole step)
     compiled: bool = False  # whether the step was compiled (torch.compile) before capture
     graphs: int = 0  # CUDA graphs captured (one per attention span bucket the generation crossed)
+    # what comes before the first token, apart (prefill_s above covers cache_s + the prompt's forward):
+    cache_s: float = 0.0  # allocating the KV cache / generation state
+    prefill_chunks: int = 1  # forwards the prompt took (PREFILL_CHUNK tokens a row at most, long prompts)
+    first_sample_s: float = 0.0  # the first sampler call (Numba compiles the kernel there on first use), in warmup_s
+    first_step_s: float = 0.0  # the first decode step (torch.compile traces and compiles there), in warmup_s
+    capture_s: float = 0.0  # recording the CUDA graphs (in warmup_s for the first, decode_s for later buckets)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -87,8 +103,28 @@ def _sync(device: torch.device) -> None:
 
 
 def _decode_logits(decoder, tok: torch.Tensor, cache, span: int | None) -> torch.Tensor:
-    """tok (B,) -> logits (B, V) fp32 through the model's graph-safe step (what is compiled and captured)."""
+    """tok (B,) -> logits (B, V) fp32 through the model's graph-safe step (what is captured)."""
     return decoder.logits(decoder.decode_compute(tok, cache, span))
+
+
+def _decode_logits_spanned(decoder, tok: torch.Tensor, cache, span_slots: torch.Tensor | None) -> torch.Tensor:
+    """_decode_logits for torch.compile: the span arrives as the length of a (span,) view of cache.slots, whose
+    dimension is marked dynamic, so the compiled step holds it symbolic from its first compile (a Python int would
+    be specialised, and a second span bucket or prompt length would compile again)."""
+    span = None if span_slots is None else span_slots.shape[0]
+    return decoder.logits(decoder.decode_compute(tok, cache, span))
+
+
+def _mark_length_dynamic(cache) -> None:
+    """The dimensions of a KV cache that follow the prompt length, dynamic for torch.compile (maybe_: a dimension
+    the graph needs static stays static instead of failing). A cache without them (the resonance state) is left."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for t in list(getattr(cache, "k", [])) + list(getattr(cache, "v", [])):
+        maybe_mark_dynamic(t, 2)
+    for name, dim in (("key_bias", 3), ("cos", 0), ("sin", 0), ("slots", 0)):
+        if isinstance(getattr(cache, name, None), torch.Tensor):
+            maybe_mark_dynamic(getattr(cache, name), dim)
 
 
 _compiled_decode_logits = {}  # torch.compile backend -> the compiled _decode_logits (compiled once per process)
@@ -98,14 +134,23 @@ def _step_fn(decoder, cache, compile_backend: str | None):
     """(tok (B,), span) -> logits (B, V) fp32; whether the step advances cache.length itself (generic protocol)."""
     if not hasattr(decoder, "decode_compute"):
         return (lambda tok, span: decoder.logits(decoder(tok[:, None], kv_cache=cache)[:, -1])), True
-    fn = _decode_logits
-    if compile_backend is not None:
-        # automatic dynamic shapes: the span (a Python int) is specialised on first use and turned symbolic at the
-        # first new bucket, so a generation compiles at most twice; default mode: no CUDA graphs of its own
-        fn = _compiled_decode_logits.get(compile_backend)
-        if fn is None:
-            fn = _compiled_decode_logits[compile_backend] = torch.compile(_decode_logits, backend=compile_backend)
-    return (lambda tok, span: fn(decoder, tok, cache, span)), False
+    if compile_backend is None:
+        return (lambda tok, span: _decode_logits(decoder, tok, cache, span)), False
+    # default mode: no CUDA graphs of its own (the loop captures the whole step); the cache's length dimensions and
+    # the span are dynamic from the first compile (_mark_length_dynamic, _decode_logits_spanned)
+    fn = _compiled_decode_logits.get(compile_backend)
+    if fn is None:
+        fn = _compiled_decode_logits[compile_backend] = torch.compile(_decode_logits_spanned, backend=compile_backend)
+    _mark_length_dynamic(cache)
+    slots = getattr(cache, "slots", None)
+
+    def step(tok, span):
+        if span is None or slots is None:
+            return fn(decoder, tok, cache, None)
+        view = slots[:span]
+        torch._dynamo.maybe_mark_dynamic(view, 0)
+        return fn(decoder, tok, cache, view)
+    return step, False
 
 
 def _graph_wanted(decoder, device: torch.device, cuda_graph: bool | None) -> bool:
@@ -143,6 +188,7 @@ class _DecodeLoop:
         # the span a step attends over when `length` tokens are cached; None for a model without spans
         self.span_at = getattr(cache, "span_for", None) if not self.advances_itself else None
         self.graphs: dict = {}
+        self.capture_s = 0.0
         self.pool = None  # one memory pool shared by every captured span (they replay one after another, never together)
 
     def emit(self, nxt: torch.Tensor) -> None:
@@ -180,12 +226,14 @@ class _DecodeLoop:
 
     def capture(self, span, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         """Record the step for `span` (nothing runs: the device state and cache.length stay where they are)."""
+        t0 = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream, pool=self.pool):
             self.step(span)
         self.graphs[span] = graph
+        self.capture_s += time.perf_counter() - t0
         return graph
 
     def replay(self, span) -> None:
@@ -249,11 +297,18 @@ def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int
     t0 = time.perf_counter()
     ragged = longest > min(len(p) for p in prompts)
     cache = decoder.new_kv_cache(B, longest + max_new_tokens, left_pad=left_pad if ragged else None)
-    logits = decoder.logits(decoder(idx, kv_cache=cache)[:, -1])  # (B, V) fp32: prefill, last position only
+    _sync(device)
+    cache_s = time.perf_counter() - t0
+    chunks = [(a, min(a + PREFILL_CHUNK, longest)) for a in range(0, longest, PREFILL_CHUNK)]
+    for a, b in chunks:  # one forward for a prompt up to PREFILL_CHUNK tokens (see "Long prompts" above)
+        hidden = decoder(idx[:, a:b], kv_cache=cache)
+    logits = decoder.logits(hidden[:, -1])  # (B, V) fp32: the last position only
     _sync(device)
     t1 = time.perf_counter()
     loop = _DecodeLoop(decoder, cache, sampler, out, eos_id, backend)
     loop.emit(sampler(logits))  # token 0 (step 0 of every row's stream)
+    _sync(device)
+    first_sample_s = time.perf_counter() - t1
     steps = max_new_tokens - 1
     plan = decode_plan(loop.spans(steps)) if use_graph else [EAGER] * steps
     side = torch.cuda.Stream(device) if use_graph else None
@@ -261,6 +316,7 @@ def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int
     warm = plan.index(CAPTURE) if CAPTURE in plan else min(steps, WARMUP_STEPS if use_graph else 1)
     failed = False  # a capture failed: every later step runs eagerly (always correct)
     t2 = cpu2 = None
+    first_step_s = 0.0
     for i, action in enumerate(plan):
         if i == warm:
             _sync(device)
@@ -286,6 +342,9 @@ def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int
             torch.cuda.current_stream(device).wait_stream(side)
         else:
             loop.run_eager()
+        if i == 0:
+            _sync(device)
+            first_step_s = time.perf_counter() - (t1 + first_sample_s)
     if t2 is None:  # too few steps to reach the decode phase
         _sync(device)
         t2, cpu2 = time.perf_counter(), time.process_time()
@@ -296,7 +355,8 @@ def generate_ids_timed(decoder, prompts: list[list[int]], *, max_new_tokens: int
                                 warmup_tokens=B * (1 + warm), warmup_s=t2 - t1,
                                 decode_tokens=B * (steps - warm), decode_s=t3 - t2,
                                 decode_cpu_s=cpu3 - cpu2, cuda_graph=graphed, compiled=backend is not None,
-                                graphs=len(loop.graphs))
+                                graphs=len(loop.graphs), cache_s=cache_s, prefill_chunks=len(chunks),
+                                first_sample_s=first_sample_s, first_step_s=first_step_s, capture_s=loop.capture_s)
     return out, timings
 
 

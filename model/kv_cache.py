@@ -8,32 +8,57 @@ Why static. Decoding one token at a time with a cache that grows by one slot per
 shapes: a new cuDNN attention plan per key length (78% of the time in the first H100 run), a new allocation per
 step, and a recompile per step under torch.compile. Here the cache is one (B, n_kv_heads, slots, hd) buffer per
 layer for keys and one for values, allocated zeroed once (slots = max_len rounded up to SPAN_QUANTUM); a decode
-step writes its key/value at slot `pos` (a device tensor) and attends over the first `span` slots with a mask
-(slot <= pos and slot >= the row's left pad). The step reads no Python state that changes, so it can be captured
-in a CUDA graph and replayed (model/decode_loop.py does that on CUDA) and a torch.compile'd step does not recompile
-while its span stays (tests/model/test_kv_cache.py checks that on CPU).
+step writes its key/value at slot `pos` (a device tensor) and attends over the first `span` slots. The step reads no
+Python state that changes, so it can be captured in a CUDA graph and replayed (model/decode_loop.py does that on
+CUDA) and a torch.compile'd step does not recompile while its span stays (tests/model/test_kv_cache.py checks that on
+CPU).
 
-Span buckets (flash-decoding over the filled slots). `cache.decode_span()` is the number of slots the next step
-reads: the filled length + 1 rounded up to a bucket (a multiple of max(SPAN_QUANTUM, 2**(floor(log2 n) - 3))), so a
-step reads at most ~12.5% more than the filled slots, and a generation crosses a few buckets: one graph per bucket.
-Within the span, attention splits the key range into chunks of SPAN_QUANTUM slots: the scores are one batched
-matmul tiled along the keys, and the probabilities times values are one matmul per chunk (batched), summed in fp32
-(split-K), so every SM works on a share of a long cache even at batch 1 (the point of flash-decoding). With a
-32,768-token prompt and 128 new tokens a step reads at most 32,896 slots; after a 32-token prompt, 256.
+What a step writes. A step must write its new keys and values (B x n_layers x 2 x n_kv_heads x hd) and the logits;
+nothing it writes should grow with the cache (bench/decode_step_counts.py counts it, tests/model/test_decode_counts.py
+holds it). So the visibility of every slot is state, not recomputed: `key_bias` (B, 1, 1, slots) in the cache dtype
+is 0 on a slot a row may attend to and -inf elsewhere (empty slots, left pads); the eager calls that fill slots
+(prefill, chunks) open them, and a decode step opens its own slot `pos` (B values) before attending.
+
+Two attention paths for the one new token (`cache.attention`, chosen at construction by `decode_attention`):
+    fused    F.scaled_dot_product_attention over the span with key_bias as its mask: one op, which writes only its
+             (B, H, 1, hd) output (on CPU the flash kernel; on CUDA the memory-efficient kernel, one block per row
+             and head). Chosen on CPU, and on CUDA when the batch's (row, key head) pairs fill every SM.
+    split_k  flash-decoding by hand for small batches on CUDA, where one block per (row, head) would leave most SMs
+             idle over a long cache: the scores are one batched matmul tiled along the keys, and the probabilities
+             times values one matmul per chunk of SPAN_QUANTUM slots (batched), summed in fp32, so every SM works on
+             a share of a long cache even at batch 1. It writes the scores and probabilities (B x H x span x ~6 B a
+             layer compiled): about 1 % of the keys and values the step reads (hd = 128, bf16).
+
+Span buckets. `cache.decode_span()` is the number of slots the next step reads: the filled length + 1 rounded up to
+a bucket (a multiple of max(SPAN_QUANTUM, 2**(floor(log2 n) - 3))), so a step reads at most ~12.5% more than the
+filled slots, and a generation crosses a few buckets: one graph per bucket. With a 32,768-token prompt and 128 new
+tokens a step reads at most 32,896 slots; after a 32-token prompt, 256.
 
 State. `length` (host int) and `pos` (a (1,) int64 device tensor) both count the filled slots, pad slots
 included. Eager calls (prefill, chunks, `decode_step`) advance both; `decode_compute`, the graph-safe part,
-advances only `pos`, and whoever replays it keeps `length` in step (see generate.py).
+advances only `pos`, and whoever replays it keeps `length` in step (see model/decode_loop.py).
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
+import torch.nn.functional as F
 
 from model.rope import RopeConfig, apply_rope, rope_table
 
 SPAN_QUANTUM = 256  # slots per split-K chunk; spans and the allocated slots are multiples of it
+FUSED, SPLIT_K = "fused", "split_k"  # the decode attention paths (module docstring)
+
+
+def decode_attention(batch_size: int, n_kv_heads: int, device: torch.device) -> str:
+    """The decode attention path for a cache: FUSED on CPU, and on CUDA when batch x key heads reaches the SM count
+    (the fused kernel runs one block per row and head: fewer pairs leave SMs idle); SPLIT_K below that."""
+    if device.type != "cuda":
+        return FUSED
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return FUSED if batch_size * n_kv_heads >= sms else SPLIT_K
 
 
 def span_bucket(n: int, limit: int) -> int:
@@ -50,6 +75,8 @@ class KVCache:
     in: the model's, or the autocast dtype), slots = max_len rounded up to SPAN_QUANTUM (the extra slots are never
     visible). left_pad: optional (B,) int64, the number of left-pad tokens at the start of each row's prompt.
     cos/sin: (slots, head_dim/2) RoPE tables in `dtype`, from `rope` (a RopeConfig, or a bare base).
+    key_bias: (B, 1, 1, slots) in `dtype`, 0 on the slots a decode step may attend to, -inf elsewhere.
+    attention: FUSED or SPLIT_K (decode_attention's choice; may be set before the first decode step).
     """
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
@@ -77,10 +104,13 @@ class KVCache:
         self.slots = torch.arange(self.n_slots, device=device)  # (S,)
         # (S, hd/2): the model's RoPE base and scaling (model/rope.py), the same angles its training forward uses
         self.cos, self.sin = rope_table(self.n_slots, head_dim, rope, dtype=dtype, device=device)
+        self.key_bias = torch.full((batch_size, 1, 1, self.n_slots), float("-inf"), dtype=dtype, device=device)
+        self.attention = decode_attention(batch_size, n_kv_heads, self.device)
 
     def reset(self) -> None:
         self.length = 0
         self.pos.zero_()
+        self.key_bias.fill_(float("-inf"))
 
     def check(self, B: int, T: int) -> None:
         """A clear error for a batch of the wrong size or a cache without room for T more tokens (host-side)."""
@@ -99,22 +129,43 @@ class KVCache:
         return span_bucket(length + 1, self.n_slots)
 
     def advance(self, T: int) -> None:
+        """T more slots were filled by an eager call: open them to later decode steps (not a row's left pads)."""
+        filled = self.slots[self.length:self.length + T]  # (T,)
+        self.key_bias[:, 0, 0, self.length:self.length + T] = torch.where(
+            filled[None] >= self.pad[:, None], 0.0, float("-inf")).to(self.dtype)
         self.length += T
         self.pos += T
+
+    def select_rows(self, index: torch.Tensor) -> "KVCache":
+        """A cache whose row i is a copy of this cache's row index[i] (index (R,) int64): one prompt's prefix, computed
+        once, continued by several rows (the choices of a multiple-choice question, pipeline/eval/harness_model.py).
+        The RoPE tables are shared; keys, values and pads are copied."""
+        rows = copy.copy(self)
+        rows.batch_size = int(index.numel())
+        rows.k = [k.index_select(0, index) for k in self.k]
+        rows.v = [v.index_select(0, index) for v in self.v]
+        rows.left_pad = None if self.left_pad is None else self.left_pad.index_select(0, index)
+        rows.pad = self.pad.index_select(0, index)
+        rows.pos = self.pos.clone()
+        return rows
 
     # -- prefill and multi-token chunks (eager; shapes follow the chunk) ----------------------------------------
 
     def positions_and_mask(self, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """RoPE positions (B|1, T) of the next T tokens, and a boolean (B|1, 1, T, length+T) mask or None.
-
-        None means plain causal (prefill of an empty cache without left padding)."""
+        """RoPE positions (B|1, T) of the next T tokens, and the mask over the length+T filled slots: None (plain
+        causal: an empty cache without left padding), torch's lower-right causal bias (a chunk after a prefix, no
+        padding: nothing materialised where SDPA runs flash or memory-efficient attention), or a boolean
+        (B, 1, T, length+T) mask with left padding (B x T x slots bytes: model/decode_loop.py prefills long prompts
+        in chunks so that it stays bounded)."""
         self.check(B, T)
         q_abs = torch.arange(self.length, self.length + T, device=device)  # (T,) slot of each new token
         k_abs = self.slots[: self.length + T]  # (S,)
         if self.left_pad is None:
             mask = None
             if self.length > 0:  # new tokens after a prefix: bottom-right aligned causal
-                mask = (k_abs[None, :] <= q_abs[:, None])[None, None]  # (1, 1, T, S)
+                from torch.nn.attention.bias import causal_lower_right  # here: it loads torch._dynamo
+
+                mask = causal_lower_right(T, self.length + T)
             return q_abs[None], mask
         pad = self.left_pad[:, None]  # (B, 1)
         positions = (q_abs[None] - pad).clamp_min(0)  # (B, T): real tokens start at 0
@@ -141,18 +192,15 @@ class KVCache:
 
 
 def _attend_one(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                key_bias: torch.Tensor) -> torch.Tensor:
+                span: int) -> torch.Tensor:
     """One new token per row through model/decoder.py's Attention `attn`: x (B, 1, D) -> (B, 1, D).
 
-    Writes this token's key/value at slot cache.pos, then attends over the first L slots, L = key_bias.shape[-1]
-    (a multiple of SPAN_QUANTUM); key_bias (B, 1, 1, L) fp32 is 0 on visible slots and -inf elsewhere. Plain
-    matmuls rather than SDPA: no backend choice and no plan per shape, grouped-query attention without copying
-    keys (query head h reads key head h // G, as SDPA's enable_gqa does), and the split of the key range is
-    explicit (split-K over chunks of SPAN_QUANTUM slots)."""
+    Writes this token's key/value at slot cache.pos, then attends over the first `span` slots (a multiple of
+    SPAN_QUANTUM) with cache.key_bias, by cache.attention's path (module docstring). Grouped-query attention reads
+    key head h // G for query head h, as SDPA's enable_gqa does, without copying keys."""
     B = x.shape[0]
     H, Hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    G, L = H // Hkv, key_bias.shape[-1]
-    n_chunks = L // SPAN_QUANTUM
+    G, L = H // Hkv, span
     qk, v = attn.wqkv(x).split([(H + Hkv) * hd, Hkv * hd], dim=-1)  # (B, 1, *)
     qk = apply_rope(qk.view(B, 1, H + Hkv, hd), cos, sin)  # queries and keys rotated together: half the ops
     q, k = qk.split([H, Hkv], dim=2)  # (B, 1, H, hd), (B, 1, Hkv, hd)
@@ -160,6 +208,12 @@ def _attend_one(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
     keys.index_copy_(2, cache.pos, k.transpose(1, 2).to(keys.dtype))
     values.index_copy_(2, cache.pos, v.view(B, 1, Hkv, hd).transpose(1, 2).to(values.dtype))
     keys, values = keys[:, :, :L], values[:, :, :L]  # (B, Hkv, L, hd): the span only
+    key_bias = cache.key_bias[..., :L]  # (B, 1, 1, L)
+    if cache.attention == FUSED:
+        y = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values, attn_mask=key_bias,
+                                           enable_gqa=G > 1)  # (B, H, 1, hd)
+        return attn.wo(y.transpose(1, 2).reshape(B, 1, H * hd).to(x.dtype))
+    n_chunks = L // SPAN_QUANTUM
     q = q.reshape(B, Hkv, G, hd).to(keys.dtype) * (1.0 / math.sqrt(hd))  # (B, Hkv, G, hd)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() + key_bias  # (B, Hkv, G, L) fp32
     probs = scores.softmax(dim=-1).to(values.dtype)
@@ -182,14 +236,11 @@ def decode_compute(decoder, tok: torch.Tensor, cache: KVCache, span: int | None 
     rope_pos = (pos - cache.pad).clamp_min(0)  # (B,) position of the new token in its own prompt
     cos = cache.cos.index_select(0, rope_pos)[:, None, None]  # (B, 1, 1, hd/2)
     sin = cache.sin.index_select(0, rope_pos)[:, None, None]
-    slots = cache.slots[:L]
-    visible = (slots[None] <= pos) & (slots[None] >= cache.pad[:, None])  # (B, L)
-    key_bias = torch.zeros(visible.shape, dtype=torch.float32, device=pos.device).masked_fill_(
-        ~visible, float("-inf"))[:, None, None]  # (B, 1, 1, L)
+    cache.key_bias.index_fill_(3, pos, 0.0)  # this step's slot opens to every row (pos is past every left pad)
     x = decoder.tok_emb(tok[:, None])  # (B, 1, D)
     for i, block in enumerate(decoder.blocks):
         # the block's submodules, not block(): eager even after compile_blocks
-        x = x + _attend_one(block.attn, block.attn_norm(x), cos, sin, cache, i, key_bias)
+        x = x + _attend_one(block.attn, block.attn_norm(x), cos, sin, cache, i, L)
         x = x + block.mlp(block.mlp_norm(x))
     pos += 1
     return decoder.norm(x)[:, 0]  # (B, D)

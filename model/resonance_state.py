@@ -25,9 +25,22 @@ and whoever replays it keeps `length`.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from cuda_ops.resonance_scan import lambdas
+
+
+def _folded_input(block, b_in: torch.Tensor) -> torch.Tensor:
+    """block.w_in (2D, D) and the mixer's input weight b_in (G, P, 2K) -> (D, G x 2K + D): RMSNorm(x) @ it gives z
+    (the mixer's input, (re, im) pairs per group) and then the gate, as block.mix computes them in two matmuls."""
+    G, P, K2 = b_in.shape
+    w = block.w_in.weight.double()  # (2D, D): rows [0, D) make u, rows [D, 2D) the gate
+    D = w.shape[1]
+    w_u = w[:D].t().reshape(D, G, P)  # (D_in, G, P)
+    w_z = torch.einsum("dgp,gpk->dgk", w_u, b_in.double()).reshape(D, G * K2)  # (D_in, G x 2K), rounded once
+    return torch.cat([w_z, w[D:].t()], dim=1).to(b_in.dtype)
 
 
 class ResonanceState:
@@ -35,8 +48,8 @@ class ResonanceState:
 
     Same constructor protocol as model/kv_cache.py's KVCache (max_len only bounds `length`: the state never grows).
     state: a list of n_layers buffers (B, G, K, 2) fp32 (fp64 for an fp64 model); lam (n_layers, G, K, 2) (re, im)
-    in the state's dtype; w_in (n_layers, G, P, 2K) and w_out (n_layers, G, 2K, P) in `dtype`; pos (1,) int64;
-    pad (B,) int64 (zeros without left_pad)."""
+    in the state's dtype; w_step (n_layers, D, G x 2K + D): [W_z | W_gate], the block's input side folded (module
+    docstring), and w_out (n_layers, G, 2K, P) in `dtype`; pos (1,) int64; pad (B,) int64 (zeros without left_pad)."""
 
     def __init__(self, model, batch_size: int, max_len: int, left_pad: torch.Tensor | None = None, *,
                  dtype: torch.dtype | None = None):
@@ -63,7 +76,8 @@ class ResonanceState:
             eigen = [mixer.eigen(mixer.work_dtype) for mixer in mixers]  # (log lambda, dt) per layer
             self.lam = torch.stack([torch.view_as_real(lambdas(torch.view_as_real(log_lam)))
                                     for log_lam, _ in eigen])  # (L, G, K, 2) (re, im)
-            self.w_in = torch.stack([mx.in_weight(dt) for mx, (_, dt) in zip(mixers, eigen)]).to(dtype)
+            self.w_step = torch.stack([_folded_input(block, mx.in_weight(dt).to(mx.work_dtype))
+                                       for block, mx, (_, dt) in zip(model.blocks, mixers, eigen)]).to(dtype)
             self.w_out = torch.stack([mx.out_weight() for mx in mixers]).to(dtype)
 
     def reset(self) -> None:
@@ -83,6 +97,17 @@ class ResonanceState:
     def advance(self, T: int) -> None:
         self.length += T
         self.pos += T
+
+    def select_rows(self, index: torch.Tensor) -> "ResonanceState":
+        """A state whose row i is a copy of this state's row index[i] (index (R,) int64): one prompt's prefix, run
+        once, continued by several rows (as model/kv_cache.py KVCache.select_rows). The weights are shared."""
+        rows = copy.copy(self)
+        rows.batch_size = int(index.numel())
+        rows.state = [s.index_select(0, index) for s in self.state]
+        rows.left_pad = None if self.left_pad is None else self.left_pad.index_select(0, index)
+        rows.pad = self.pad.index_select(0, index)
+        rows.pos = self.pos.clone()
+        return rows
 
     def valid(self, T: int, device: torch.device) -> torch.Tensor | None:
         """(B, T) bool, False at left-pad positions of the next T tokens (device ops, no host sync); None when the
@@ -105,15 +130,15 @@ def decode_compute(model, tok: torch.Tensor, cache: ResonanceState) -> torch.Ten
     keep = (cache.pos >= cache.pad).to(cache.state[0].dtype)[:, None, None, None]  # (B, 1, 1, 1): 0 on a left pad
     x = model.tok_emb(tok[:, None])  # (B, 1, D)
     for i, block in enumerate(model.blocks):
-        u, gate = block.w_in(block.mix_norm(x)).chunk(2, dim=-1)  # (B, 1, D) each; the submodules, eager
-        z = torch.bmm(u.view(B, G, P).transpose(0, 1).to(cache.w_in.dtype), cache.w_in[i])  # (G, B, 2K)
-        z = z.transpose(0, 1).unflatten(-1, (K, 2)).to(cache.state[0].dtype) * keep  # (B, G, K, 2)
+        zg = block.mix_norm(x)[:, 0].to(cache.w_step.dtype) @ cache.w_step[i]  # (B, G*2K + D): z, then the gate
+        z = zg[:, :G * 2 * K].view(B, G, K, 2).to(cache.state[0].dtype) * keep  # (B, G, K, 2)
+        gate = zg[:, None, G * 2 * K:]  # (B, 1, D) in the decode dtype, as block.w_in gives it
         s, lam = cache.state[i], cache.lam[i]  # (B, G, K, 2), (G, K, 2): real pairs, so torch.compile fuses it
         s_re = lam[..., 0] * s[..., 0] - lam[..., 1] * s[..., 1] + z[..., 0]  # s = lambda s + z
         s_im = lam[..., 0] * s[..., 1] + lam[..., 1] * s[..., 0] + z[..., 1]
         s.copy_(torch.stack([s_re, s_im], dim=-1))  # in place: the static buffer
         y = torch.bmm(cache.state[i].flatten(-2).transpose(0, 1).to(cache.w_out.dtype), cache.w_out[i])  # (G, B, P)
-        x = x + block.gated_out(y.transpose(0, 1)[:, None].to(u.dtype), gate)  # y (B, 1, G, P) as the mixer's
+        x = x + block.gated_out(y.transpose(0, 1)[:, None].to(gate.dtype), gate)  # y (B, 1, G, P) as the mixer's
         x = x + block.mlp(block.mlp_norm(x))
     cache.pos += 1
     return model.norm(x)[:, 0]  # (B, D)

@@ -181,6 +181,21 @@ class RunConfig:
 
 
 @dataclass
+class EvalConfig:
+    # Downstream tasks scored by lm-evaluation-harness (the `eval` extra) on the checkpoints while the run trains, by
+    # a Ray task beside the workers (docs/evaluation.md), and by `eval CHECKPOINT --tasks ...`. Names from the
+    # harness's registry (hellaswag, arc_easy: their data must be in the Hugging Face cache, nothing is downloaded),
+    # paths to task YAMLs of one's own, or builtin_cloze / builtin_docs (made from the dataset's held-out documents)
+    tasks: str = ""  # comma-separated lm-evaluation-harness tasks scored at checkpoints; empty = none
+    num_fewshot: int = -1  # few-shot examples in each prompt; -1 = each task's own default
+    limit: float = 0.0  # examples per task: 0 = all, >= 1 that many, < 1 that share of each task
+    every_checkpoints: int = 1  # score every N-th checkpoint (the last one always)
+    cpus: float = 1.0  # CPUs the scoring task reserves beside the training workers
+    gpus: float = 0.0  # GPUs it reserves (a fraction shares a GPU; the workers then ask for 1 - this each)
+    timeout_s: float = 0.0  # seconds one checkpoint's scoring may take before Ray cancels it; 0 = no limit
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -188,6 +203,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -476,6 +492,7 @@ def validate(cfg: Config) -> None:
     _positive("ray.resize_check_s", r.resize_check_s, zero_ok=True)
     _positive("train.checkpoint_every_s", t.checkpoint_every_s, zero_ok=True)
     _validate_elastic(cfg)
+    _validate_eval(cfg.eval)
     _positive("ray.cpus_per_worker", r.cpus_per_worker, zero_ok=True)
     _positive("ray.max_failures", r.max_failures, zero_ok=True)
     _one_of("ray.use_gpu", r.use_gpu, ("auto", "true", "false"))
@@ -633,13 +650,42 @@ def _validate_elastic(cfg: Config) -> None:
                           f"SPREAD (ray.cpus_per_worker sized to a node's CPUs gives one worker per node)")
 
 
+_TASK_NAME = re.compile(r"^[^\s,]+$")
+
+
+def eval_task_names(text: str) -> list[str]:
+    """eval.tasks split at commas (spaces around them allowed): ["builtin_cloze", "hellaswag", "my/task.yaml"]."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    """The eval section: task names without spaces, and numbers in range. Whether a task exists is checked when the
+    run starts (pipeline/eval/harness_tasks.py), where the harness's registry and the YAML files are at hand."""
+    if e.tasks.strip() and (not eval_task_names(e.tasks) or any(not _TASK_NAME.match(t) or t.startswith("-")
+                                                                 for t in eval_task_names(e.tasks))):
+        raise ConfigError(f"eval.tasks={e.tasks!r} is invalid; give task names or task YAML paths separated by "
+                          f"commas, e.g. builtin_cloze,hellaswag")
+    if e.num_fewshot < -1:
+        raise ConfigError(f"eval.num_fewshot={e.num_fewshot} is invalid; it must be >= 0, or -1 for each task's own")
+    if not (math.isfinite(e.limit) and (e.limit == 0 or 0 < e.limit < 1 or (e.limit >= 1 and e.limit.is_integer()))):
+        raise ConfigError(f"eval.limit={e.limit} is invalid; give 0 (every example), a count >= 1, or a share in "
+                          f"(0, 1)")
+    _positive("eval.every_checkpoints", e.every_checkpoints)
+    _positive("eval.cpus", e.cpus, zero_ok=True)
+    if not (math.isfinite(e.gpus) and 0 <= e.gpus <= 1):
+        raise ConfigError(f"eval.gpus={e.gpus} is invalid; it must be in [0, 1] (a fraction shares a GPU with a "
+                          f"worker)")
+    _positive("eval.timeout_s", e.timeout_s, zero_ok=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Presets: small named functions deriving from the base. `default_preset()` picks by hardware.
 
 def _cpu() -> dict[str, Any]:
-    """Runs anywhere in minutes: nano tier, 256-token rows, a 2,000-piece tokenizer."""
+    """Runs anywhere in minutes: nano tier, 256-token rows, a 2,000-piece tokenizer; a cloze task made from the
+    held-out documents scored at each checkpoint (docs/evaluation.md)."""
     return {"model.tier": "nano", "data.vocab_size": 2000, "data.seq_len": 256, "train.batch_size": 8,
-            "train.max_steps": 200, "train.lr": 3e-3}
+            "train.max_steps": 200, "train.lr": 3e-3, "eval.tasks": "builtin_cloze"}
 
 
 def _gpu() -> dict[str, Any]:

@@ -15,6 +15,7 @@
     python pipeline/run.py eval --checkpoint runs/<run>       # a run's latest checkpoint, or a checkpoint directory
     python pipeline/run.py generate --checkpoint runs/<run> --prompt "Once upon a time"
     python pipeline/run.py eval --resume runs/<run> --by-position --seq-len 2x --passkey   # long context
+    python pipeline/run.py eval runs/<run> --tasks builtin_cloze,hellaswag --limit 100   # lm-evaluation-harness tasks
     python pipeline/run.py tune --space tune_spaces/bs_tier.yaml
     python pipeline/run.py export --resume runs/<run> --out hf/<name> [--overwrite] [--register NAME]
     python pipeline/run.py runs                              # every run: status, steps, val loss, last checkpoint
@@ -75,7 +76,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="all (the default: prepare, train, eval, generate) | prepare | validate DIR | train | eval | "
                         "generate | tune | export | runs (list the runs under run.root)")
     p.add_argument("target", nargs="?", help="validate: a dataset directory, a checkpoint directory or a run "
-                                            "directory (its latest checkpoint); a path or a URI")
+                                            "directory (its latest checkpoint); a path or a URI. eval: the "
+                                            "checkpoint, run directory, bucket path or models:/NAME/VERSION to score")
     p.add_argument("--preset", help="cpu | gpu | fineweb-32k | long-32k | long-131k | test | a YAML preset file "
                                     "(default: by hardware)")
     p.add_argument("--resume", metavar="RUN", help="a run directory (or its name under run.root): train continues "
@@ -105,6 +107,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--passkey-lengths", help="eval --passkey: prompt lengths in tokens, e.g. 1024,4096 (default: "
                                              "doubling up to the trained length, and twice it)")
     p.add_argument("--passkey-trials", type=int, default=5, help="eval --passkey: random keys per grid cell")
+    p.add_argument("--tasks", help="eval: lm-evaluation-harness tasks to score, comma-separated: registry names "
+                                   "(hellaswag), task YAML paths, builtin_cloze, builtin_docs (= --eval.tasks)")
+    p.add_argument("--num-fewshot", type=int, help="eval --tasks: few-shot examples per prompt (= --eval.num_fewshot; "
+                                                   "default: each task's own)")
+    p.add_argument("--limit", type=float, help="eval --tasks: examples per task, a count or a share below 1 "
+                                               "(= --eval.limit; default: all)")
     p.add_argument("--out", help="export: the Hugging Face model directory to write")
     p.add_argument("--overwrite", action="store_true", help="export: replace an existing --out directory")
     p.add_argument("--register", metavar="NAME", help="export: also register it in the MLflow Model Registry")
@@ -137,6 +145,9 @@ def build_config(args: argparse.Namespace, rest: list[str]) -> Config:
     overrides = parse_overrides(list(rest))
     if args.address:
         overrides["ray.address"] = args.address
+    for flag, key in (("tasks", "eval.tasks"), ("num_fewshot", "eval.num_fewshot"), ("limit", "eval.limit")):
+        if getattr(args, flag) is not None:  # eval's flags for the eval section's fields
+            overrides[key] = getattr(args, flag)
     cfg = load_config(args.preset, overrides, one_process=args.no_ray and args.stage in ("all", "train"))
     args.typed_fields = typed_fields(args.preset, overrides)
     cfg, notes = settle_fields(args.stage, args.typed_fields, cfg, no_ray=args.no_ray, space=args.space)

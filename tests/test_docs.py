@@ -343,10 +343,11 @@ def test_the_docs_stand_alone():
             resolved = (doc.parent / target).resolve()
             if ROOT not in resolved.parents and resolved != ROOT:
                 outside.append(f"{doc.relative_to(ROOT)}: link {target}")
-        outside += [f"{doc.relative_to(ROOT)}: {m}" for m in re.findall(r"\.\./shared\S*|\bDESIGN\.md\b", text)
-                    if doc.name != "benchmarks.md"]  # the GPU-machine packing: pipeline/bench, below
-    for room in ("pipeline", "model", "cuda_ops"):
+        outside += [f"{doc.relative_to(ROOT)}: {m}" for m in re.findall(r"\.\./shared\S*|\bDESIGN\.md\b", text)]
+    for room in ("pipeline", "model", "cuda_ops", "bench", "tests"):
         for source in sorted((ROOT / room).rglob("*.py")):
+            if source == Path(__file__).resolve():
+                continue
             for m in re.findall(r"\.\./shared\S*|\bDESIGN\.md\b", source.read_text()):
                 outside.append(f"{source.relative_to(ROOT)}: {m}")
     assert not outside, "points outside the repository:\n" + "\n".join(outside)

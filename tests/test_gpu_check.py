@@ -215,11 +215,62 @@ def test_steps_are_selected_by_name_or_group_in_the_order_given():
     assert names(gpu_check.select(["headline"], [], {})) == gpu_check.GROUPS["headline"]
     assert names(gpu_check.select(["headline"], ["gpu_tests", "sweep"], {}))[:2] == ["decoder", "generate_short"]
     assert names(gpu_check.select(["fsdp", "decoder"], [], {})) == ["fsdp", "decoder"]
-    assert names(gpu_check.select(["all"], ["more"], {})) == gpu_check.GROUPS["headline"]
+    assert names(gpu_check.select(["all"], ["more"], {})) == gpu_check.GROUPS["headline"] + gpu_check.GROUPS["pipeline"]
     with pytest.raises(SystemExit, match="error: no step 'decodr'; steps: gpu_tests, decoder"):
         gpu_check.select(["decodr"], [], {})
-    assert gpu_check.GROUPS["headline"][:7] == ["gpu_tests", "decoder", "generate_short", "generate_long",
-                                                "generate_resonance", "engine_throughput", "mixer_32k"]
+    assert gpu_check.GROUPS["headline"] == ["gpu_tests", "decoder", "generate_short", "decode_profile",
+                                            "generate_long", "generate_resonance"]
+    assert gpu_check.GROUPS["pipeline"] == ["default_run", "sweep"]
+
+
+def test_the_headline_fits_nine_minutes_and_with_the_default_run_a_lent_machines_fifteen():
+    """A lent GPU gives a session 15 minutes, start-up included: the decoder's steps must fit ~9 of them by their
+    caps, and the default run after them; the sweep is left for a call of its own."""
+    caps = {s.name: s.cap_s for s in gpu_check.STEPS}
+    headline = sum(caps[n] for n in gpu_check.GROUPS["headline"])
+    assert headline <= 9 * 60
+    assert headline + caps["default_run"] + 30 <= 14 * 60  # + set-up; a minute or so left for the start
+
+
+def test_the_ray_site_is_packed_here_from_pinned_wheels_for_the_machines_python(tmp_path, monkeypatch):
+    """bench/gpu_site.py (gpu_check --pack): pip downloads exact versions for CPython 3.12 on x86-64 and installs them
+    into a folder; a failed download is one clear error naming where it must run; an oversized tarball is refused.
+    pip is stood in for here (no network in the tests)."""
+    from bench import gpu_site
+
+    download, install = gpu_site.pip_commands(tmp_path / "whl", tmp_path / "site")
+    pinned = [w for w in download if "==" in w]
+    assert pinned == gpu_site.PACKAGES and all(re.fullmatch(r"[\w.]+==[\w.]+", w) for w in pinned)
+    assert {"ray==2.60.0", "mlflow==3.17.2"} <= set(pinned) and "--no-deps" in download
+    assert download[download.index("--python-version") + 1] == "3.12" and "cp312" in download
+    assert "--target" in install and "--no-index" in install
+
+    def fake_pip(cmd, **kw):
+        if cmd[3] == "install":
+            site = Path(cmd[cmd.index("--target") + 1])
+            (site / "bin").mkdir(parents=True)
+            (site / "bin" / "ray").write_text("#!/some/venv/bin/python3.11\nimport ray\n")
+            (site / "ray" / "jars").mkdir(parents=True)
+            (site / "ray" / "jars" / "big.jar").write_bytes(b"x" * 1000)
+            (site / "ray" / "__init__.py").write_text("")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gpu_site.subprocess, "run", fake_pip)
+    out = gpu_site.pack(tmp_path / ".gpu")
+    import tarfile
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        assert "ray/__init__.py" in names and not any("jars" in n for n in names)
+        assert tar.extractfile("bin/ray").read().startswith(b"#!/usr/bin/env python3\n")
+    monkeypatch.setattr(gpu_site, "LIMIT_BYTES", 10)
+    with pytest.raises(RuntimeError, match="over the 0 MiB"):
+        gpu_site.pack(tmp_path / "again")
+    monkeypatch.setattr(gpu_site.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution"))
+    with pytest.raises(RuntimeError, match="pip download failed .* needs PyPI, from here"):
+        gpu_site.pack(tmp_path / "offline")
+    reason = gpu_check.skip_reason(next(s for s in gpu_check.STEPS if s.name == "sweep"), {"modules": {}}, False)
+    assert "python bench/gpu_check.py --pack" in reason
 
 
 def test_every_goal_names_a_step_and_the_docs_show_every_step():

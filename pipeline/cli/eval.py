@@ -5,6 +5,8 @@ long-context measures (pipeline/eval/); the results logged to the MLflow run tha
     python pipeline/run.py eval --resume runs/<run>          # the run's latest checkpoint
     python pipeline/run.py eval --checkpoint s3://bucket/longtrain/<run>/ray/phase0/checkpoint_... --resume <run>
     python pipeline/run.py eval --resume runs/<run> --by-position --seq-len 2x --passkey   # long context
+    python pipeline/run.py eval runs/<run> --tasks builtin_cloze,hellaswag --limit 200     # harness tasks instead
+    python pipeline/run.py eval models:/my-model/3 --tasks my_tasks/qa.yaml               # a registered model
 
     loaded = load_for_eval(checkpoint)                 # meta.json and the dataset's manifest.json, each read once
     metrics = evaluate_checkpoint(checkpoint, loaded=loaded)
@@ -23,54 +25,15 @@ storage requests).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from pipeline.cli.checkpoint_arg import checkpoint_of_args, run_dir_of_args, run_dir_of_checkpoint, tracked_run
 from pipeline.cli.usage_error import UsageError
-from pipeline.config import Config, from_dict
+from pipeline.config import Config
 from pipeline.console import stage
 from pipeline.tracking.names import EVAL, EVAL_ACCURACY, EVAL_LOSS, EVAL_PPL, VAL_ACCURACY, VAL_LOSS, VAL_PPL
-
-if TYPE_CHECKING:  # the engine (torch) and the shards (pyarrow) load with a checkpoint, not with the options' check
-    from pipeline.data.shards import Manifest
-    from pipeline.train.engine import Engine
-
-
-@dataclass
-class LoadedCheckpoint:
-    """A checkpoint's weights in an Engine, with what was read to build it, for every measure of one command."""
-    engine: Engine
-    meta: dict[str, Any]  # the checkpoint's meta.json
-    cfg: Config  # the config it trained with
-    dataset_dir: str | Path  # the dataset it is evaluated on
-    manifest: Manifest  # that dataset's manifest.json
-
-    @property
-    def step(self) -> int:
-        return self.meta.get("counters", {}).get("step", 0)
-
-
-def load_for_eval(checkpoint: str | Path, dataset_dir: str | Path | None = None) -> LoadedCheckpoint:
-    """The checkpoint's weights in an Engine (compile off; the training state is not read) beside the dataset it
-    trained on (or `dataset_dir`), checked compatible with it; meta.json and manifest.json are read once here."""
-    from pipeline.data.shards import check_compatible, load_manifest
-    from pipeline.storage import local_copy
-    from pipeline.train.engine import CheckpointError, Engine, read_checkpoint_meta
-
-    with local_copy(checkpoint) as local:  # a checkpoint on object storage: a temporary local copy
-        meta = read_checkpoint_meta(local, weights_only=True)
-        cfg = from_dict(meta["config"])
-        dataset_dir = dataset_dir or meta.get("dataset_dir")
-        if not dataset_dir:
-            raise CheckpointError(f"checkpoint {checkpoint} does not name its dataset; pass the dataset directory")
-        manifest = load_manifest(dataset_dir)
-        check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
-        engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size, context=1)  # whole rows, one process
-        engine.load(local, weights_only_model=True, meta=meta)
-    return LoadedCheckpoint(engine, meta, cfg, dataset_dir, manifest)
-
+from pipeline.train.handoff.loaded_checkpoint import LoadedCheckpoint, load_for_eval  # noqa: F401 (callers use it here)
 
 # ------------------------------------------------------------------------------------------ the mean loss
 def evaluate_checkpoint(checkpoint: str | Path, dataset_dir: str | Path | None = None,
@@ -226,21 +189,122 @@ def stage_long_context(cfg: Config, checkpoint: Path | str, args: argparse.Names
     return report
 
 
+# ------------------------------------------------------------------------------------------ downstream tasks
+def tasks_asked(args: argparse.Namespace) -> bool:
+    """Whether the command line asked for lm-evaluation-harness tasks (--tasks or --eval.tasks typed; a preset's
+    eval.tasks is for training)."""
+    return bool(str(getattr(args, "typed_fields", {}).get("eval.tasks", "")).strip())
+
+
+def stage_tasks(cfg: Config, checkpoint: Path | str, run_dir: Path | None, loaded: LoadedCheckpoint):
+    """eval --tasks on `loaded`: the harness's table, the scores logged to the run that trained the checkpoint at
+    its step (eval/<task>/<metric>, the FAILED tags, eval_tasks.png). Returns the TaskReport."""
+    from pipeline.data.shards import dataset_tokenizer
+    from pipeline.eval.harness_model import LongtrainLM
+    from pipeline.eval.harness_tasks import resolve_tasks, score_tasks
+
+    e = cfg.eval
+    stage("eval", f"tasks {e.tasks} at step {loaded.step} (lm-evaluation-harness, offline)")
+    tokenizer = dataset_tokenizer(loaded.dataset_dir, checkpoint, manifest=loaded.manifest)
+    specs = resolve_tasks(e.tasks, loaded.dataset_dir, loaded.manifest, tokenizer)
+    lm = LongtrainLM(loaded.engine.module.decoder, tokenizer, loaded.cfg.data.seq_len)
+    report = score_tasks(lm, specs, num_fewshot=e.num_fewshot, limit=e.limit, step=loaded.step)
+    print(report.table())
+    _log_tasks(cfg, report, tracked_run(run_dir or run_dir_of_checkpoint(checkpoint), cfg.tracking.tracking_uri),
+               run_dir.name if run_dir else None)
+    return report
+
+
+def _log_tasks(cfg: Config, report, run: tuple[str, str] | None, title: str | None) -> None:
+    from pipeline.eval.harness_tasks import log_task_report
+    from pipeline.tracking.tracker import TrackingError, check_tracking_uri
+
+    if run is None:
+        print("eval: task scores not logged (no tracked run for this model)")
+        return
+    try:
+        check_tracking_uri(run[0])
+        log_task_report(report, run[0], run[1], title=f"{title + ': ' if title else ''}downstream tasks")
+        print(f"eval: task scores logged to MLflow run {run[1]} at step {report.step}")
+    except TrackingError as exc:  # the table is printed above
+        print(f"eval: task scores not logged: {exc}")
+
+
+def registered_model_tasks(cfg: Config, uri: str):
+    """eval models:/NAME/VERSION --tasks ...: a registered model is a Hugging Face export (pipeline/train/handoff/
+    hf_export.py), so it is scored by the harness's own Hugging Face backend (the `hf` extra and accelerate), with
+    the same tokenization as a checkpoint (no BOS; EOS as the empty context), and logged to the run that trained it
+    at the step its version records."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.eval.harness_tasks import offline, resolve_tasks, score_tasks
+    from pipeline.tracking.tracker import resolve_tracking_uri
+
+    offline()
+    try:
+        from lm_eval.models.huggingface import HFLM
+    except ImportError as exc:
+        raise UsageError(f"scoring a registered model needs the harness's Hugging Face backend ({exc.name} is "
+                         f"missing): pip install -e '.[hf,eval]' accelerate") from None
+    parts = uri[len("models:/"):].strip("/").split("/")
+    if len(parts) != 2 or not parts[1].isdigit():
+        raise UsageError(f"{uri}: name a registered model's version as models:/NAME/VERSION")
+    tracking_uri = resolve_tracking_uri(cfg)
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    version = client.get_model_version(parts[0], parts[1])
+    step = int(version.tags.get("step", 0) or 0)
+    stage("eval", f"tasks {cfg.eval.tasks} on {uri} (step {step}; the harness's Hugging Face backend)")
+    mlflow.set_tracking_uri(tracking_uri)
+    local = mlflow.artifacts.download_artifacts(artifact_uri=uri)
+    import transformers
+
+    eos = transformers.AutoTokenizer.from_pretrained(local).eos_token_id
+    lm = HFLM(pretrained=local, backend="causal", add_bos_token=False, prefix_token_id=eos, device="cpu",
+              batch_size=8)
+    report = score_tasks(lm, resolve_tasks(cfg.eval.tasks), num_fewshot=cfg.eval.num_fewshot, limit=cfg.eval.limit,
+                         step=step)
+    print(report.table())
+    _log_tasks(cfg, report, (tracking_uri, version.run_id) if version.run_id else None, f"{parts[0]} v{parts[1]}")
+    return report
+
+
 # ------------------------------------------------------------------------------------------ the command
 def eval_command(cfg: Config, args: argparse.Namespace) -> int:
-    """eval: the checkpoint (--checkpoint, or the --resume run's latest) loaded once, its mean loss, then the
-    long-context measures asked for, each logged to the run that trained it."""
+    """eval: the checkpoint (the positional target, --checkpoint, or the --resume run's latest) loaded once; its mean
+    loss, or with --tasks the lm-evaluation-harness tasks; then the long-context measures asked for, each logged to
+    the run that trained it. A registered model (models:/NAME/VERSION) is scored on --tasks only."""
     from pipeline.storage import local_copy
     from pipeline.train.checkpoints.broken import diagnosed
 
+    if getattr(args, "target", None):
+        args.checkpoint = args.target
     long_context = long_context_options(args) is not None
+    tasks = tasks_asked(args)
+    if tasks:
+        from pipeline.eval.harness_tasks import HarnessMissing, require_harness
+
+        try:
+            require_harness()
+        except HarnessMissing as exc:
+            raise UsageError(str(exc)) from None
+    if args.checkpoint and str(args.checkpoint).startswith("models:/"):
+        if not tasks or long_context:
+            raise UsageError("a registered model is a Hugging Face export without its dataset: score it on "
+                             "lm-evaluation-harness tasks, e.g. --tasks hellaswag (or a task YAML)")
+        registered_model_tasks(cfg, args.checkpoint)
+        return 0
     checkpoint = checkpoint_of_args(cfg, args)
     run_dir = run_dir_of_args(cfg, args)  # the run to log to, also for a bucket's checkpoint
     with diagnosed(checkpoint):  # a file that does not load: one line, the previous checkpoint offered
-        stage("eval", f"{checkpoint} on the validation split")
+        if not tasks:
+            stage("eval", f"{checkpoint} on the validation split")
         with local_copy(checkpoint) as local:  # on object storage: one temporary copy for every measure and log
             loaded = load_for_eval(local)
-            mean_loss_stage(cfg, checkpoint, loaded, run_dir)
+            if tasks:
+                stage_tasks(cfg, checkpoint, run_dir, loaded)
+            else:
+                mean_loss_stage(cfg, checkpoint, loaded, run_dir)
             if long_context:
                 stage_long_context(cfg, checkpoint, args, run_dir, loaded)
     return 0

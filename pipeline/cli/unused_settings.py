@@ -46,12 +46,18 @@ FLAG_STAGES: dict[str, tuple[str, set[str]]] = {
     "passkey": ("--passkey", {"eval"}),
     "passkey_lengths": ("--passkey-lengths", {"eval"}),
     "passkey_trials": ("--passkey-trials", {"eval"}),
+    "tasks": ("--tasks", {"eval"}),
+    "num_fewshot": ("--num-fewshot", {"eval"}),
+    "limit": ("--limit", {"eval"}),
 }
 
 
 def check_flags(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
     """IgnoredSettingError when a flag was given that args.stage does not use."""
-    if args.target and args.stage != "validate":
+    if args.target and args.stage == "eval" and args.checkpoint:
+        raise IgnoredSettingError(f"eval was given two checkpoints ({args.target!r} and --checkpoint "
+                                  f"{args.checkpoint}); name one")
+    if args.target and args.stage not in ("validate", "eval"):
         hint = {"runs": f"to list the runs under it, pass --run.root={args.target}",
                 "prepare": "name the corpus with --data.path"}.get(args.stage, "drop it")
         if args.stage in ("all", "train", "eval", "generate", "export"):
@@ -96,7 +102,7 @@ _STAGE_FIELDS = {
     "validate": ((), "validate reads only the dataset directory, checkpoint or run it is given"),
     "runs": (("run.",), "runs lists the runs under run.root"),
     "generate": (("run.",), "generate takes the model and its settings from the checkpoint"),
-    "eval": (("run.", "tracking."), "eval takes the model, its data and its settings from the checkpoint"),
+    "eval": (("run.", "tracking.", "eval."), "eval takes the model, its data and its settings from the checkpoint"),
     "export": (("run.", "tracking."), "export takes the model and its tokenizer from the checkpoint"),
     # prepare: the data, where things go, the Ray it runs on, the tier (the longest seq_len it allows) and, for
     # data.min_rows, the micro-batch it folds (pipeline/train/session/sizing.py)

@@ -74,12 +74,38 @@ def rows_of(grid, space: Space, base: Config) -> list[TrialRow]:
     return rows
 
 
+def add_task_scores(rows: list[TrialRow], metric: str, tracking_uri: str) -> None:
+    """Each trial's latest value of downstream-task metric `metric` (eval/<task>/<metric>), read from its MLflow run
+    into row.extra (a table column): Ray Train's validation hook logs it there, not in the trial's reports."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for r in rows:
+        if not r.mlflow_run_id:
+            continue
+        history = client.get_metric_history(r.mlflow_run_id, metric)
+        if history:
+            r.extra[metric] = max(history, key=lambda m: (m.step, m.timestamp)).value
+
+
+def best_by_task(rows: list[TrialRow], metric: str, mode: str) -> TrialRow | None:
+    """The finished trial with the best finite `metric` in its extra (add_task_scores), or None."""
+    done = [r for r in rows if r.status == OK and isinstance(r.extra.get(metric), (int, float))
+            and math.isfinite(r.extra[metric])]
+    return (min if mode == "min" else max)(done, key=lambda r: r.extra[metric]) if done else None
+
+
 def report_sweep(cfg: Config, space: Space, rows: list[TrialRow], sweep_dir: Path, name: str, parent) -> SweepResult:
-    title = f"sweep {name} ({space.path.name}): {space.metric}, {space.mode}"
+    if space.rank_by:  # ranked by a downstream task: its scores from the trials' MLflow runs
+        from pipeline.tracking.tracker import resolve_tracking_uri
+
+        add_task_scores(rows, space.rank_by, resolve_tracking_uri(cfg))
+    title = f"sweep {name} ({space.path.name}): {space.metric}, {space.mode}" + (
+        f"; ranked by {space.rank_by}, {space.rank_mode}" if space.rank_by else "")
     md = write_markdown(rows, space.metric, sweep_dir / "sweep_table.md", title=title)
     x_key = "train.batch_size" if "train.batch_size" in space.params else next(iter(space.params))
     png = plot_sweep(rows, sweep_dir / "sweep_table.png", space.metric, x_key=x_key, title=title)
-    best = best_row(rows, space.mode)
+    best = best_by_task(rows, space.rank_by, space.rank_mode) if space.rank_by else best_row(rows, space.mode)
     preset = None
     if best is not None:
         best_cfg = with_token_budget(cfg.replace(resolved(best.params, cfg.flat(), space.mixtures())),

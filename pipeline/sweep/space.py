@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError, close_fields, field_types
+from pipeline.tracking.names import parse_task_metric
 from pipeline.tracking.names import (TRAIN_ACCURACY, TRAIN_LOSS, TRAIN_MFU, TRAIN_PEAK_MEM_GIB, TRAIN_PPL,
                                      TRAIN_TOKENS_PER_S, TRAIN_TOKENS_SEEN, VAL_ACCURACY, VAL_LOSS, VAL_PPL)
 
@@ -59,7 +60,7 @@ MIXTURE_DISTRIBUTIONS = {
 }
 SCHEDULERS = ("asha", "fifo")
 TOP_LEVEL = ("description", "metric", "mode", "num_samples", "max_concurrent_trials", "token_budget",
-             "skip_unfit_batch", "scheduler", "resources_per_trial", "fixed", "params")
+             "skip_unfit_batch", "scheduler", "resources_per_trial", "fixed", "params", "rank_by", "rank_mode")
 SCHEDULER_KEYS = ("type", "time_attr", "grace_period", "reduction_factor", "max_t")
 RESOURCE_KEYS = {"num_workers": "ray.num_workers", "cpus_per_worker": "ray.cpus_per_worker", "use_gpu": "ray.use_gpu"}
 # Fields a sweep decides itself, or that would make trials share one dataset they cannot share.
@@ -147,6 +148,11 @@ class Space:
     description: str = ""
     metric: str = VAL_LOSS
     mode: str = "min"
+    # A downstream task's metric (eval/<task>/<metric>, fixed.eval.tasks scores it) the report ranks the trials by, read
+    # from each trial's MLflow run after the sweep; Tune still schedules on `metric` (the task's scores come from Ray
+    # Train's validation hook, not from the trials' reports)
+    rank_by: str = ""
+    rank_mode: str = "max"
     num_samples: int = 1
     max_concurrent_trials: int = 0
     token_budget: int = 0
@@ -345,6 +351,13 @@ def load_space(path: str | Path, base: Config | None = None) -> Space:
     space.mode = doc.get("mode", space.mode)
     if space.mode not in ("min", "max"):
         raise _fail(path, f"mode={space.mode!r} is not allowed; choose min or max")
+    space.rank_by = str(doc.get("rank_by", "") or "")
+    if space.rank_by and parse_task_metric(space.rank_by) is None:
+        raise _fail(path, f"rank_by={space.rank_by!r} is not a downstream task's metric; name one as "
+                          f"eval/<task>/<metric>, e.g. eval/builtin_cloze/acc_norm (with fixed: eval.tasks)")
+    space.rank_mode = doc.get("rank_mode", space.rank_mode)
+    if space.rank_mode not in ("min", "max"):
+        raise _fail(path, f"rank_mode={space.rank_mode!r} is not allowed; choose min or max")
     space.num_samples = _number(path, "num_samples", doc.get("num_samples", 1), integer=True, minimum=1)
     space.max_concurrent_trials = _number(path, "max_concurrent_trials", doc.get("max_concurrent_trials", 0),
                                           integer=True, minimum=0)

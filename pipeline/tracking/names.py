@@ -42,6 +42,10 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `val/pos_loss/<lo>-<hi>`, `val/pos_docs/…`, `val/pos_tokens/…`, `val/cum_ppl/<L>` | loss by position in the document at each evaluation (train.eval_by_position; pipeline/eval/positions.py) |
 | metric | `eval/pos_*`, `eval_<k>x/*`, `passkey/*` | the eval stage's --by-position, --seq-len kx and --passkey (pipeline/eval/long_context.py) |
 | artifact | `position_loss.png`, `passkey_heatmap.png`, `passkey_grid.json` | pipeline/tracking/long_context_plots.py |
+| metric | `eval/<task>/<metric>`, `eval/<task>/<metric>_stderr` | an lm-evaluation-harness task (eval.tasks, `eval --tasks`) at the checkpoint's step: acc, acc_norm, word_perplexity, bits_per_byte, ... and their standard errors (pipeline/eval/harness_tasks.py) |
+| metric | `eval/<task>/seconds`      | how long that task's scoring took (its requests and metrics)  |
+| tag    | `longtrain.eval_task.<task>` | `ok at step N`, or `FAILED at step N: <reason>` for a task that could not be scored |
+| artifact | `eval_tasks.png`           | each task's metrics over the steps (pipeline/tracking/task_curves.py) |
 | metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
 | metric | `train/world_size`         | training workers at the step (an elastic run's changes with the nodes it has) |
 | metric | `train/steps_redone`       | after a restart: steps between its checkpoint and the last step logged before it |
@@ -146,6 +150,39 @@ PASSKEY, DIGIT_ACCURACY = "passkey", "digit_accuracy"  # passkey/accuracy (every
 def accuracy_at_length(prefix: str, length: int) -> str:
     """<prefix>/accuracy/<length>: the passkey grid's accuracy over the depths at one context length."""
     return f"{prefix}/{ACCURACY}/{length}"
+
+
+# Downstream tasks scored by lm-evaluation-harness (pipeline/eval/harness_tasks.py): eval/<task>/<metric> at the
+# checkpoint's step, its standard error beside it, and a tag per task saying whether it was scored.
+STDERR_SUFFIX = "_stderr"
+TASK_STATUS_TAG_PREFIX = "longtrain.eval_task."
+TASK_FAILED = "FAILED"
+
+
+def task_metric(task: str, metric: str) -> str:
+    """eval/<task>/<metric>: a harness task's metric (acc, acc_norm, bits_per_byte, ...), e.g. eval/hellaswag/acc."""
+    return f"{EVAL}/{task}/{metric}"
+
+
+def task_stderr(task: str, metric: str) -> str:
+    """eval/<task>/<metric>_stderr: the standard error the harness gives for that metric."""
+    return task_metric(task, metric + STDERR_SUFFIX)
+
+
+def parse_task_metric(name: str) -> tuple[str, str] | None:
+    """(task, metric) of a name task_metric spells (eval/<task>/<metric>), else None."""
+    parts = name.split("/")
+    return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == EVAL and all(parts) else None
+
+
+def task_seconds(task: str) -> str:
+    """eval/<task>/seconds: how long the task's scoring took (its requests and metrics, not loading the model)."""
+    return task_metric(task, "seconds")
+
+
+def task_status_tag(task: str) -> str:
+    """longtrain.eval_task.<task>: `ok at step N` or `FAILED at step N: <reason>`."""
+    return TASK_STATUS_TAG_PREFIX + task
 
 
 # A sweep: what each trial reports to Tune beside the metrics (pipeline/sweep/trial.py), and the parent run's counts.

@@ -1,5 +1,6 @@
 """Training in one plain process: the same engine and loop as the Ray Train workers, shards read with
-pyarrow, checkpoints under <run_dir>/checkpoints/phase<i>/. For single-GPU users without Ray.
+pyarrow, checkpoints under <run_dir>/checkpoints/phase<i>/. For single-GPU users without Ray. The downstream tasks
+(eval.tasks) are scored in this process at the due checkpoints, between steps (pipeline/train/task_scoring.py).
 
     python pipeline/run.py train --no-ray
 """
@@ -14,6 +15,7 @@ from pipeline.train.audit_log import AuditLog
 from pipeline.train.checkpoints.local_dir import LocalCheckpoints
 from pipeline.train.loop import fit, standard_hooks
 from pipeline.train.stop_request import StopRequest
+from pipeline.train.task_scoring import ScoringSchedule, check_scoring, score_loaded
 from pipeline.data.mixture import mixture_of
 from pipeline.data.mixture import train_batches as mixed_train_batches
 from pipeline.data.shards import EvalSplit, Manifest, ShardReader, check_trainable, load_manifest
@@ -84,7 +86,14 @@ def train_local(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, track
 
     audit = AuditLog(run_dir / AUDIT_DIR / "rank_0.jsonl") if audit_data else None
     extra = {"dataset_dir": absolute(dataset_dir), "phase": phase}
-    hooks = standard_hooks(tracker, audit, lambda e, m: ckpts.save(e, {**extra, "metrics": m}),
+    scoring = ScoringSchedule(cfg) if check_scoring(cfg) else None  # eval.tasks, in this process (task_scoring.py)
+
+    def on_checkpoint(e: Engine, metrics: dict) -> None:
+        ckpts.save(e, {**extra, "metrics": metrics})
+        if scoring is not None and scoring.next(e.step >= (max_steps or t.max_steps)):
+            score_loaded(e.module.decoder, cfg, dataset_dir, manifest, e.step, getattr(tracker, "run_id", None))
+
+    hooks = standard_hooks(tracker, audit, on_checkpoint,
                            on_eval_extra=eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True,
                                                            manifest=manifest),
                            spikes=SpikeRecord(str(run_dir / RECORD_FILE)))

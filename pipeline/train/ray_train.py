@@ -113,6 +113,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     from pipeline.train.handoff.text_generation import eval_samples_hook
     from pipeline.train.audit_log import AuditLog
     from pipeline.train.loop import evaluate_timed, fit, standard_hooks
+    from pipeline.train.task_scoring import ScoringSchedule
     from pipeline.train.stop_request import StopRequest
     from pipeline.data.mixture import mixture_of
     from pipeline.data.mixture import train_batches as mixed_train_batches
@@ -211,6 +212,7 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
     # ray.checkpoint_upload: sync (the default) waits for each upload; async uploads in Ray Train's background thread
     uploads = CheckpointUploads(lc["ray_storage"], cfg.ray.checkpoint_upload, rank)
     rewinder.settle = uploads.settle  # a rewind looks for its checkpoint once this worker's upload in flight is done
+    scoring = ScoringSchedule(cfg) if lc.get("score_tasks") else None  # eval.tasks: pipeline/train/task_scoring.py
 
     def on_checkpoint(e, metrics) -> None:
         # Every worker reports (Ray Train synchronises on it). Rank 0 attaches the one copy of a full checkpoint;
@@ -232,7 +234,9 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
 
         # Uploaded and verified by the project's storage layer before Ray registers it (publish_for_ray); in the
         # background unless ray.checkpoint_upload=sync (pipeline/train/checkpoints/ray_upload.py CheckpointUploads)
-        uploads.report(report, save if rank == 0 or e.sharded else None)
+        attach = rank == 0 or e.sharded
+        scored = scoring is not None and scoring.next(e.step >= (lc.get("max_steps") or t.max_steps))
+        uploads.report(report, save if attach else None, validation=scored and attach)
 
     samples = (eval_samples_hook(dataset_dir, tracker, t.sample_tokens, defer=True, manifest=manifest)
                if rank == 0 else None)
@@ -361,6 +365,9 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         resume_from = absolute(resume_from)
         check_checkpoint_fits(read_checkpoint_meta(resume_from), cfg.model.tier, manifest.vocab_size, resume_from,
                               mixer=cfg.model.mixer)
+    from pipeline.train.task_scoring import check_scoring, validation_config
+
+    score_tasks = check_scoring(cfg)  # eval.tasks: scored beside the workers by Ray Train's validation hook
     ensure_ray(cfg.ray.address, cfg)
     check_fits_cluster(cfg)  # START_TIMEOUT_ENV, when set here, reaches Ray Train's controller
     run_store, storage = run_storage(cfg, run_dir), ray_storage(cfg, run_dir)
@@ -378,7 +385,8 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
           "max_steps": max_steps, "phase": phase, "audit_data": audit_data,
           "required_metric": required_metric, "interactive": interactive(),
           "schedule": dataclasses.asdict(schedule) if schedule is not None else {},
-          "resume_from": resume_from, "fit_id": uuid.uuid4().hex}  # fit_id: in meta.json of what this fit writes
+          "resume_from": resume_from, "fit_id": uuid.uuid4().hex,  # fit_id: in meta.json of what this fit writes
+          "score_tasks": score_tasks}
     # An error that the next attempt would raise again (a broken checkpoint, a refused config) spends no retry
     trainer = elastic.keeping_context_groups(_without_dataset_manager(trainer_class(TorchTrainer)),
                                              cfg.train.context_parallel_degree if cfg.ray.min_workers else 1)(
@@ -387,12 +395,13 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
         # A range MIN-MAX runs elastic (pipeline/train/distributed/elastic.py); the backend sets each worker up before its
         # process group starts (its network interface, SIGTERM as a preemption notice).
         scaling_config=ray.train.ScalingConfig(num_workers=elastic.worker_count(cfg), use_gpu=use_gpu(cfg),
-                                               resources_per_worker={"CPU": worker_cpus(cfg)},
+                                               resources_per_worker=worker_resources(cfg),
                                                placement_strategy=cfg.ray.placement_strategy,
                                                elastic_resize_monitor_interval_s=cfg.ray.resize_check_s),
         # The process group's timeout bounds every collective's wait (gloo and NCCL): a rank that does not join one
         # ends the attempt with one line instead of a silent hang (pipeline/train/distributed/collectives.py)
         torch_config=elastic.torch_config(cfg.train.collective_timeout_s),
+        validation_config=validation_config(cfg, lc),  # eval.tasks on the checkpoints, as Ray tasks beside the workers
         run_config=ray.train.RunConfig(
             # Ray's own storage calls (its snapshot of the checkpoints, each worker's storage check at start, restores,
             # deletions) ride out an outage for run.storage_retry_s too: a restart waits for the store.
@@ -459,8 +468,11 @@ def check_places_for_workers(cfg: Config, places: dict[str, str]) -> None:
 
 # ------------------------------------------------------------------------------- resources, start failures
 def worker_resources(cfg: Config) -> dict[str, float]:
-    """What each Ray Train worker reserves (ScalingConfig adds the GPU when use_gpu)."""
-    return {"CPU": worker_cpus(cfg), **({"GPU": 1} if use_gpu(cfg) else {})}
+    """What each Ray Train worker reserves (ScalingConfig adds the GPU when use_gpu; a worker that leaves part of its
+    GPU to the downstream tasks' scoring asks for the rest: pipeline/train/task_scoring.py gpu_share)."""
+    from pipeline.train.task_scoring import gpu_share
+
+    return {"CPU": worker_cpus(cfg), **({"GPU": gpu_share(cfg) or 1} if use_gpu(cfg) else {})}
 
 
 def check_fits_cluster(cfg: Config) -> None:

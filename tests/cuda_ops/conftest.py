@@ -25,7 +25,9 @@ SCRIPTS = {"test_cross_entropy_cudasim.py": HERE / "cudasim_cross_entropy.py",
            "test_sampling_cudasim.py": HERE / "cudasim_sampling.py",
            "test_resonance_scan_cudasim.py": HERE / "cudasim_resonance_scan.py"}
 # scripts that run beside a module's simulator script: the real compiler's check (it unsets the simulator itself)
-COMPANIONS = {"test_resonance_scan_cudasim.py": [HERE / "ptx_resonance_scan.py"]}
+COMPANIONS = {"test_resonance_scan_cudasim.py": [HERE / "ptx_resonance_scan.py"],
+              "test_sampling_cudasim.py": [HERE / "ptx_decoder_kernels.py"],
+              "test_cross_entropy_cudasim.py": [HERE / "ptx_decoder_kernels.py"]}
 TIMEOUT_S = 300  # a bound for a hang, from the moment a test waits for the run
 
 

@@ -6,8 +6,9 @@ numba is imported). By hand:
     NUMBA_ENABLE_CUDASIM=1 .venv/bin/python tests/cuda_ops/cudasim_cross_entropy.py
 
 Prints one JSON object {case name: "ok" | traceback}. The simulator runs each GPU thread as a Python thread, so
-shapes stay tiny (8 x 300 logits) and the block is lowered to 32 threads; 300 is not a multiple of 32, and a
-5-class vocabulary leaves most threads of a block without a single element. The bf16 and fp16 cases run the
+shapes stay tiny (8 x 300 logits) and the block is lowered to 32 threads (64 for the staged kernel, which every case
+runs unless it says otherwise); 300 is not a multiple of 32, and a 5-class vocabulary leaves most threads of a block
+without a single element. The bf16 and fp16 cases run the
 kernel on the storage the kernel backend holds for bf16 / fp16 training.
 """
 from __future__ import annotations
@@ -149,6 +150,40 @@ def case_bf16_rounding_matches_torch():
     assert torch.equal(torch.tensor(words, dtype=torch.int32), pairs.bfloat16().contiguous().view(torch.int32)[:, 0])
     widened = torch.tensor([[float(x) for x in ce._bf16_pair_to_f32(w)] for w in words])
     assert torch.equal(widened, pairs.bfloat16().float())
+
+
+def case_staged_and_two_read_kernels_agree_bit_for_bit():
+    """The staged kernel (the row held in registers, read once) folds each thread's words in the two-read kernel's
+    order: with the same threads a block they give the same bits (losses, argmax, gradients), in every storage."""
+    assert ce.rowwise_plan(150, BLOCK) == (2 * BLOCK, 4) and ce.rowwise_plan(150, BLOCK, staged=False) == (BLOCK, 0)
+    for dtype, v in ((torch.float32, 300), (torch.bfloat16, 300), (torch.bfloat16, 301), (torch.float16, 300)):
+        logits, targets = awkward_logits(v=v, seed=7)
+        logits = logits.clamp(-6e4, 6e4)
+        outs = []
+        for kw in (dict(block=BLOCK, staged=True), dict(block=2 * BLOCK, staged=False)):
+            buf = logits.to(dtype, copy=True)
+            loss_rows = torch.full((len(targets),), -7.0)
+            correct_rows = torch.full((len(targets),), -7, dtype=torch.int32)
+            ce._rowwise_numba(buf, targets, -100, 1e-3, True, loss_rows, correct_rows, **kw)
+            outs.append((loss_rows, correct_rows, buf))
+        (l1, c1, g1), (l2, c2, g2) = outs
+        assert torch.equal(l1.nan_to_num(-1.0), l2.nan_to_num(-1.0)) and torch.equal(c1, c2), (dtype, v)
+        assert torch.equal(g1.view(torch.int16) if dtype != torch.float32 else g1,
+                           g2.view(torch.int16) if dtype != torch.float32 else g2), (dtype, v)
+
+
+def case_rowwise_two_read_kernel():
+    """The kernel for rows too long to hold (128,256 in bf16 on a GPU) against the reference."""
+    ce.ROWWISE_STAGED = False
+    try:
+        logits, targets = awkward_logits()
+        assert_rowwise_equal(*rowwise_both(logits, targets))
+        logits, targets = awkward_logits(v=300, seed=3)
+        ref, ker = rowwise_both(logits, targets, z_loss=1e-3, dtype=torch.bfloat16)
+        ulp = (ker[2].view(torch.int16).int() - ref[2].view(torch.int16).int()).abs()
+        assert torch.equal(ker[1], ref[1]) and int(ulp.max()) <= 1
+    finally:
+        ce.ROWWISE_STAGED = True
 
 
 def end_to_end(dtype, tol_loss, tol_grad):

@@ -55,6 +55,12 @@ def cases() -> dict[str, dict]:
                                ps=[1.0, 1.0, 0.5, 0.9], seeds=[1, 2, 3, 4])
     # exact top-p boundary: distinct logits with fp weights exactly 1, cumulative 1, 2, 3, 4 of 4, p = 0.5
     out["exact_p"] = _case(np.tile([3e-30, 2e-30, 1e-30, 0.0, -1000.0], (16, 1)), 8, ps=0.5, seeds=np.arange(16))
+    # test_sampling_gpu.py's 1 x 32,000 at the simulator's size: one row over as many splits as the block has threads
+    # (S = block = 16, 4 buckets a round: every merge folds several partials per bucket), the GPU test's filters;
+    # V = 1000 leaves the last slice short, V = 100 leaves the last slice empty (slices of 7)
+    w = rng.normal(size=(1, 1000)) * 3
+    out["many_splits"] = _case(w, 16, temps=1.0, ks=100, ps=0.9, minps=0.001, seeds=5, splits=16, nb=4)
+    out["many_splits_short"] = _case(w[:, :100], 16, temps=1.0, ks=30, ps=0.9, minps=0.001, seeds=7, splits=16, nb=4)
     # distribution: 96 independent draws = 96 rows of one logit vector with different seeds, one call (top-k
     # and top-p together are checked token for token above; here top-p and min-p, to keep the launches few)
     c = np.tile(rng.normal(size=50), (96, 1))

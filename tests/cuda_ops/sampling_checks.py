@@ -4,6 +4,8 @@ kept_set(...)       the support after temperature -> top-k -> top-p -> min-p, st
 filtered_probs(...) the renormalised distribution on that support (fp64 softmax).
 fragile_rows(...)   rows whose drawn token could legitimately differ between two correct implementations because
                     a sum or weight lands within `rel` of a decision boundary (the "fp ties" the module documents).
+fewest_blocks(B, V) the fewest blocks the kernel's planner promises a (B, V) call, which the GPU test checks before
+                    it draws (BENCHMARK_SHAPES); tests/cuda_ops/test_sampling.py holds the planner to it on CPU.
 """
 from __future__ import annotations
 
@@ -11,6 +13,17 @@ import numpy as np
 import torch
 
 from cuda_ops.sampling import counter_uniform
+
+
+BENCHMARK_SHAPES = [(1, 32000), (256, 128256), (3, 8000)]  # (B, V) of test_sampling_gpu.py's benchmark-shape test
+
+
+def fewest_blocks(B: int, V: int) -> int:
+    """Blocks (rows x splits) the planner promises (cuda_ops/sampling_kernel.py pick_splits): MIN_GRID in all, unless
+    slices of at least MIN_SLICE entries or MAX_SPLITS blocks a row stop it first (1 x 32,000: 64, not 125)."""
+    from cuda_ops.sampling_kernel import MAX_SPLITS, MIN_GRID, MIN_SLICE
+
+    return min(MIN_GRID, B * min(MAX_SPLITS, max(1, V // MIN_SLICE)))
 
 
 def _row(value, b):

@@ -17,16 +17,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_bench(script: str, out_dir: Path) -> dict:
+def run_bench(script: str, out_dir: Path, name: str | None = None) -> dict:
+    """Run bench/<script> --smoke; `name`: the result's benchmark name when it is not the script's."""
+    name = name or script[:-3]
     env = {k: v for k, v in os.environ.items() if k != "LONGTRAIN_KERNELS"}
     # Run as the docs say (`python bench/NAME.py`) from outside the repo: the script must find its own imports.
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--smoke", "--out", str(out_dir)],
                           cwd=out_dir, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    files = list(out_dir.glob(f"{script[:-3]}-*.json"))
+    files = list(out_dir.glob(f"{name}-*.json"))
     assert len(files) == 1, files
     record = json.loads(files[0].read_text())
-    assert record["benchmark"] == script[:-3] and record["smoke"] is True
+    assert record["benchmark"] == name and record["smoke"] is True
     assert {"date", "commit", "device"} <= record.keys()
     assert "ratio" in proc.stdout
     record["_stdout"] = proc.stdout  # the printed tables, for the tests that check them
@@ -49,7 +51,7 @@ def test_decoder_memory_smoke(tmp_path):
 
 @pytest.mark.system
 def test_decoder_smoke(tmp_path):
-    rec = run_bench("decoder.py", tmp_path.resolve())
+    rec = run_bench("decoder_kernels.py", tmp_path.resolve(), name="decoder")
     assert rec["settings"]["compile_backend"] == "eager"
     shapes = [(r["shape"]["tokens"], r["shape"]["hidden"]) for r in rec["cross_entropy"]]
     assert shapes == [(64, 32), (96, 32)]
@@ -63,9 +65,11 @@ def test_decoder_smoke(tmp_path):
         assert set(samp["methods"]) == {"sampler", "sampler_kernels", "torch_sort"}
         assert samp["ratios"]["torch_sort_time_over_sampler"] > 0
         assert samp["bytes_one_read"] == samp["shape"]["batch"] * 500 * 4
+        assert samp["bytes_at_most"] >= samp["bytes_one_read"] and samp["profile"] == []  # profiles: CUDA only
     # the bytes-moved model: one row per kernel, figures derived from the model and the measured time
     names = [k["kernel"] for k in rec["kernels"]]
-    assert names == ["fused CE fwd+bwd", "CE row kernel (float32)"] * 2 + ["sampler kernels (top-p)"] * 2
+    assert names == (["fused CE fwd+bwd", "CE row (float32, two reads)"] * 2
+                     + ["sampler kernels (top-p)", "sampler, every launch"] * 2)
     for k in rec["kernels"]:
         assert k["bytes"] > 0 and k["median_ms"] > 0
         assert k["gb_per_s"] == pytest.approx(k["bytes"] / (k["median_ms"] * 1e-3) / 1e9)
@@ -75,3 +79,22 @@ def test_decoder_smoke(tmp_path):
     assert t["rowwise_kernel"]["bytes"] == 3 * 64 * 500 * 4 + 64 * 16
     assert t["logits_matmul"]["flops"] == 2 * 64 * 500 * 32
     assert "bytes moved per kernel" in rec["_stdout"]
+
+
+@pytest.mark.system
+def test_decode_profile_and_step_counts_smoke(tmp_path):
+    """bench/decode_profile.py (on CPU: eager steps under the profiler's CPU activity) and
+    bench/decode_step_counts.py (with a speed round of this checkout) at their smallest."""
+    env = {k: v for k, v in os.environ.items() if k != "LONGTRAIN_KERNELS"}
+    for script, extra in (("decode_profile.py", []), ("decode_step_counts.py", ["--speed", "--repeat", "1"])):
+        proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--smoke", "--out", str(tmp_path), *extra],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    prof = json.loads(next(tmp_path.glob("decode_profile-*.json")).read_text())
+    assert [(r["batch"], r["attention"]) for r in prof["rows"]] == [(1, "fused"), (2, "fused")]
+    assert all(r["step_ms"] > 0 and r["kernels_per_step"] > 0 and r["bytes_model"]["total"] > 0 for r in prof["rows"])
+    counts = json.loads(next(tmp_path.glob("decode_step_counts_nano-*.json")).read_text())
+    fused = [s for s in counts["summary"] if s["attention"] == "fused"]
+    assert {s["part"] for s in fused} == {"model_compiled", "model_eager", "sampler_emit"}
+    assert not any(s["grows_with_cache_len"] for s in fused) and all(s["syncs"] == [0] for s in fused)
+    assert set(counts["speed"]["median_tokens_per_s"]["this"]) == {"short_b1", "long300_b1", "short_b2", "long300_b2"}

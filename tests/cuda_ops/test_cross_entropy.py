@@ -274,3 +274,14 @@ def test_fp16_gradients_are_scaled_before_they_are_rounded_to_fp16():
     for got, want in zip(grads[torch.float16], grads[torch.float32]):
         assert torch.isfinite(got).all()
         assert ((got - want).abs() <= 3.0e-8 + want.abs() * 2.0**-11).all()
+
+
+def test_training_vocabularies_run_the_staged_row_kernel_and_longer_rows_the_two_read_one():
+    """cuda_ops.cross_entropy.rowwise_plan at the GPU block: a 32,000-logit bf16 row (16,000 words of two) is held
+    16 words a thread in 1,024-thread blocks; 128,256 in bf16 and 32,000 in fp32 keep the two-read kernel."""
+    from cuda_ops.cross_entropy import ROWWISE_BLOCK, rowwise_plan
+
+    assert ROWWISE_BLOCK == 512
+    assert rowwise_plan(16000) == (1024, 16) and rowwise_plan(2500) == (1024, 4)
+    assert rowwise_plan(64128) == (512, 0) and rowwise_plan(32000) == (512, 0)
+    assert rowwise_plan(16000, staged=False) == (512, 0)

@@ -97,6 +97,29 @@ def test_rowwise_kernel_on_awkward_rows():
         torch.testing.assert_close(g_ker, g_ref, rtol=1e-4, atol=1e-6)
 
 
+def test_the_staged_row_kernel_equals_the_two_read_one_bit_for_bit_at_32000_bf16():
+    """The training case: a 32,000-logit bf16 row held in registers (16 words a thread, 1,024 threads) against the
+    kernel that reads it twice with the same threads: the same fold order, so the same bits; and the reference."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    n, v = 256, 32000
+    logits = (torch.randn(n, v, device="cuda", generator=g) * 4).bfloat16()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    targets[:5] = -100
+    assert ce.rowwise_plan(v // 2) == (1024, 16)
+    outs = []
+    for kw in (dict(), dict(block=1024, staged=False)):
+        buf = logits.clone()
+        loss_rows = torch.empty(n, device="cuda")
+        correct_rows = torch.empty(n, dtype=torch.int32, device="cuda")
+        ce._rowwise_numba(buf, targets, -100, 1e-3, True, loss_rows, correct_rows, **kw)
+        outs.append((loss_rows, correct_rows, buf))
+    (l1, c1, g1), (l2, c2, g2) = outs
+    assert torch.equal(l1, l2) and torch.equal(c1, c2) and torch.equal(g1.view(torch.int16), g2.view(torch.int16))
+    ref_loss = torch.empty(n, device="cuda")
+    ce._rowwise_reference(logits.clone(), targets, -100, 1e-3, True, ref_loss, torch.empty_like(c1))
+    torch.testing.assert_close(l1, ref_loss, rtol=1e-4, atol=1e-3)
+
+
 def test_all_ignored_chunk_and_no_grad_eval(inputs):
     hidden, weight, targets = inputs
     t = targets.clone()

@@ -49,13 +49,24 @@ def _kept(case, b) -> np.ndarray:
     return kept_set(case["logits"][b], *(case[p][b] for p in ("temps", "ks", "ps", "minps")))
 
 
+def test_the_kernel_compiles_for_sm90_without_local_memory(cudasim_runs):
+    """tests/cuda_ops/ptx_decoder_kernels.py: the real compiler's view (the simulator cannot see registers)."""
+    out = cudasim_runs.result(Path(__file__).with_name("ptx_decoder_kernels.py"))
+    assert out.returncode == 0, f"ptx_decoder_kernels.py crashed:\n{out.stdout}\n{out.stderr}"
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skipped" in report:
+        pytest.skip(report["skipped"])
+    assert report["sampling"] == "ok", report["sampling"]
+
+
 def test_every_case_ran(tokens):
     assert sorted(tokens) == sorted(CASES)
     for name, toks in tokens.items():
         assert toks.shape == (CASES[name]["logits"].shape[0],) and toks.min() >= 0, name
 
 
-@pytest.mark.parametrize("name", ["mixed", "ties", "greedy", "extreme", "small_vocab", "exact_p", "chi2"])
+@pytest.mark.parametrize("name", ["mixed", "ties", "greedy", "extreme", "small_vocab", "exact_p", "chi2",
+                                  "many_splits", "many_splits_short"])
 def test_kernel_draws_the_reference_token(tokens, name):
     case = CASES[name]
     if name == "exact_p":  # sits on the top-p boundary on purpose, with exact fp weights: no exemption
@@ -67,7 +78,8 @@ def test_kernel_draws_the_reference_token(tokens, name):
     assert fragile.mean() < 0.05, "too many near-tie rows for this check to mean anything"
 
 
-@pytest.mark.parametrize("name", ["mixed", "ties", "extreme", "small_vocab", "exact_p", "chi2"])
+@pytest.mark.parametrize("name", ["mixed", "ties", "extreme", "small_vocab", "exact_p", "chi2", "many_splits",
+                                  "many_splits_short"])
 def test_kernel_never_outside_the_kept_set(tokens, name):
     case = CASES[name]
     for b, tok in enumerate(tokens[name]):

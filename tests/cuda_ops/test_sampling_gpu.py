@@ -14,9 +14,9 @@ import torch
 from scipy import stats
 
 from cuda_ops import sampling as S
-from cuda_ops import sampling_kernel as K
 from cuda_ops.sampling import sample
-from tests.cuda_ops.sampling_checks import filtered_probs, fragile_rows, kept_set
+from tests.cuda_ops.sampling_checks import (BENCHMARK_SHAPES, fewest_blocks, filtered_probs, fragile_rows,
+                                            kept_set)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -115,17 +115,17 @@ def test_no_host_sync_and_torch_stream_ordering(batch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("shape", [(1, 32000), (256, 128256), (3, 8000)])
+@pytest.mark.parametrize("shape", BENCHMARK_SHAPES)
 def test_sampler_at_the_benchmark_shapes_draws_the_reference_token(shape):
-    """1 x 32,000 runs 64 blocks per row, 256 x 128,256 two, 3 x 8,000 (an eval batch) 31: every split merges."""
+    """1 x 32,000 runs 64 blocks per row, 256 x 128,256 two, 3 x 8,000 (an eval batch) 31: every split merges.
+    (On the H200 at 1fbae28 shape0 failed at the grid check, which then asked 125 blocks of a planner capped at 64
+    a row; the check is now the planner's promise, held on CPU by test_sampling.py.)"""
     Bs, Vs = shape
     g = torch.Generator(device="cuda").manual_seed(Bs)
     x = torch.randn(Bs, Vs, device="cuda", generator=g) * 3
     kw = dict(temperature=1.0, top_k=100, top_p=0.9, min_p=0.001)
     sampler = S.Sampler(Bs, Vs, device="cuda", seed=torch.arange(Bs, device="cuda") + 5, **kw)
-    # as many blocks as the planner allows: MIN_GRID in all, unless MIN_SLICE-wide slices or MAX_SPLITS per row
-    # stop it first (1 x 32,000 -> 64 per row)
-    assert sampler.plan.S * Bs >= min(K.MIN_GRID, Bs * min(K.MAX_SPLITS, Vs // K.MIN_SLICE))
+    assert sampler.plan.S * Bs >= fewest_blocks(Bs, Vs)  # as many blocks as the planner allows
     for step in range(3):
         got = sampler(x).clone()
         want = sample(x, backend="reference", seed=torch.arange(Bs, device="cuda") + 5, step=step, **kw)

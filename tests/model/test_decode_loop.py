@@ -169,6 +169,45 @@ def test_compiled_step_gives_the_same_tokens_and_compiles_once():
     torch._dynamo.reset()
 
 
+@pytest.mark.system  # ~9 s: two generations traced with symbolic lengths
+@torch.no_grad()
+def test_the_compiled_step_compiles_once_whatever_the_prompt_length():
+    """The cache's length dimensions and the span are dynamic from the first compile: prompts of 3 and 500 tokens
+    (caches of 256 and 768 slots; spans 256 and 512, and 768 crossed within the second generation) run one compiled
+    step, never recompiled, and give the tokens of the uncompiled step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    decoder = make_decoder(6)
+    kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=3)
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(1)
+    for i, n in enumerate((3, 500)):
+        prompts = torch.randint(0, 90, (2, n), generator=g).tolist()
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = generate_ids(decoder, prompts, compile_step="eager", **kw)
+        assert torch.equal(got, generate_ids(decoder, prompts, compile_step=False, **kw)), n
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_with_the_tokens_of_one_forward(monkeypatch):
+    """Prompts longer than PREFILL_CHUNK run in chunks (each attends to the cache so far): the same greedy tokens as
+    one forward over the whole prompt, left-padded rows included, and the timings count the chunks."""
+    from model import decode_loop
+
+    decoder = make_decoder(7)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (37, 23)]
+    whole, t_whole = generate_ids_timed(decoder, prompts, max_new_tokens=5, temperature=0.0)
+    monkeypatch.setattr(decode_loop, "PREFILL_CHUNK", 8)
+    chunked, t_chunked = generate_ids_timed(decoder, prompts, max_new_tokens=5, temperature=0.0)
+    assert torch.equal(chunked, whole)
+    assert (t_whole.prefill_chunks, t_chunked.prefill_chunks) == (1, 5)
+    assert t_chunked.cache_s > 0 and t_chunked.first_sample_s > 0 and t_chunked.first_step_s > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()

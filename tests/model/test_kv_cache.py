@@ -214,7 +214,8 @@ def test_span_buckets_cover_the_filled_slots_with_bounded_waste():
     assert len({span_bucket(n, limit) for n in range(8193, 16385)}) == 8  # a graph per eighth of a doubling
 
 
-def test_split_k_attention_over_a_span_equals_the_full_cache():
+@pytest.mark.parametrize("attention", ["fused", "split_k"])
+def test_attention_over_a_span_equals_the_full_cache(attention):
     """The same step attending over a 256-slot span and over all 768 slots (extra slots masked) agree: the span
     reads only what is visible, and split-K sums the chunks exactly as one matmul would (fp32 here)."""
     from model.kv_cache import decode_compute
@@ -225,6 +226,46 @@ def test_split_k_attention_over_a_span_equals_the_full_cache():
     with torch.no_grad():
         outs = []
         for cache, span in zip(caches, (256, 768)):
+            cache.attention = attention
             model(tokens[:, :5], kv_cache=cache)
             outs.append(torch.stack([decode_compute(model, tokens[:, t], cache, span) for t in range(5, 8)]))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=ATOL)
+
+
+def test_fused_and_split_k_decode_agree_on_left_padded_rows_and_the_bias_tracks_the_filled_slots():
+    """Both attention paths of a decode step give the same hidden states (left-padded rows, grouped-query heads,
+    several chunks); key_bias opens exactly the filled non-pad slots, the decode steps' own slots included."""
+    from model.kv_cache import decode_compute
+
+    model = make_model()
+    prompts, batch, pad = _left_padded([3, 9, 6], seed=8)
+    caches = [model.new_kv_cache(batch_size=3, max_len=600, left_pad=pad) for _ in range(2)]
+    with torch.no_grad():
+        outs = []
+        for cache, attention in zip(caches, ("fused", "split_k")):
+            cache.attention = attention
+            model(batch, kv_cache=cache)
+            tok = torch.tensor([1, 2, 3])
+            outs.append(torch.stack([decode_compute(model, tok + t, cache, 512) for t in range(4)]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=ATOL)
+    filled = 9 + 4
+    want = torch.full((3, 512), float("-inf"))
+    for b, p in enumerate(pad.tolist()):
+        want[b, p:filled] = 0.0
+    assert torch.equal(caches[0].key_bias[:, 0, 0, :512], want)
+    caches[0].reset()
+    assert bool(caches[0].key_bias.eq(float("-inf")).all())
+
+
+def test_the_decode_attention_path_follows_the_device_and_the_batch(monkeypatch):
+    from model import kv_cache
+
+    assert kv_cache.decode_attention(1, 6, torch.device("cpu")) == "fused"
+
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    cuda = torch.device("cuda", 0)
+    assert kv_cache.decode_attention(1, 6, cuda) == kv_cache.decode_attention(8, 6, cuda) == "split_k"
+    assert kv_cache.decode_attention(22, 6, cuda) == kv_cache.decode_attention(64, 6, cuda) == "fused"

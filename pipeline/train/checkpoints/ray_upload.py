@@ -212,10 +212,11 @@ class CheckpointUploads:
         if self.asynchronous:
             _quiet_async_upload_traceback()
 
-    def report(self, metrics: dict[str, Any], save: Callable[[Path], Path] | None) -> None:
+    def report(self, metrics: dict[str, Any], save: Callable[[Path], Path] | None, validation: bool = False) -> None:
         """ray.train.report of `metrics` (every worker calls it at every checkpoint: Ray Train synchronises on it)
         with the checkpoint `save(directory)` writes, or none when `save` is None. Waits first for this worker's
-        previous upload (raising its error)."""
+        previous upload (raising its error). `validation`: Ray Train's validation hook scores the checkpoint (the
+        downstream tasks, pipeline/train/task_scoring.py)."""
         import ray.train
 
         self.settle()
@@ -251,7 +252,7 @@ class CheckpointUploads:
         mode = ray.train.CheckpointUploadMode.ASYNC if self.asynchronous else ray.train.CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(local)),
                          checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True,
-                         checkpoint_upload_fn=upload_or_clean_up)
+                         checkpoint_upload_fn=upload_or_clean_up, validation=validation)
         # Ray calls the upload fn for every report it does not skip, and it skips one only when it replaces a
         # replica group (its fault-tolerant replica groups, which this project does not use).
         self._in_flight = (done, outcome)
