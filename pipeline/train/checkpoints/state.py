@@ -296,10 +296,9 @@ def checkpoint_bytes(cfg, vocab_size: int) -> int:
     AdamW's two moments (8 B), and 64 KiB for headers, the RNG state and meta.json (nano: 1.74 MB against 1.70 MB
     written)."""
     from model.flops import param_count
-    from model.tiers import get_mixer_tier
+    from pipeline.config import model_tier
 
-    tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
-    return 12 * param_count(tier, vocab_size, cfg.model.tie_embeddings) + (64 << 10)
+    return 12 * param_count(model_tier(cfg), vocab_size, cfg.model.tie_embeddings) + (64 << 10)
 
 
 def warn_if_no_room_for_checkpoints(cfg, vocab_size: int, location: str) -> str | None:

@@ -113,7 +113,7 @@ def shape_of(cfg, vocab_size: int, device_type: str, *, batch_size: int | None =
              activation_checkpointing: str | None = None, context: int | None = None) -> Shape:
     """The Shape of `cfg` (pipeline/config.py Config) trained on a `device_type` device."""
     from model.decoder import resolve_attention
-    from model.tiers import get_mixer_tier
+    from pipeline.config import model_tier
 
     m, t = cfg.model, cfg.train
     bf16 = device_type == "cuda" and t.precision != "fp32"
@@ -122,7 +122,7 @@ def shape_of(cfg, vocab_size: int, device_type: str, *, batch_size: int | None =
     context = context or t.context_parallel_degree
     if context > 1 and attention == "sdpa":  # a split row attends through a mask (model/decoder.py _split_mask)
         attention = "dense"
-    return Shape(m.mixer, get_mixer_tier(m.tier, m.mixer), vocab_size, cfg.data.seq_len,
+    return Shape(m.mixer, model_tier(cfg), vocab_size, cfg.data.seq_len,
                  batch_size or t.batch_size, activation_checkpointing or m.activation_checkpointing,
                  m.tie_embeddings, t.ce_chunk_size, device_type, bf16, compiled, attention, m.doc_masking, context)
 
@@ -480,11 +480,11 @@ def fit_table(cfg, vocab_size: int, tiers: list[str], workers: list[int], *, lim
     head = "| tier | params | " + " | ".join(f"{w} x {limit_gib:g} GiB" for w in workers) + " |"
     lines = [head, "|" + "---|" * (2 + len(workers))]
     from model.flops import param_count
-    from model.tiers import get_mixer_tier
+    from pipeline.config import model_tier
 
     for tier in tiers:
         tcfg = cfg.replace({"model.tier": tier})
-        n = param_count(get_mixer_tier(tier, tcfg.model.mixer), vocab_size, tcfg.model.tie_embeddings)
+        n = param_count(model_tier(tcfg), vocab_size, tcfg.model.tie_embeddings)
         cells = []
         for w in workers:
             c = plan(tcfg, vocab_size, workers=w, limit_gib=limit_gib, device_type=device_type, upper=64).choice
