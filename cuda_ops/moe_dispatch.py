@@ -107,11 +107,13 @@ def _slot_or_sink(plan: RoutePlan) -> torch.Tensor:
 
 def scatter_reference(x: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
     """(N, D) -> (rows, D) in x's dtype: token n's row at the slot of each of its k assignments, zeros elsewhere.
-    Differentiable by autograd (index_copy's backward gathers the slots' gradients)."""
+    A gather: each buffer row reads its token's row, or a zero row past the tokens (padding, the sink), so autograd
+    keeps only the (rows,) index for backward (an index_add of the rows' gradients into their tokens)."""
     N, D = x.shape
-    token = torch.arange(N * plan.k, device=x.device) // plan.k
-    buf = x.new_zeros(plan.rows + 1, D).index_copy(0, _slot_or_sink(plan), x.index_select(0, token))
-    return buf[: plan.rows]
+    M = plan.slot.numel()
+    token = torch.full((plan.rows + 1,), N, dtype=torch.int64, device=x.device)  # N: the zero row
+    token.index_copy_(0, _slot_or_sink(plan), torch.arange(M, device=x.device) // plan.k)
+    return torch.cat([x, x.new_zeros(1, D)]).index_select(0, token[: plan.rows])
 
 
 def combine_reference(y: torch.Tensor, plan: RoutePlan, weights: torch.Tensor) -> torch.Tensor:
@@ -496,8 +498,15 @@ def scatter_rows(x: torch.Tensor, plan: RoutePlan, *, backend: str | None = None
     Differentiable in x."""
     if x.dim() != 2 or x.shape[0] * plan.k != plan.slot.numel():
         raise ValueError(f"x must be (N, D) with N k = {plan.slot.numel()} assignments, got {tuple(x.shape)}")
-    if resolve_backend(x.device, backend) == "reference":
+    return _scatter(x, plan, resolve_backend(x.device, backend))
+
+
+def _scatter(x: torch.Tensor, plan: RoutePlan, backend: str) -> torch.Tensor:
+    """`scatter_rows` once the backend is fixed (the simulator tests drive "numba" on host tensors)."""
+    if backend == "reference":
         return scatter_reference(x, plan)
+    if x.is_cuda:
+        check_same_device(x)
     return ScatterRowsFunction.apply(x, plan.slot, plan.k, plan.rows)
 
 
@@ -508,6 +517,13 @@ def combine_rows(y: torch.Tensor, plan: RoutePlan, weights: torch.Tensor, *, bac
     if y.dim() != 2 or y.shape[0] != plan.rows or weights.numel() != plan.slot.numel():
         raise ValueError(f"y must be ({plan.rows}, D) and weights (N, {plan.k}) with N k = {plan.slot.numel()}, "
                          f"got {tuple(y.shape)} and {tuple(weights.shape)}")
-    if resolve_backend(y.device, backend) == "reference":
+    return _combine(y, plan, weights, resolve_backend(y.device, backend))
+
+
+def _combine(y: torch.Tensor, plan: RoutePlan, weights: torch.Tensor, backend: str) -> torch.Tensor:
+    """`combine_rows` once the backend is fixed."""
+    if backend == "reference":
         return combine_reference(y, plan, weights)
+    if y.is_cuda:
+        check_same_device(y)
     return CombineRowsFunction.apply(y, weights, plan.slot, plan.k)
