@@ -53,7 +53,8 @@ from torch.utils.checkpoint import checkpoint
 from model.context import NOT_SPLIT, ContextMask, RowSplit, attend_gathered, split_mask
 from model.kv_cache import KVCache, decode_compute, decode_step
 from model.rope import RopeConfig, apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
-from model.layers import FEED_FORWARD_WRITERS, RMSNorm, TokenModel, eager_only, feed_forward
+from model.layers import FEED_FORWARD_WRITERS, RMSNorm, TokenModel, eager_only
+from model.moe import feed_forward
 from model.tiers import Tier, get_tier
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "dense")

@@ -1,7 +1,8 @@
 """Experts split over ranks (expert parallelism), as a mixture-of-experts layer sees it: the protocol, and `LOCAL`.
 
     from model.expert_dispatch import LOCAL
-    model.set_expert_dispatch(split)      # every MoE layer of the model (model/moe.py); LOCAL (the default) = all here
+    from model.moe import set_expert_dispatch
+    set_expert_dispatch(model, split)     # model/moe.py: every MoE layer of the model; LOCAL (the default) = all here
 
 The model stays single-device code (as with context parallelism, model/context.py): a MoE layer routes its own
 tokens, orders their rows by expert, and hands them to its `ExpertDispatch`, which returns the rows for the experts

@@ -1,7 +1,7 @@
 """Building blocks both model families share (model/decoder.py's attention blocks and model/resonance.py's
-resonance blocks): RMSNorm, the SwiGLU MLP, a block's feed-forward (the SwiGLU, or model/moe.py's mixture of experts
-in a MoE tier's MoE layers), which blocks activation checkpointing recomputes, and the token-in / hidden-out shell
-around the blocks (TokenModel)."""
+resonance blocks): RMSNorm, the SwiGLU MLP (model/moe.py's feed_forward puts a mixture of experts in its place in a
+MoE tier's MoE layers), which blocks activation checkpointing recomputes, and the token-in / hidden-out shell around
+the blocks (TokenModel)."""
 from __future__ import annotations
 
 import functools
@@ -59,17 +59,6 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, d_ff) each
         return self.w_down(F.silu(gate) * up)
-
-
-def feed_forward(tier, layer: int) -> nn.Module:
-    """Block `layer`'s feed-forward: the tier's SwiGLU MLP, or the mixture of experts (model/moe.py) when the tier has
-    a MoESpec and `layer` is past its dense first layers."""
-    spec = getattr(tier, "moe", None)
-    if spec is None or not spec.is_moe_layer(layer):
-        return SwiGLU(tier)
-    from model.moe import MoEFeedForward  # imports this module
-
-    return MoEFeedForward(tier.d_model, spec)
 
 
 # Parameters that write into the residual stream in a feed-forward (initialised smaller, TokenModel.init_weights):
@@ -134,18 +123,6 @@ class TokenModel(nn.Module):
         if exclude_embedding:
             n -= self.tok_emb.weight.numel() + (0 if self.lm_head is None else self.lm_head.weight.numel())
         return n
-
-    def moe_layers(self) -> list[nn.Module]:
-        """The mixture-of-experts feed-forwards (model/moe.py), in block order; [] for a dense model."""
-        from model.moe import MoEFeedForward
-
-        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
-
-    def set_expert_dispatch(self, dispatch) -> None:
-        """How every MoE layer reaches its experts (model/expert_dispatch.py; LOCAL: all here). Set once, before the
-        first forward, by whatever splits the experts over ranks."""
-        for layer in self.moe_layers():
-            layer.dispatch = dispatch
 
     def compile_blocks(self, **compile_kwargs):
         """torch.compile each block separately (regional compilation: one block's graph, compiled once and

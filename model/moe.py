@@ -5,6 +5,7 @@ a block's SwiGLU MLP (both families; model/layers.py feed_forward builds it for 
     moe = MoEFeedForward(d_model=768, spec=MoESpec(num_experts=64, experts_per_token=8, expert_ffn=384))
     y = moe(x)                          # (B, T, D) -> (B, T, D); in training, moe.stats holds its RouterStats
     y_ref = moe.forward_reference(x)    # the plain per-expert loop: what the tests compare every path with
+    set_expert_dispatch(model, split)   # how every MoE layer of a model reaches its experts (LOCAL: all here)
 
 A token's output is sum over its k chosen experts e of w_e SwiGLU_e(x) (model/moe_routing.py: softmax router in
 fp32, top-k, renormalised weights by default), plus sigmoid(g . x) SwiGLU_shared(x) when the spec has shared
@@ -25,7 +26,7 @@ The expert compute (`impl`):
 `forward_reference` is the plain loop the tests hold every path to (forward and backward, fp64 and fp32).
 
 Experts split over ranks: `dispatch` (model/expert_dispatch.py) is LOCAL unless a distributed engine sets another
-(TokenModel.set_expert_dispatch). The layer routes its own tokens, scatters them into expert order, hands the rows
+(set_expert_dispatch). The layer routes its own tokens, scatters them into expert order, hands the rows
 and per-expert counts to dispatch.exchange, runs the experts this rank holds (dispatch.local_weight of its weights,
 groups padded again for the grouped GEMM), and hands the outputs to dispatch.combine before the weighted combine.
 
@@ -241,3 +242,28 @@ def _gathered(h: torch.Tensor, experts: torch.Tensor, w_gu: torch.Tensor, w_dn: 
     gu = torch.einsum("nd,nkfd->nkf", h, w_gu[experts])  # (N, k, 2F)
     gate, up = gu.chunk(2, dim=-1)
     return torch.einsum("nkf,nkdf->nkd", F.silu(gate) * up, w_dn[experts])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A model's feed-forwards
+
+
+def feed_forward(tier, layer: int) -> nn.Module:
+    """Block `layer`'s feed-forward: the tier's SwiGLU MLP, or the mixture of experts when the tier has a MoESpec
+    and `layer` is past its dense first layers (both families' blocks build theirs here)."""
+    spec = getattr(tier, "moe", None)
+    if spec is None or not spec.is_moe_layer(layer):
+        return SwiGLU(tier)
+    return MoEFeedForward(tier.d_model, spec)
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    """The mixture-of-experts feed-forwards of `model`, in block order; [] for a dense model."""
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def set_expert_dispatch(model: nn.Module, dispatch: ExpertDispatch) -> None:
+    """How every MoE layer of `model` reaches its experts (model/expert_dispatch.py; LOCAL: all of them here). Set
+    once, before the first forward, by whatever splits the experts over ranks."""
+    for layer in moe_layers(model):
+        layer.dispatch = dispatch

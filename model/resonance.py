@@ -61,7 +61,8 @@ from torch.utils.checkpoint import checkpoint
 from cuda_ops.dispatch import resolve_backend
 from cuda_ops.resonance_scan import like, resonance_scan, sequential_scan
 from model.context import NOT_SPLIT, RowSplit
-from model.layers import FEED_FORWARD_WRITERS, RMSNorm, TokenModel, eager_only, feed_forward
+from model.layers import FEED_FORWARD_WRITERS, RMSNorm, TokenModel, eager_only
+from model.moe import feed_forward
 from model.kv_cache import decode_step
 from model.resonance_state import ResonanceState
 from model.resonance_state import decode_compute as state_decode_compute

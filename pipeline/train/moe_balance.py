@@ -40,7 +40,7 @@ def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class MoEBalance:
-    """See the module docstring. layers: the model's MoE feed-forwards (TokenModel.moe_layers), block_index: the
+    """See the module docstring. layers: the model's MoE feed-forwards (model/moe.py moe_layers), block_index: the
     block each one sits in (for metric names)."""
 
     def __init__(self, layers: list[nn.Module], block_index: list[int], *, balance: str, aux_weight: float,

@@ -334,7 +334,8 @@ def test_model_mixer_is_a_validated_config_field():
     assert load_config("cpu").model.mixer == "attention"
     with pytest.raises(ConfigError, match=r"model.mixer='rnn' is not allowed; choose one of: attention, resonance"):
         load_config("cpu", ["--model.mixer=rnn"])
-    with pytest.raises(ConfigError, match=r"model.tier='small_32k' is not allowed; choose one of: nano, A, B, C, D, E, F$"):
+    with pytest.raises(ConfigError, match=r"model.tier='small_32k' is not allowed; choose one of: nano, A, B, C, D, "
+                                          r"E, F, nano-moe, A-moe, B-moe, C-moe$"):
         load_config("cpu", ["--model.tier=small_32k"])
     assert load_config("cpu", ["--model.mixer=resonance", "--model.activation_checkpointing=mixer"])
     with pytest.raises(ConfigError, match="activation_checkpointing=mixer recomputes the resonance mixer"):
