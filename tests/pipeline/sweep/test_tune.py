@@ -143,6 +143,22 @@ def test_best_is_the_best_finished_trial_and_the_table_has_every_row():
     assert "| nano | 2 | 270 | 31.3% | 4–32 | 0.003 | 5.1000 | ok | t1 |" in table
 
 
+def test_the_table_shows_total_and_active_parameters_when_a_trial_has_experts():
+    from pipeline.sweep.tune import _sizes
+
+    base = load_config("test")
+    dense, moe = _sizes(base, {"model.tier": "nano"}), _sizes(base, {"model.tier": "nano", "model.num_experts": 8})
+    assert dense[0] == dense[1] and moe[0] > moe[1] and abs(moe[1] - dense[1]) == 8 * 64 * 2  # the routers
+    rows = [TrialRow("t0", {"model.num_experts": 0}, "nano", 4, 100.0, 0.01, 5.0, OK, params_total=dense[0],
+                     params_active=dense[1]),
+            TrialRow("t1", {"model.num_experts": 8}, "nano", 4, 90.0, 0.01, 4.9, OK, params_total=moe[0],
+                     params_active=moe[1])]
+    table = markdown_table(rows, "val/loss").splitlines()
+    assert table[0].startswith("| tier | batch size | model.num_experts | params | active params | tokens/s |")
+    assert f"| nano | 4 | 8 | {moe[0]:,} | {moe[1]:,} | 90 |" in table[3]
+    assert "params" not in markdown_table(rows[:1], "val/loss").splitlines()[0]  # dense only: no such columns
+
+
 def test_best_preset_round_trips_through_the_config_loader(tmp_path):
     best = load_config("test", {"train.batch_size": 2, "train.lr": 1e-3, "run.name": "sweep-t1",
                                 "ray.storage_path": "/somewhere", "ray.max_failures": 0})
