@@ -331,10 +331,10 @@ def plan_main(args, rest: list[str]) -> int:
                   f"{q.workers} --train.parallel={c.parallel} --model.activation_checkpointing="
                   f"{c.activation_checkpointing} --train.batch_size={c.max_batch} ({size_text(c.peak_bytes)} per "
                   f"worker)")
+        if p is not None:  # a MoE tier: also the smallest expert-parallel degree that fits
+            result["smallest_expert_degree"] = _print_expert_degree(cfg, vocab, args.workers[0], limit, device_type,
+                                                                    args.upper)
         p = p if p is not None and p.fits else None
-    if p is not None and not p.fits:
-        result["smallest_expert_degree"] = _print_expert_degree(cfg, vocab, args.workers[0], limit, device_type,
-                                                                args.upper)
     if args.measure and p is not None and p.choice is not None:
         from pipeline.train.memory.hardware import default_device
 
@@ -373,7 +373,9 @@ def _print_expert_degree(cfg: Config, vocab: int, workers: int, limit: float, de
     print(f"expert parallelism: the smallest degree that fits is {q.expert_degree} (each MoE layer's experts split "
           f"over {q.expert_degree} workers): --train.expert_parallel_degree={q.expert_degree} --train.parallel="
           f"{c.parallel} --model.activation_checkpointing={c.activation_checkpointing} --train.batch_size="
-          f"{c.max_batch} ({size_text(c.peak_bytes)} per worker)")
+          f"{c.max_batch} ({size_text(c.peak_bytes)} per worker)" + ("" if q.expert_degree == 1 else
+                                                                      "; degrees above 1 need the distributed expert "
+                                                                      "exchange, which this version does not have"))
     return q.to_dict()
 
 
