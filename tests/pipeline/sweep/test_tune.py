@@ -95,7 +95,7 @@ def test_a_bad_space_gets_one_clear_error(tmp_path, doc, expected):
 
 def test_missing_space_file_names_the_shipped_ones(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    with pytest.raises(SpaceError, match=r"does not exist; tune_spaces/ holds bs_tier.yaml, lr.yaml"):
+    with pytest.raises(SpaceError, match=r"does not exist; tune_spaces/ holds bs_tier.yaml, dense_vs_moe.yaml, lr.yaml"):
         load_space("tune_spaces/nope.yaml")
     assert set(DISTRIBUTIONS) == {"grid", "choice", "uniform", "loguniform", "randint", "lograndint"}
 
