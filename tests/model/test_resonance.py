@@ -375,7 +375,9 @@ def test_resonance_matmul_params_are_the_model_matrices(name):
     with torch.device("meta"):
         model = ResonanceLM(RESONANCE_TIERS[name], 32000, tie_embeddings=False)
     in_matmuls = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and n != "tok_emb.weight")
-    assert resonance_matmul_params(RESONANCE_TIERS[name], 32000) == in_matmuls
+    assert resonance_matmul_params(RESONANCE_TIERS[name], 32000, active=False) == in_matmuls  # MoE: every expert
+    if RESONANCE_TIERS[name].moe is None:
+        assert resonance_matmul_params(RESONANCE_TIERS[name], 32000) == in_matmuls
 
 
 def test_training_form_and_its_flops_follow_the_device(monkeypatch):
@@ -410,12 +412,13 @@ def test_python_m_model_lists_both_families(capsys):
 
     main([])
     out = capsys.readouterr().out
-    attention, resonance = out.strip().split("\n\n")
-    assert [line.split()[0] for line in attention.splitlines()[2:]] == list(TIERS)
+    attention, resonance, moe = out.strip().split("\n\n")  # the mixture-of-experts tiers in a third table
+    assert [line.split()[0] for line in attention.splitlines()[2:]] == [n for n, t in TIERS.items() if t.moe is None]
     lines = resonance.splitlines()
     assert lines[0].startswith("model.mixer=resonance")
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert list(rows) == list(RESONANCE_TIERS)
+    assert list(rows) == [n for n, t in RESONANCE_TIERS.items() if t.moe is None]
+    assert moe.splitlines()[0].startswith("mixture of experts")
     with torch.device("meta"):
         n = ResonanceLM(RESONANCE_TIERS["small_32k"], 32000).num_params()
     assert rows["small_32k"][8] == f"{n:,}"
