@@ -589,8 +589,8 @@ def _validate_moe(cfg: Config) -> None:
     if not 1 <= k <= E:
         raise ConfigError(f"model.experts_per_token={k} is invalid; it must be in 1..{E} (model.num_experts)")
     if spec.expert_ffn < 8 or spec.expert_ffn % 8:
-        raise ConfigError(f"model.expert_ffn={spec.expert_ffn} is invalid; it must be a positive multiple of 8 (grouped "
-                          f"GEMMs want 16-byte aligned rows), e.g. {max(8, spec.expert_ffn // 8 * 8)}")
+        raise ConfigError(f"model.expert_ffn={spec.expert_ffn} is invalid; it must be a positive multiple of 8 "
+                          f"(grouped GEMMs want 16-byte aligned rows), e.g. {max(8, spec.expert_ffn // 8 * 8)}")
     if spec.dense_first_layers >= tier.n_layers:
         raise ConfigError(f"model.dense_first_layers={spec.dense_first_layers} leaves no MoE layer in model.tier="
                           f"{m.tier} ({tier.n_layers} layers); it must be < {tier.n_layers}")

@@ -95,7 +95,8 @@ def test_a_phases_file_error_names_the_file_and_the_phase(tmp_path, capsys):
 
 
 def test_help_lists_every_tier_with_total_and_active_parameters():
-    """`python pipeline/run.py --help` ends with the tiers: a MoE tier's total and active parameters (model/flops.py)."""
+    """`python pipeline/run.py --help` ends with the tiers: a MoE tier's total and active parameters
+    (model/flops.py)."""
     from model.flops import active_param_count, param_count
     from model.tiers import MIXERS, tiers_for
     from pipeline.cli.config_help import tiers_help

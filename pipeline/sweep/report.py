@@ -93,7 +93,8 @@ def markdown_table(rows: list[TrialRow], metric: str) -> str:
     order = sorted(rows, key=lambda r: (r.tier, r.batch_size, r.trial_id))
     for r in order:
         cells = [r.tier, str(r.batch_size), *(_fmt(r.params.get(k)) for k in others),
-                 *([_fmt(r.params_total, ","), _fmt(r.params_active, ",")] if sizes else []), _fmt(r.tokens_per_s, ",.0f"),
+                 *([_fmt(r.params_total, ","), _fmt(r.params_active, ",")] if sizes else []),
+                 _fmt(r.tokens_per_s, ",.0f"),
                  _fmt(r.mfu, ".1%"), r.timed_steps, _fmt(r.peak_mem_gib or None, ".3f"),  # 0: not counted (CPU)
                  _fmt(r.metric_value, ".4f"), *(_fmt(r.extra.get(k), ".4f") for k in sources),
                  r.status_text, r.trial_id]
