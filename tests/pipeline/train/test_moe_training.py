@@ -141,3 +141,16 @@ def test_settings_resolve_to_the_tier_the_model_is_built_from():
     assert (spec.num_experts, spec.experts_per_token, spec.expert_ffn, spec.shared_experts) == (4, 2, 96, 1)
     assert spec.selection_bias and model_tier(load_config("test", {"model.tier": "nano-moe",
                                                                    "model.num_experts": 0})).moe is None
+
+
+@pytest.mark.system  # docs/tests.md: over ~5 s
+def test_a_checkpoint_of_another_expert_shape_is_refused_in_one_line(tmp_path):
+    from pipeline.train.checkpoints.state import CheckpointError
+
+    _engine().save(tmp_path / "ckpt")
+    for over, line in (({"model.experts_per_token": 3}, "has model.experts_per_token=2 but this run has 3"),
+                       ({"model.moe_balance": "bias"}, "balanced its experts with model.moe_balance=aux"),
+                       ({"model.num_experts": 0}, "is a mixture of 8 experts")):
+        with pytest.raises(CheckpointError) as exc:
+            _engine(**over).load(tmp_path / "ckpt")
+        assert line in str(exc.value) and "\n" not in str(exc.value)
