@@ -72,22 +72,24 @@ def corpus_rows(seq_len: int, vocab: int, work: Path) -> torch.Tensor:
     return stream[: len(stream) // width * width].view(-1, width)
 
 
-def make_engine(name: str, steps: int, seed: int):
+def make_engine(name: str, steps: int, seed: int, moe: dict):
     from pipeline.config import load_config
     from pipeline.train.engine import Engine
 
-    cfg = load_config("cpu", {**MODELS[name], "data.seq_len": SEQ_LEN, "data.vocab_size": VOCAB,
+    settings = {**MODELS[name], **(moe if name.startswith("moe") else {})}
+    cfg = load_config("cpu", {**settings, "data.seq_len": SEQ_LEN, "data.vocab_size": VOCAB,
                               "train.batch_size": BATCH, "train.max_steps": steps, "train.warmup_steps": 20,
                               "train.lr": 3e-3, "train.seed": seed, "model.doc_masking": False,
                               "model.compile": "off", "train.precision": "fp32"})
     return Engine(cfg, vocab_size=VOCAB, device=torch.device("cpu"))
 
 
-def train_one(name: str, train: torch.Tensor, val: torch.Tensor, steps: int, seed: int, log_every: int) -> dict:
+def train_one(name: str, train: torch.Tensor, val: torch.Tensor, steps: int, seed: int, log_every: int,
+              moe: dict) -> dict:
     from model.flops import active_param_count, param_count
     from pipeline.config import model_tier
 
-    engine = make_engine(name, steps, seed)
+    engine = make_engine(name, steps, seed, moe)
     tier = model_tier(engine.cfg)
     windows, t0 = [], time.perf_counter()
     for step in range(steps):
@@ -101,7 +103,7 @@ def train_one(name: str, train: torch.Tensor, val: torch.Tensor, steps: int, see
     val_loss = engine.evaluate([{"tokens": val[i:i + BATCH]} for i in range(0, len(val), BATCH)])["val/loss"]
     return {"engine": engine, "val_loss": val_loss, "train_seconds": seconds, "windows": windows,
             "params": param_count(tier, VOCAB), "active_params": active_param_count(tier, VOCAB),
-            "settings": MODELS[name]}
+            "settings": {**MODELS[name], **(moe if name.startswith("moe") else {})}}
 
 
 def timed_steps(engines: dict, batch: torch.Tensor, rounds: int) -> dict[str, float]:
@@ -124,8 +126,9 @@ def cpu_comparison(args) -> dict:
     print(f"built-in corpus: {rows.numel():,} tokens in {len(rows)} rows of {SEQ_LEN + 1}; {len(val)} held out; "
           f"{args.steps} steps x {BATCH} rows = {args.steps * BATCH / len(train):.2f} epochs", flush=True)
     results = {}
+    moe = {"model.moe_aux_weight": args.aux_weight, "model.moe_bias_rate": args.bias_rate}
     for name in MODELS:
-        r = train_one(name, train, val, args.steps, args.seed, args.log_every)
+        r = train_one(name, train, val, args.steps, args.seed, args.log_every, moe)
         results[name] = r
         print(f"{name:12s} val loss {r['val_loss']:.4f}  params {r['params']:,} (active {r['active_params']:,})  "
               f"{r['train_seconds']:.0f} s", flush=True)
@@ -144,7 +147,8 @@ def cpu_comparison(args) -> dict:
     out = {
         "setup": {"seq_len": SEQ_LEN, "vocab": VOCAB, "batch": BATCH, "steps": args.steps, "threads": args.threads,
                   "val_rows": len(val), "train_rows": len(train), "seed": args.seed, "log_every": args.log_every,
-                  "speed_rounds": args.rounds},
+                  "speed_rounds": args.rounds, "moe_aux_weight": args.aux_weight,
+                  "moe_bias_rate": args.bias_rate},
         "models": {n: {k: v for k, v in r.items() if k != "engine"} for n, r in results.items()},
         "quality": {n: {"val_loss": r["val_loss"], "over_dense": r["val_loss"] / dense} for n, r in results.items()},
         "quality_goal": {"moe_aux_over_dense_at_equal_active": 0.97},
@@ -208,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=12, help="timed steps per model in the side-by-side speed phase")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--aux-weight", type=float, default=0.01, help="model.moe_aux_weight of moe_aux (default 0.01)")
+    p.add_argument("--bias-rate", type=float, default=0.001, help="model.moe_bias_rate of moe_bias (default 0.001)")
+    p.add_argument("--tag", default="", help="appended to the result's name (moe_<tag>-...json)")
     p.add_argument("--smoke", action="store_true", help="a few steps each: the plumbing, not the figures")
     p.add_argument("--gpu", action="store_true", help="the one-GPU step: --tier at --seq-len beside its dense twin")
     p.add_argument("--tier", default="B-moe")
@@ -225,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if a.smoke:
             a.steps, a.log_every, a.rounds = 8, 4, 2
-        path = write_result("moe", cpu_comparison(a), a.out)
+        path = write_result("moe" + (f"_{a.tag}" if a.tag else ""), cpu_comparison(a), a.out)
     print(f"wrote {path}")
     return 0
 
