@@ -30,11 +30,17 @@ from pipeline.tracking.names import (MOE_AUX_LOSS, MOE_BIAS_ABS_MAX, MOE_DROPPED
                                      MOE_Z_LOSS, moe_layer_metric)
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """t summed over every worker of the process group (in place), when there is one of more than one rank."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
@@ -111,8 +117,14 @@ class MoEBalance:
 
     def pull(self, step: int) -> tuple[dict[str, float], float]:
         """(moe/* metrics over the interval, the training FLOPs the dropped assignments did not run); one host
-        transfer; resets the interval and appends the interval's load to `history`."""
+        transfer; resets the interval and appends the interval's load to `history`. Under a process group a
+        collective, as the engine's pull is: the losses and entropies each rank measured on its tokens are averaged
+        over the ranks (the counts already are every rank's)."""
         L = len(self.layers)
+        world = _world_size()
+        if world > 1:
+            mine = _all_reduce_sum(torch.cat([self._layer[:, 0], self._scalars[:2]])) / world
+            self._layer[:, 0], self._scalars[:2] = mine[:L], mine[L:]
         biases = [layer.expert_bias for layer in self.layers if layer.expert_bias is not None]
         bias = (torch.stack(biases).abs().amax(dim=1).double() if biases
                 else torch.zeros(L, dtype=torch.float64, device=self._load.device))

@@ -154,3 +154,33 @@ def test_a_checkpoint_of_another_expert_shape_is_refused_in_one_line(tmp_path):
         with pytest.raises(CheckpointError) as exc:
             _engine(**over).load(tmp_path / "ckpt")
         assert line in str(exc.value) and "\n" not in str(exc.value)
+
+
+def _two_rank_worker(rank: int, world: int, parallel: str) -> dict:
+    from pipeline.train.engine import Engine
+
+    cfg = load_config("test", {"model.tier": "nano-moe", "data.seq_len": 32, "model.compile": "off",
+                               "model.moe_balance": "bias", "model.moe_bias_rate": 0.01, "train.parallel": parallel})
+    engine = Engine(cfg, vocab_size=VOCAB, device=torch.device("cpu"), rank=rank, world_size=world)
+    engine.train_step(_batches(1, seed=rank)[0])  # each rank its own rows
+    load = engine.moe._load.tolist()
+    m = engine.pull_train_metrics()
+    return {"load": load, "bias": [layer.expert_bias.tolist() for layer in moe_layers(engine.module)],
+            "aux": m[MOE_AUX_LOSS]}
+
+
+@pytest.mark.system  # starts 2 processes
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_workers_balance_over_the_global_batch(parallel):
+    """Under DDP and FSDP on 2 gloo ranks with different rows: the load counts are every rank's (all-reduced), so
+    both ranks move the selection bias the same way and log the same balance."""
+    from pipeline.train.distributed.process_group import run_workers
+
+    r0, r1 = run_workers(_two_rank_worker, 2, parallel, timeout_s=120)
+    assert r0["load"] == r1["load"] and r0["bias"] == r1["bias"] and r0["aux"] == pytest.approx(r1["aux"])
+    for layer_load in r0["load"]:
+        assert sum(layer_load) == 2 * 4 * 32 * 2  # ranks x rows x tokens x k: both ranks' tokens
+    for load, bias in zip(r0["load"], r0["bias"]):
+        want = torch.zeros(8)
+        update_selection_bias(want, torch.tensor(load), 0.01)
+        assert torch.equal(torch.tensor(bias), want)
