@@ -207,3 +207,26 @@ def test_settings_change_the_spec_and_dense_first_layers_keep_the_mlp():
     assert with_moe(TIERS["nano-moe"], num_experts=0).moe is None
     assert with_moe(TIERS["nano"]) is TIERS["nano"]
     assert with_moe(TIERS["nano"], num_experts=4).moe == MoESpec(4, 2, 96)
+
+
+@pytest.mark.system  # docs/tests.md: over ~5 s (dynamo traces two blocks)
+def test_a_compiled_block_under_bf16_autocast_has_no_graph_break():
+    """What a CUDA run compiles (regional torch.compile of each block, bf16 autocast): the grouped path traces as one
+    graph per block, with no host read, and the router statistics are still recorded for the aux loss ("aot_eager":
+    inductor's C++ build takes minutes on 2 cores)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from model.moe import moe_layers
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = build_model("nano-moe", 300).train()
+    model.compile_blocks(backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model(torch.randint(0, 300, (2, 32)))
+    hidden.float().square().mean().backward()
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    assert all(layer.stats is not None and layer.stats.prob_sum.requires_grad for layer in moe_layers(model))
+    torch._dynamo.reset()
