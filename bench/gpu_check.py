@@ -395,6 +395,23 @@ GOALS: list[Goal] = [
 ]
 
 
+# A mixture-of-experts tier at 32k on one GPU (bench/moe.py --gpu): B-moe (OLMoE's shape at tier B) beside dense B;
+# tokens/s, MFU over the active parameters' FLOPs (the experts that ran), peak memory. Pending: never run on a GPU.
+def _moe(what):  # the MoE tier's row (B-moe; nano-moe under --smoke)
+    return lambda rec, exact: next(row for tier, row in rec["rows"].items() if tier.endswith("-moe"))[what]
+
+
+STEPS.append(Step("moe_32k", "more", 300, "python bench/moe.py --gpu --tier B-moe --seq-len 32768 --steps 6",
+                  "python bench/moe.py --gpu --smoke",
+                  measures="tier B-moe (64 experts, 8 active) at 32,768 x 1 beside dense B: tokens/s, MFU, memory"))
+GROUPS["more"].append("moe_32k")
+GROUPS["all"].append("moe_32k")
+GOALS += [Goal("B-moe tokens/s at 32,768 x 1", "moe_32k", _moe("tokens_per_s"), INFO, "{:,.0f}"),
+          Goal("B-moe MFU over active-parameter FLOPs", "moe_32k", _moe("mfu"), INFO, "{:.1%}"),
+          Goal("B-moe peak memory, GiB", "moe_32k", _moe("peak_mem_gib"), INFO, "{:.1f}"),
+          Goal("B-moe / dense B tokens/s at 32k", "moe_32k", key("moe_over_dense_tokens_per_s"), INFO)]
+
+
 # ---------------------------------------------------------------------------------------------------- the run
 PROBE = """import importlib.util, json, torch
 from bench.common import device_info, device_slug

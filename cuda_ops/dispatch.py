@@ -88,7 +88,7 @@ def resolve_backend(device: torch.device | str, requested: str | None = None) ->
 
 
 # The kernel families and the module of each (all resolve their backend through resolve_backend).
-KERNEL_FAMILIES = ("cross_entropy", "sampling", "resonance_scan")
+KERNEL_FAMILIES = ("cross_entropy", "sampling", "resonance_scan", "moe_dispatch")
 GPU_EXTRA_FIX = ("install the project's gpu extra on GPU nodes: pip install -e '.[gpu]' (numba-cuda with CUDA 13's "
                  "NVVM and NVRTC; '.[gpu-cu12]' for a CUDA 12 driver)")
 

@@ -1,9 +1,11 @@
 """Print every tier of both model families with its exact parameter count and training FLOPs per token.
 
-    python -m model                 # vocabulary of 32,000: attention tiers, then resonance tiers
+    python -m model                 # vocabulary of 32,000: attention tiers, resonance tiers, mixture-of-experts tiers
     python -m model --vocab 2000
 
-Models are built on the meta device (no memory, no initialization time), so even tier D prints instantly.
+Models are built on the meta device (no memory, no initialization time), so even tier D prints instantly. The
+mixture-of-experts tiers (`<tier>-moe`, both families) get a table of their own: experts, k, expert width, and the
+total parameters (what memory holds) beside the active ones (what a token computes, what FLOPs count).
 """
 from __future__ import annotations
 
@@ -12,16 +14,16 @@ import argparse
 import torch
 
 from model.decoder import Decoder
-from model.flops import flops_per_token, resonance_flops_per_token
+from model.flops import active_param_count, flops_per_token, resonance_flops_per_token
 from model.resonance import ResonanceLM
-from model.tiers import RESONANCE_TIERS, TIERS
+from model.tiers import MIXERS, RESONANCE_TIERS, TIERS, tiers_for
 
 SEQ_LENS = (4096, 32768)
 
 
 def tier_rows(vocab_size: int) -> list[dict]:
     rows = []
-    for tier in TIERS.values():
+    for tier in (t for t in TIERS.values() if t.moe is None):
         with torch.device("meta"):
             model = Decoder(tier, vocab_size)
         row = {"tier": tier.name, "d_model": tier.d_model, "layers": tier.n_layers, "heads": tier.n_heads,
@@ -36,7 +38,7 @@ def tier_rows(vocab_size: int) -> list[dict]:
 
 def resonance_rows(vocab_size: int) -> list[dict]:
     rows = []
-    for tier in RESONANCE_TIERS.values():
+    for tier in (t for t in RESONANCE_TIERS.values() if t.moe is None):
         with torch.device("meta"):
             model = ResonanceLM(tier, vocab_size)
         row = {"tier": tier.name, "d_model": tier.d_model, "layers": tier.n_layers, "groups": tier.n_groups,
@@ -45,6 +47,25 @@ def resonance_rows(vocab_size: int) -> list[dict]:
         for T in SEQ_LENS:
             row[f"flops_per_token@{T}"] = resonance_flops_per_token(tier, T, vocab_size)
         rows.append(row)
+    return rows
+
+
+def moe_rows(vocab_size: int) -> list[dict]:
+    """Every mixture-of-experts tier of both families: its MoESpec, total and active parameters, FLOPs per token."""
+    rows = []
+    for mixer in MIXERS:
+        for tier in (t for t in tiers_for(mixer).values() if t.moe is not None):
+            with torch.device("meta"):
+                model = (Decoder if mixer == "attention" else ResonanceLM)(tier, vocab_size)
+            spec = tier.moe
+            row = {"tier": tier.name, "mixer": mixer, "d_model": tier.d_model, "layers": tier.n_layers,
+                   "experts": spec.num_experts, "k": spec.experts_per_token, "expert_ffn": spec.expert_ffn,
+                   "shared": spec.shared_experts, "dense_first": spec.dense_first_layers,
+                   "params": model.num_params(), "active": active_param_count(tier, vocab_size)}
+            for T in SEQ_LENS:
+                row[f"flops_per_token@{T}"] = (flops_per_token(tier, T, vocab_size) if mixer == "attention"
+                                               else resonance_flops_per_token(tier, T, vocab_size))
+            rows.append(row)
     return rows
 
 
@@ -77,6 +98,15 @@ def main(argv: list[str] | None = None) -> None:
                         + [f"{r[f'flops_per_token@{T}'] / 1e9:.3f}" for T in SEQ_LENS] for r in resonance_rows(args.vocab)]
     print(f"\nmodel.mixer=resonance  vocab_size={args.vocab:,}  tied embeddings  "
           "(FLOPs: training fwd+bwd per token, chunked-scan core as with doc masking)")
+    _print_table(table)
+    header = ["tier", "mixer", "d_model", "layers", "experts", "k", "expert_ffn", "shared", "dense_first", "params",
+              "active"] + [f"GFLOP/tok@{T}" for T in SEQ_LENS]
+    table = [header] + [[r["tier"], r["mixer"]] + [str(r[k]) for k in ("d_model", "layers", "experts", "k",
+                                                                       "expert_ffn", "shared", "dense_first")]
+                        + [f"{r['params']:,}", f"{r['active']:,}"]
+                        + [f"{r[f'flops_per_token@{T}'] / 1e9:.3f}" for T in SEQ_LENS] for r in moe_rows(args.vocab)]
+    print(f"\nmixture of experts (model/moe.py)  vocab_size={args.vocab:,}  tied embeddings  (params: total, held in "
+          "memory; active: what one token computes, counted by the FLOPs)")
     _print_table(table)
 
 

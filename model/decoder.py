@@ -53,7 +53,8 @@ from torch.utils.checkpoint import checkpoint
 from model.context import NOT_SPLIT, ContextMask, RowSplit, attend_gathered, split_mask
 from model.kv_cache import KVCache, decode_compute, decode_step
 from model.rope import RopeConfig, apply_rope, rope_cos_sin, rope_table  # noqa: F401 (rope_table re-exported)
-from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
+from model.layers import FEED_FORWARD_WRITERS, RMSNorm, TokenModel, eager_only
+from model.moe import feed_forward
 from model.tiers import Tier, get_tier
 
 ATTENTION_BACKENDS = ("auto", "flex", "varlen", "cudnn", "sdpa", "dense")
@@ -274,12 +275,12 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, tier: Tier):
+    def __init__(self, tier: Tier, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(tier.d_model, tier.norm_eps)
         self.attn = Attention(tier)
         self.mlp_norm = RMSNorm(tier.d_model, tier.norm_eps)
-        self.mlp = SwiGLU(tier)
+        self.mlp = feed_forward(tier, layer)  # SwiGLU, or the mixture of experts (model/moe.py)
 
     def forward(self, x, cos, sin, mask, kv_cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, layer)  # (B, T, D)
@@ -295,7 +296,7 @@ class Decoder(TokenModel):
     Under bf16 autocast the residual stream stays fp32 (embeddings and norm weights are fp32), so the
     hidden states come out fp32 while the matmuls inside run in bf16."""
 
-    RESIDUAL_WRITERS = ("attn.wo.weight", "mlp.w_down.weight")
+    RESIDUAL_WRITERS = ("attn.wo.weight", *FEED_FORWARD_WRITERS)
     CONTEXT_LAYOUT = "balanced"  # a row split over ranks: dealt in a snake order, even causal work (model/context.py)
 
     def __init__(self, tier: Tier, vocab_size: int, *, tie_embeddings: bool = True, doc_masking: bool = True,

@@ -22,6 +22,12 @@ Counting convention (PaLM appendix B, halved attention for causality):
         attention term). nanoGPT and torchtitan count the full T x T square (12 * L * H * hd * T per token,
         no causal halving), twice this attention term, so their MFU reads higher still at long context.
 Norms, RoPE, softmax and the SwiGLU product are elementwise and left out (a few percent at most).
+
+Mixture of experts (a tier with a MoESpec, model/moe.py): a token runs its k routed experts, the shared experts and
+the router, so the FLOPs count the ACTIVE matmul parameters (`matmul_params(..., active=True)`, the default): per MoE
+layer k x 3 D F + 3 D F_shared + D (the shared gate) + E D (the router), where a dense layer has 3 D d_ff. Memory
+counts every parameter (`param_count`: E x 3 D F per MoE layer). With a capacity factor a dropped assignment runs no
+expert; the training engine subtracts the dropped assignments' 6 x 3 D F from the executed FLOPs it reports.
 """
 from __future__ import annotations
 
@@ -30,13 +36,32 @@ import torch
 from model.tiers import ResonanceTier, Tier
 
 
-def matmul_params(tier: Tier, vocab_size: int) -> int:
-    """Parameters that take part in matmuls: q/k/v/o and the three SwiGLU matrices of every layer, plus
-    the (V, D) output projection."""
+def feed_forward_params(tier: Tier | ResonanceTier, active: bool = False) -> int:
+    """The feed-forwards' matmul parameters summed over the layers: 3 D d_ff per dense layer; per MoE layer the
+    router (E D), the experts (E x 3 D F in total, k of them active), the shared experts (3 D F_shared) and their
+    gate (D)."""
+    d, spec = tier.d_model, getattr(tier, "moe", None)
+    if spec is None:
+        return tier.n_layers * 3 * d * tier.d_ff
+    dense = spec.dense_first_layers * 3 * d * tier.d_ff
+    experts = spec.experts_per_token if active else spec.num_experts
+    shared = 3 * d * spec.shared_ffn + (d if spec.shared_experts else 0)
+    per_moe = spec.num_experts * d + experts * 3 * d * spec.expert_ffn + shared
+    return dense + spec.moe_layers(tier.n_layers) * per_moe
+
+
+def expert_params(tier: Tier | ResonanceTier) -> int:
+    """Parameters of the routed experts (all layers): what expert parallelism splits over its ranks; 0 if dense."""
+    spec = getattr(tier, "moe", None)
+    return 0 if spec is None else spec.moe_layers(tier.n_layers) * spec.num_experts * 3 * tier.d_model * spec.expert_ffn
+
+
+def matmul_params(tier: Tier, vocab_size: int, active: bool = True) -> int:
+    """Parameters that take part in a token's matmuls: q/k/v/o and the feed-forward (the three SwiGLU matrices, or
+    a MoE layer's active ones; active=False: every expert) of every layer, plus the (V, D) output projection."""
     d, hd = tier.d_model, tier.head_dim
     attn = d * tier.n_heads * hd + 2 * d * tier.n_kv_heads * hd + tier.n_heads * hd * d  # wq, wk, wv, wo
-    mlp = 3 * d * tier.d_ff  # gate, up, down
-    return tier.n_layers * (attn + mlp) + vocab_size * d
+    return tier.n_layers * attn + feed_forward_params(tier, active) + vocab_size * d
 
 
 def param_count(tier: Tier | ResonanceTier, vocab_size: int, tie_embeddings: bool = True) -> int:
@@ -48,12 +73,19 @@ def param_count(tier: Tier | ResonanceTier, vocab_size: int, tie_embeddings: boo
     tests/model/test_flops_and_cli.py checks this equals `build_model(...).num_params()` for every tier."""
     d = tier.d_model
     if isinstance(tier, ResonanceTier):
-        matmul = resonance_matmul_params(tier, vocab_size)
+        matmul = resonance_matmul_params(tier, vocab_size, active=False)
         per_layer = 2 * d + tier.group_dim + 3 * tier.eigen_per_layer
     else:
-        matmul = matmul_params(tier, vocab_size)
+        matmul = matmul_params(tier, vocab_size, active=False)
         per_layer = 2 * d
     return matmul + tier.n_layers * per_layer + d + (0 if tie_embeddings else vocab_size * d)
+
+
+def active_param_count(tier: Tier | ResonanceTier, vocab_size: int, tie_embeddings: bool = True) -> int:
+    """The parameters one token uses: param_count less the routed experts it does not run (= param_count for a
+    dense tier). What "equal active parameters" compares between a dense and a MoE model."""
+    total = param_count(tier, vocab_size, tie_embeddings)
+    return total - (feed_forward_params(tier, active=False) - feed_forward_params(tier, active=True))
 
 
 def flops_per_token(tier: Tier, seq_len: int, vocab_size: int, tie_embeddings: bool = True) -> float:
@@ -129,11 +161,12 @@ def training_flops(tier: Tier, vocab_size: int, tokens, attention_pairs):
 # at all with T: this is the point of the family.
 
 
-def resonance_matmul_params(tier: ResonanceTier, vocab_size: int) -> int:
-    """Parameters that take part in matmuls in a resonance model (see above), output projection included."""
+def resonance_matmul_params(tier: ResonanceTier, vocab_size: int, active: bool = True) -> int:
+    """Parameters that take part in a token's matmuls in a resonance model (see above; active=False: every expert of
+    a MoE tier), output projection included."""
     d = tier.d_model
-    per_layer = 3 * d * d + 4 * d * tier.n_eigen + 3 * d * tier.d_ff
-    return tier.n_layers * per_layer + vocab_size * d
+    per_layer = 3 * d * d + 4 * d * tier.n_eigen
+    return tier.n_layers * per_layer + feed_forward_params(tier, active) + vocab_size * d
 
 
 KERNEL_FORWARD_FLOPS, KERNEL_TRAINING_FLOPS = 22, 60  # per channel and token, see above

@@ -1,6 +1,7 @@
 """Building blocks both model families share (model/decoder.py's attention blocks and model/resonance.py's
-resonance blocks): RMSNorm, the SwiGLU MLP, which blocks activation checkpointing recomputes, and the
-token-in / hidden-out shell around the blocks (TokenModel)."""
+resonance blocks): RMSNorm, the SwiGLU MLP (model/moe.py's feed_forward puts a mixture of experts in its place in a
+MoE tier's MoE layers), which blocks activation checkpointing recomputes, and the token-in / hidden-out shell around
+the blocks (TokenModel)."""
 from __future__ import annotations
 
 import functools
@@ -48,14 +49,21 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, tier):  # any tier with d_model and d_ff
+    def __init__(self, tier, *, d_model: int | None = None, d_ff: int | None = None):  # a tier's d_model and d_ff
         super().__init__()
-        self.w_gate_up = nn.Linear(tier.d_model, 2 * tier.d_ff, bias=False)  # gate and up in one matmul
-        self.w_down = nn.Linear(tier.d_ff, tier.d_model, bias=False)
+        d_model = d_model or tier.d_model
+        d_ff = d_ff or tier.d_ff
+        self.w_gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)  # gate and up in one matmul
+        self.w_down = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, d_ff) each
         return self.w_down(F.silu(gate) * up)
+
+
+# Parameters that write into the residual stream in a feed-forward (initialised smaller, TokenModel.init_weights):
+# the dense MLP's down projection, the experts' and the shared experts' down projections
+FEED_FORWARD_WRITERS = ("mlp.w_down.weight", "experts.w_down", "shared.w_down.weight")
 
 
 def checkpointed_layers(spec: str, n_layers: int) -> frozenset[int]:
@@ -79,11 +87,11 @@ class TokenModel(nn.Module):
 
     def _build_shell(self, tier, vocab_size: int, tie_embeddings: bool, activation_checkpointing: str,
                      make_block) -> None:
-        """Embedding, `tier.n_layers` blocks from make_block(tier), final norm, separate head when untied, in
-        this order (the order fixes parameter names' order and so what a seed initialises)."""
+        """Embedding, `tier.n_layers` blocks from make_block(tier, layer index), final norm, separate head when
+        untied, in this order (the order fixes parameter names' order and so what a seed initialises)."""
         self.checkpointed = checkpointed_layers(activation_checkpointing, tier.n_layers)
         self.tok_emb = nn.Embedding(vocab_size, tier.d_model)
-        self.blocks = nn.ModuleList(make_block(tier) for _ in range(tier.n_layers))
+        self.blocks = nn.ModuleList(make_block(tier, i) for i in range(tier.n_layers))
         self.norm = RMSNorm(tier.d_model, tier.norm_eps)
         self.lm_head = None if tie_embeddings else nn.Linear(tier.d_model, vocab_size, bias=False)
 

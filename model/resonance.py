@@ -61,7 +61,8 @@ from torch.utils.checkpoint import checkpoint
 from cuda_ops.dispatch import resolve_backend
 from cuda_ops.resonance_scan import like, resonance_scan, sequential_scan
 from model.context import NOT_SPLIT, RowSplit
-from model.layers import RMSNorm, SwiGLU, TokenModel, eager_only
+from model.layers import FEED_FORWARD_WRITERS, RMSNorm, TokenModel, eager_only
+from model.moe import feed_forward
 from model.kv_cache import decode_step
 from model.resonance_state import ResonanceState
 from model.resonance_state import decode_compute as state_decode_compute
@@ -272,7 +273,7 @@ class ResonanceBlock(nn.Module):
     of a block's saved activations for ~7% more FLOPs (tier B), since the core is a few cheap passes and its
     matmuls are a quarter of the block's; attention has no such cheap half at long context."""
 
-    def __init__(self, tier: ResonanceTier, recompute_mixer: bool = False):
+    def __init__(self, tier: ResonanceTier, recompute_mixer: bool = False, layer: int = 0):
         super().__init__()
         self.recompute_mixer = recompute_mixer
         D = tier.d_model
@@ -282,7 +283,7 @@ class ResonanceBlock(nn.Module):
         self.group_norm = RMSNorm(tier.group_dim, tier.norm_eps)  # per channel group, weight shared by groups
         self.w_out = nn.Linear(D, D, bias=False)
         self.mlp_norm = RMSNorm(D, tier.norm_eps)
-        self.mlp = SwiGLU(tier)
+        self.mlp = feed_forward(tier, layer)  # SwiGLU, or the mixture of experts (model/moe.py)
 
     def forward(self, x: torch.Tensor, form: str, starts=None, valid=None, state=None, carry=None):
         """x (B, T, D) -> (x (B, T, D), final mixer state (B, G, K, 2)). carry: a row split over ranks."""
@@ -311,7 +312,7 @@ class ResonanceLM(TokenModel):
     """Token ids (B, T) -> hidden states (B, T, D) after the final RMSNorm; the same interface as
     model/decoder.py's Decoder (output_weight, logits, num_params, compile_blocks, new_kv_cache, decode_step)."""
 
-    RESIDUAL_WRITERS = ("w_out.weight", "mlp.w_down.weight")
+    RESIDUAL_WRITERS = ("w_out.weight", *FEED_FORWARD_WRITERS)
     CONTEXT_LAYOUT = "contiguous"  # a row split over ranks: slices in order, the scan's state carried across them
     SKIP_INIT = ".mixer."  # the mixer's own reset_parameters initialises its eigenvalues and projections
 
@@ -325,7 +326,7 @@ class ResonanceLM(TokenModel):
         self.form = form
         recompute_mixer = activation_checkpointing == "mixer"  # the rest of the specs are the shell's (whole blocks)
         self._build_shell(tier, vocab_size, tie_embeddings, "none" if recompute_mixer else activation_checkpointing,
-                          lambda t: ResonanceBlock(t, recompute_mixer))
+                          lambda t, i: ResonanceBlock(t, recompute_mixer, i))
         self.init_weights()
 
     @torch.no_grad()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.tiers import MIXERS, get_mixer_tier, tiers_for
+from model.tiers import MIXERS, get_mixer_tier, tiers_for, with_moe
 from pipeline.mixture_spec import FIELD_SOURCE_KINDS, SOURCE_KINDS
 
 
@@ -46,6 +46,19 @@ class ModelConfig:
     rope_beta_slow: float = 1.0  # yarn: dimensions turning less often than this are fully interpolated
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths over original_max_len / this are divided by the factor
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_len / this are kept
+    # Mixture of experts (model/moe.py, docs/models.md#mixture-of-experts): a `-moe` tier (nano-moe, A-moe, B-moe,
+    # C-moe) sets the shape; these change it, -1 keeping the tier's. num_experts on a dense tier gives it experts.
+    num_experts: int = -1  # routed experts per MoE layer; -1 = the tier's (0 for a dense tier), 0 = dense
+    experts_per_token: int = -1  # k, the routed experts each token runs (top-k); -1 = the tier's (2 on a dense tier)
+    expert_ffn: int = -1  # SwiGLU width of one expert, a multiple of 8 (fine-grained experts); -1 = the tier's (d_ff / 2 on a dense tier)
+    shared_experts: int = -1  # experts every token runs (one sigmoid-gated SwiGLU of this many x expert_ffn); -1 = the tier's (0)
+    dense_first_layers: int = -1  # first blocks that keep the dense SwiGLU MLP; -1 = the tier's (0)
+    moe_balance: str = "aux"  # aux (a load-balancing loss over the global batch) | bias (DeepSeek-V3's selection bias, no loss)
+    moe_aux_weight: float = 0.01  # aux: weight of the load-balancing loss (which is 1 at a perfect balance)
+    moe_z_weight: float = 0.0  # weight of the router z-loss, mean logsumexp(logits)^2 (ST-MoE uses 0.001); 0 = off
+    moe_bias_rate: float = 0.001  # bias: how far each expert's selection bias moves per optimizer step (DeepSeek-V3: 0.001)
+    moe_capacity_factor: float = 0.0  # > 0: in training an expert takes at most this x its even share of a micro-batch, the rest dropped (counted); 0 = dropless
+    moe_renormalize: bool = True  # the k chosen router probabilities are renormalised to sum to 1 (Mixtral, Qwen3-MoE)
 
 
 @dataclass
@@ -125,6 +138,9 @@ class TrainConfig:
     # that fits (python -m pipeline.train.max_batch --workers N)
     context_parallel_degree: int = 1  # workers that split one row between them (context parallelism); 1 = off
     # The process group's timeout, gloo and NCCL alike (pipeline/train/distributed/collectives.py)
+    # Expert parallelism: a MoE model's experts split over this many workers (model/expert_dispatch.py); it must divide
+    # model.num_experts. Degrees above 1 need the all-to-all implementation, which this version does not have yet
+    expert_parallel_degree: int = 1  # workers the experts of a MoE model are split over; 1 = every worker holds all
     collective_timeout_s: float = 600.0  # seconds a collective waits for the other ranks before the attempt ends with one line naming the rank, the step and the collective
     # Loss spikes (pipeline/train/spike_guard.py, docs/training.md#loss-spikes): a step whose loss or gradient norm is
     # more than spike_sigmas deviations above the mean of the last spike_window steps is an outlier (OLMo-core's 6
@@ -268,7 +284,13 @@ FIELD_ALIASES = {
     "max_position_embeddings": "data.seq_len", "dataset_name": "data.hf_name",
     "dataset_config_name": "data.hf_config", "tokenizer_name": "data.tokenizer",
     "context_parallel_size": "train.context_parallel_degree", "cp": "train.context_parallel_degree",
-    "context_parallel": "train.context_parallel_degree", "rope_base": "model.rope_theta", "base": "model.rope_theta", "tie_word_embeddings": "model.tie_embeddings",
+    "context_parallel": "train.context_parallel_degree", "num_local_experts": "model.num_experts",
+    "num_experts_per_tok": "model.experts_per_token", "top_k": "model.experts_per_token",
+    "moe_intermediate_size": "model.expert_ffn", "n_shared_experts": "model.shared_experts",
+    "first_k_dense_replace": "model.dense_first_layers", "router_aux_loss_coef": "model.moe_aux_weight",
+    "router_z_loss_coef": "model.moe_z_weight", "norm_topk_prob": "model.moe_renormalize",
+    "expert_parallel_size": "train.expert_parallel_degree", "ep": "train.expert_parallel_degree",
+    "rope_base": "model.rope_theta", "base": "model.rope_theta", "tie_word_embeddings": "model.tie_embeddings",
     "gradient_checkpointing": "model.activation_checkpointing", "torch_compile": "model.compile",
     "model_name": "model.tier", "model_size": "model.tier", "out_dir": "run.root", "output_dir": "run.root",
     "run_name": "run.name", "experiment_name": "tracking.experiment", "wandb_project": "tracking.experiment",
@@ -429,6 +451,7 @@ def validate(cfg: Config) -> None:
             "mixer (model.mixer=resonance)"
         )
     _validate_rope(m)
+    _validate_moe(cfg)
     _one_of("data.source", d.source, SOURCE_KINDS)
     if d.source == "files" and not d.path:
         raise ConfigError("data.path is empty; data.source=files needs a file, directory or glob in data.path")
@@ -546,6 +569,70 @@ def _validate_rope(m: ModelConfig) -> None:
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor!r} must be greater than "
                           f"model.rope_low_freq_factor={m.rope_low_freq_factor!r} (Llama 3's defaults: 4 and 1)")
+
+
+def model_tier(cfg: Config):
+    """The tier cfg trains, with the model.* mixture-of-experts settings applied (model/tiers.py with_moe): what the
+    model is built from, and what its parameters and FLOPs are counted from."""
+    m = cfg.model
+    return with_moe(get_mixer_tier(m.tier, m.mixer), num_experts=m.num_experts,
+                    experts_per_token=m.experts_per_token, expert_ffn=m.expert_ffn, shared_experts=m.shared_experts,
+                    dense_first_layers=m.dense_first_layers, renormalize=m.moe_renormalize,
+                    selection_bias=m.moe_balance == "bias", capacity_factor=m.moe_capacity_factor)
+
+
+_MOE_SHAPE = ("num_experts", "experts_per_token", "expert_ffn", "shared_experts", "dense_first_layers")
+_MOE_SETTINGS = ("moe_balance", "moe_aux_weight", "moe_z_weight", "moe_bias_rate", "moe_capacity_factor",
+                 "moe_renormalize")
+
+
+def _validate_moe(cfg: Config) -> None:
+    """model.* mixture-of-experts fields and train.expert_parallel_degree: one line naming the field and the fix."""
+    m, t = cfg.model, cfg.train
+    _one_of("model.moe_balance", m.moe_balance, ("aux", "bias"))
+    for name in _MOE_SHAPE:
+        if getattr(m, name) < -1:
+            raise ConfigError(f"model.{name}={getattr(m, name)} is invalid; it must be >= 0, or -1 for the tier's")
+    for name in ("moe_aux_weight", "moe_z_weight", "moe_bias_rate"):
+        _positive(f"model.{name}", getattr(m, name), zero_ok=True)
+    if not (m.moe_capacity_factor == 0 or (math.isfinite(m.moe_capacity_factor) and m.moe_capacity_factor >= 1)):
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor!r} is invalid; it must be 0 (dropless) "
+                          "or >= 1 (a capacity below an expert's even share drops tokens at a perfect balance)")
+    _positive("train.expert_parallel_degree", t.expert_parallel_degree)
+    if m.tier not in tiers_for(m.mixer):
+        return  # model.tier's own check names the tiers
+    tier = model_tier(cfg)
+    spec = tier.moe
+    if spec is None:
+        defaults = ModelConfig()
+        changed = [f"model.{n}" for n in _MOE_SHAPE[1:] + _MOE_SETTINGS if getattr(m, n) != getattr(defaults, n)]
+        if changed:
+            raise ConfigError(f"{changed[0]} is set, but model.tier={m.tier} has no experts (a dense tier, or "
+                              f"model.num_experts=0); set model.num_experts (e.g. 8) or choose a -moe tier "
+                              f"({', '.join(n for n, x in tiers_for(m.mixer).items() if x.moe is not None)})")
+        if t.expert_parallel_degree != 1:
+            raise ConfigError(f"train.expert_parallel_degree={t.expert_parallel_degree} splits experts, but "
+                              f"model.tier={m.tier} is dense; leave it at 1 or choose a -moe tier")
+        return
+    E, k = spec.num_experts, spec.experts_per_token
+    if E < 2:
+        raise ConfigError(f"model.num_experts={E} is invalid; a mixture needs >= 2 experts (0 = a dense MLP)")
+    if not 1 <= k <= E:
+        raise ConfigError(f"model.experts_per_token={k} is invalid; it must be in 1..{E} (model.num_experts)")
+    if spec.expert_ffn < 8 or spec.expert_ffn % 8:
+        raise ConfigError(f"model.expert_ffn={spec.expert_ffn} is invalid; it must be a positive multiple of 8 "
+                          f"(grouped GEMMs want 16-byte aligned rows), e.g. {max(8, spec.expert_ffn // 8 * 8)}")
+    if spec.dense_first_layers >= tier.n_layers:
+        raise ConfigError(f"model.dense_first_layers={spec.dense_first_layers} leaves no MoE layer in model.tier="
+                          f"{m.tier} ({tier.n_layers} layers); it must be < {tier.n_layers}")
+    ep = t.expert_parallel_degree
+    if E % ep:
+        raise ConfigError(f"train.expert_parallel_degree={ep} does not divide model.num_experts={E}: each worker of "
+                          f"an expert group holds E / degree experts; choose a divisor of {E}")
+    if ep > 1:
+        raise ConfigError(f"train.expert_parallel_degree={ep} needs the distributed expert exchange (an all-to-all "
+                          f"over the expert group), which this version does not have yet; train with degree 1 (every "
+                          f"worker holds all {E} experts; FSDP shards them with the other parameters)")
 
 
 def _check_mixture(text: str) -> None:

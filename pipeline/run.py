@@ -57,14 +57,14 @@ STAGES = ("all", "prepare", "validate", "train", "eval", "generate", "tune", "ex
 def _fields_epilog(argv: list[str]) -> str:
     """--help's list of config fields (pipeline/cli/config_help.py), with --preset's values as defaults when given."""
     from pipeline.config import preset
-    from pipeline.cli.config_help import fields_help
+    from pipeline.cli.config_help import fields_help, tiers_help
 
     name = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--preset"), None)
     name = name or next((a.split("=", 1)[1] for a in argv if a.startswith("--preset=")), None)
     try:
-        return fields_help(preset(name), name) if name else fields_help()
+        return (fields_help(preset(name), name) if name else fields_help()) + "\n\n" + tiers_help()
     except ConfigError as exc:
-        return f"{fields_help()}\n\n(--preset {name}: {exc})"
+        return f"{fields_help()}\n\n(--preset {name}: {exc})\n\n{tiers_help()}"
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -92,3 +92,19 @@ def test_a_phases_file_error_names_the_file_and_the_phase(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"error: --phases {phases}: phase 0 overrides: data.hf_name is set, but data.source=builtin does not read it "
         f"(it is for data.source=hf); set data.source, or drop data.hf_name")
+
+
+def test_help_lists_every_tier_with_total_and_active_parameters():
+    """`python pipeline/run.py --help` ends with the tiers: a MoE tier's total and active parameters
+    (model/flops.py)."""
+    from model.flops import active_param_count, param_count
+    from model.tiers import MIXERS, tiers_for
+    from pipeline.cli.config_help import tiers_help
+
+    text = " ".join(tiers_help().split())  # unwrapped
+    for mixer in MIXERS:
+        for name, tier in tiers_for(mixer).items():
+            total = f"{name} {param_count(tier, 32000) / 1e6:,.1f}M"
+            assert total in text, total
+            if tier.moe is not None:
+                assert f"{total} total, {active_param_count(tier, 32000) / 1e6:,.1f}M active" in text

@@ -1,7 +1,7 @@
 """The config fields as `python pipeline/run.py --help` shows them: each field's path, type, default and one-line
 meaning, grouped by section, generated from pipeline/config.py itself so that it cannot drift.
 
-    python pipeline/run.py --help                  # every field, with the base config's defaults
+    python pipeline/run.py --help                  # every field, with the base config's defaults; then the tiers
     python pipeline/run.py --preset gpu --help     # the same, with the gpu preset's values as defaults
 
 A field's meaning is the trailing `# comment` on its line in pipeline/config.py (read with inspect, ast and
@@ -91,3 +91,27 @@ def section_help(section: str, cfg: Config | None = None, preset: str | None = N
     if not found:
         raise KeyError(f"no config section {section!r}; sections: {', '.join(sections())}")
     return found[0]
+
+
+def tiers_help(vocab_size: int = 32000) -> str:
+    """The model tiers of both families for --help: each name with its total parameters and, for a mixture of
+    experts, the parameters one token uses (model/flops.py; at `vocab_size`, tied embeddings)."""
+    from model.flops import active_param_count, param_count
+    from model.tiers import MIXERS, tiers_for
+
+    lines = [textwrap.fill(f"model tiers (--model.tier; parameters at a {vocab_size:,}-piece vocabulary, tied "
+                           f"embeddings; a MoE tier also what one token uses, its active parameters; `python -m model` "
+                           f"has the shapes):", WIDTH)]
+    for mixer in MIXERS:
+        cells = []
+        for name, tier in tiers_for(mixer).items():
+            total = param_count(tier, vocab_size)
+            if tier.moe is None:
+                cells.append(f"{name} {total / 1e6:,.1f}M")
+            else:
+                spec = tier.moe
+                cells.append(f"{name} {total / 1e6:,.1f}M total, {active_param_count(tier, vocab_size) / 1e6:,.1f}M "
+                             f"active ({spec.num_experts} experts, {spec.experts_per_token} per token)")
+        lines.append(textwrap.fill(f"{mixer}: " + "; ".join(cells), WIDTH, initial_indent="  ",
+                                   subsequent_indent="    "))
+    return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""`python pipeline/run.py export`: a checkpoint of an attention model to the Hugging Face Llama format
-(pipeline/train/handoff/hf_export.py), optionally registered in the MLflow Model Registry.
+"""`python pipeline/run.py export`: a checkpoint of an attention model to the Hugging Face format (Llama; Mixtral or
+Qwen2-MoE for a mixture of experts: pipeline/train/handoff/hf_export.py), optionally registered in the MLflow Model
+Registry.
 
     python pipeline/run.py export --resume runs/<run> --out hf/<name> [--overwrite] [--register NAME]
 """
@@ -28,7 +29,7 @@ def stage_export(cfg: Config, args: argparse.Namespace) -> None:
         if run is None:
             raise UsageError(f"--register needs the MLflow run that trained {checkpoint}, and none was found (no "
                              f"run.json above it, or tracking was off); export without --register")
-    stage("export", f"{checkpoint} -> {args.out} (Hugging Face LlamaForCausalLM)")
+    stage("export", f"{checkpoint} -> {args.out} (Hugging Face transformers)")
     with diagnosed(checkpoint):  # a file that does not load: one line, the previous checkpoint offered
         result = export_checkpoint(checkpoint, args.out, overwrite=args.overwrite)
     print(f"exported {result.out_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained / AutoTokenizer")

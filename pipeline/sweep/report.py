@@ -43,6 +43,8 @@ class TrialRow:
     extra: dict[str, Any] = field(default_factory=dict)  # a mixture: val/<source>/loss of each source (table columns)
     mfu: float | None = None  # steady state, where the device's peak is known
     steady_steps: int | None = None  # how many of the trial's last steps tokens/s and MFU are over
+    params_total: int | None = None  # the model's parameters (MLflow param model.params)
+    params_active: int | None = None  # those one token uses (model.active_params; fewer for a mixture of experts)
 
     @property
     def status_text(self) -> str:
@@ -79,16 +81,20 @@ def best_row(rows: list[TrialRow], mode: str) -> TrialRow | None:
 
 
 def markdown_table(rows: list[TrialRow], metric: str) -> str:
-    """tier | batch size | <other searched params> | tokens/s | MFU | timed steps | peak memory | <metric> |
-    <each mixture source's val/<source>/loss> | status | trial, then STEADY_NOTE."""
+    """tier | batch size | <other searched params> | [params | active params] | tokens/s | MFU | timed steps | peak
+    memory | <metric> | <each mixture source's val/<source>/loss> | status | trial, then STEADY_NOTE. The parameter
+    columns appear when a trial is a mixture of experts (its active parameters fewer than its total)."""
     others = sorted({k for r in rows for k in r.params} - {"model.tier", "train.batch_size"})
     sources = list(dict.fromkeys(k for r in rows for k in r.extra))  # in the order the trials reported them
-    head = ["tier", "batch size", *others, "tokens/s", "MFU", "timed steps", "peak memory (GiB)", metric, *sources,
-            "status", "trial"]
+    sizes = any(r.params_active is not None and r.params_active != r.params_total for r in rows)
+    head = ["tier", "batch size", *others, *(["params", "active params"] if sizes else []), "tokens/s", "MFU",
+            "timed steps", "peak memory (GiB)", metric, *sources, "status", "trial"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     order = sorted(rows, key=lambda r: (r.tier, r.batch_size, r.trial_id))
     for r in order:
-        cells = [r.tier, str(r.batch_size), *(_fmt(r.params.get(k)) for k in others), _fmt(r.tokens_per_s, ",.0f"),
+        cells = [r.tier, str(r.batch_size), *(_fmt(r.params.get(k)) for k in others),
+                 *([_fmt(r.params_total, ","), _fmt(r.params_active, ",")] if sizes else []),
+                 _fmt(r.tokens_per_s, ",.0f"),
                  _fmt(r.mfu, ".1%"), r.timed_steps, _fmt(r.peak_mem_gib or None, ".3f"),  # 0: not counted (CPU)
                  _fmt(r.metric_value, ".4f"), *(_fmt(r.extra.get(k), ".4f") for k in sources),
                  r.status_text, r.trial_id]

@@ -41,6 +41,19 @@ def is_source_loss(key: str) -> bool:
     return len(parts) == 3 and key == split_metric(VAL, LOSS, parts[1])
 
 
+def _sizes(base: Config, full: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(total, active) parameters of a trial's model at the config's vocabulary (model/flops.py), or Nones."""
+    from model.flops import active_param_count, param_count
+    from pipeline.config import ConfigError, model_tier
+
+    try:
+        cfg = base.replace(full)
+    except ConfigError:
+        return None, None
+    tier, v, tie = model_tier(cfg), cfg.data.vocab_size, cfg.model.tie_embeddings
+    return param_count(tier, v, tie), active_param_count(tier, v, tie)
+
+
 def rows_of(grid, space: Space, base: Config) -> list[TrialRow]:
     rows = []
     for result in grid:
@@ -61,8 +74,10 @@ def rows_of(grid, space: Space, base: Config) -> list[TrialRow]:
             status = OOM if reason == OOM else FAILED
         if status == STOPPED:
             reason = "early, by the scheduler"
+        total, active = _sizes(base, full)
         rows.append(TrialRow(
             trial_id=str(last.get("trial_id") or Path(result.path).name), params=params,
+            params_total=total, params_active=active,
             tier=str(params.get("model.tier", base.model.tier)),
             batch_size=int(params.get("train.batch_size", base.train.batch_size)),
             tokens_per_s=last.get(TRAIN_STEADY_TOKENS_PER_S), peak_mem_gib=last.get(TRAIN_PEAK_MEM_GIB),

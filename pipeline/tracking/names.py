@@ -12,6 +12,7 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 |--------|----------------------------|----------------------------------------------------------------|
 | param  | `<section>.<field>`        | every config field path from `cfg.flat()`, e.g. `train.batch_size`, `model.tier` |
 | param  | `model.params`             | exact trainable parameter count                                |
+| param  | `model.active_params`      | parameters one token uses: model.params less the routed experts it does not run (= model.params for a dense model) |
 | param  | `world_size`               | number of data-parallel training workers                       |
 | param  | `tokenizer_sha256`         | sha256 of the SentencePiece model file                         |
 | param  | `manifest_hash`            | content hash of the shard manifest (the dataset identity)      |
@@ -46,6 +47,10 @@ Stable names (the MLflow UI compares runs and sweep trials column by column, so 
 | metric | `eval/<task>/seconds`      | how long that task's scoring took (its requests and metrics)  |
 | tag    | `longtrain.eval_task.<task>` | `ok at step N`, or `FAILED at step N: <reason>` for a task that could not be scored |
 | artifact | `eval_tasks.png`           | each task's metrics over the steps (pipeline/tracking/task_curves.py) |
+| metric | `moe/aux_loss`, `moe/z_loss` | a mixture of experts: the load-balancing loss (mean over MoE layers; 1 at a perfect balance; measured with model.moe_balance=bias too) and the router z-loss, over the logging window |
+| metric | `moe/load_max`, `moe/load_min`, `moe/dropped`, `moe/bias_abs_max` | the worst MoE layer's largest and smallest expert load over the mean load, the share of assignments the capacity dropped, the largest selection bias |
+| metric | `moe/layer<ii>/load_max`, `load_min`, `entropy`, `dropped`, `bias_abs_max` | the same per MoE layer (block index ii), and its mean router entropy (nats; ln E at a uniform router) |
+| artifact | `expert_load.png`, `expert_load.json` | the load of every expert of every MoE layer over the steps (pipeline/tracking/expert_load_plot.py) |
 | metric | `system/*`                 | MLflow's system metrics (CPU %, memory, disk, network; GPU % and memory with pynvml), every `tracking.system_metrics_interval_s` |
 | metric | `train/world_size`         | training workers at the step (an elastic run's changes with the nodes it has) |
 | metric | `train/steps_redone`       | after a restart: steps between its checkpoint and the last step logged before it |
@@ -68,13 +73,14 @@ Metrics are logged at the optimizer step (`step=`). Nested runs carry the MLflow
 
 # --- params -----------------------------------------------------------------------------------
 PARAM_MODEL_PARAMS = "model.params"
+PARAM_MODEL_ACTIVE_PARAMS = "model.active_params"  # a mixture of experts: what one token runs (model/flops.py)
 PARAM_MODEL_TIER = "model.tier"  # also a config field; named here because sweeps group by it
 PARAM_WORLD_SIZE = "world_size"
 PARAM_TOKENIZER_SHA256 = "tokenizer_sha256"
 PARAM_MANIFEST_HASH = "manifest_hash"
 PARAM_GIT_COMMIT = "git_commit"
-EXTRA_PARAMS = (PARAM_MODEL_PARAMS, PARAM_WORLD_SIZE, PARAM_TOKENIZER_SHA256, PARAM_MANIFEST_HASH,
-                PARAM_GIT_COMMIT)
+EXTRA_PARAMS = (PARAM_MODEL_PARAMS, PARAM_MODEL_ACTIVE_PARAMS, PARAM_WORLD_SIZE, PARAM_TOKENIZER_SHA256,
+                PARAM_MANIFEST_HASH, PARAM_GIT_COMMIT)
 
 # --- metrics ----------------------------------------------------------------------------------
 TRAIN_LOSS = "train/loss"
@@ -110,11 +116,30 @@ VAL_ACCURACY = "val/accuracy"
 EVAL_LOSS = "eval/loss"  # the eval stage on the whole validation split, at the checkpoint's step
 EVAL_PPL = "eval/ppl"
 EVAL_ACCURACY = "eval/accuracy"
+# A mixture of experts (pipeline/train/moe_balance.py): over the logging window, all workers' tokens
+MOE_AUX_LOSS = "moe/aux_loss"
+MOE_Z_LOSS = "moe/z_loss"
+MOE_LOAD_MAX = "moe/load_max"  # the worst MoE layer's max over mean expert load (1 = perfectly even)
+MOE_LOAD_MIN = "moe/load_min"  # the worst MoE layer's min over mean expert load
+MOE_DROPPED = "moe/dropped"  # share of all MoE layers' assignments the capacity factor dropped
+MOE_BIAS_ABS_MAX = "moe/bias_abs_max"  # model.moe_balance=bias: the largest |selection bias| of any expert
+# per MoE layer: moe_layer_metric(block index, one of these)
+MOE_LAYER_FIELDS = ("load_max", "load_min", "entropy", "dropped", "bias_abs_max")
+
+
+def moe_layer_metric(layer: int, field: str) -> str:
+    """`moe/layer<ii>/<field>` for block `layer` (zero-padded, so the MLflow UI sorts the layers in order)."""
+    if field not in MOE_LAYER_FIELDS:
+        raise ValueError(f"unknown MoE layer metric {field!r}; known: {', '.join(MOE_LAYER_FIELDS)}")
+    return f"moe/layer{layer:02d}/{field}"
+
+
 METRICS = (TRAIN_LOSS, TRAIN_PPL, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_TOKENS_PER_S_PER_GPU,
            TRAIN_MFU, TRAIN_HFU, TRAIN_TFLOPS_PER_GPU, TRAIN_MFU_CAUSAL_EQUIV, TRAIN_EXECUTED_FLOPS_PER_TOKEN,
            TRAIN_PEAK_MEM_GIB, TRAIN_TOKENS_SEEN, TRAIN_ACCURACY, TRAIN_BAD_STEPS, TRAIN_STEADY_TOKENS_PER_S,
            TRAIN_STEADY_MFU, TRAIN_STEADY_STEPS, TRAIN_DATA_WAIT, TRAIN_WORLD_SIZE, TRAIN_STEPS_REDONE, TRAIN_RESUME_S,
-           TRAIN_SPIKE_SKIPS, TRAIN_SPIKE_REWINDS, VAL_LOSS, VAL_PPL, VAL_ACCURACY, EVAL_DATA_WAIT)
+           TRAIN_SPIKE_SKIPS, TRAIN_SPIKE_REWINDS, VAL_LOSS, VAL_PPL, VAL_ACCURACY, EVAL_DATA_WAIT, MOE_AUX_LOSS,
+           MOE_Z_LOSS, MOE_LOAD_MAX, MOE_LOAD_MIN, MOE_DROPPED, MOE_BIAS_ABS_MAX)
 
 # Metric families: a prefix (the split or stage: val, eval, eval_2x, ...), then what is measured. These functions are
 # the one spelling of each family; nothing else writes a metric name out (tests/test_docs.py looks).
@@ -203,7 +228,6 @@ def dedup_param(key: str, source: str | None = None) -> str:
 
 def dedup_shared_param(a: str, b: str) -> str:
     return f"dedup/shared/{a}/{b}"
-
 
 # --- tags -------------------------------------------------------------------------------------
 PARALLEL_TAG = "longtrain.parallel"  # the mode the workers ran (a tag: a resume may change it)

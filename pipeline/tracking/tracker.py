@@ -393,6 +393,20 @@ class Tracker:
 
         return log_position_plot(self.client, self._run_id, title=title)
 
+    def log_expert_load(self, history: list, layers: list[int], title: str | None = None) -> bool:
+        """Redraw expert_load.png (and expert_load.json) from a mixture of experts' load history
+        (pipeline/train/moe_balance.py MoEBalance.history; pipeline/tracking/expert_load_plot.py). False when empty."""
+        import tempfile
+
+        from pipeline.tracking.expert_load_plot import write_expert_load
+
+        if not history:
+            return False
+        with tempfile.TemporaryDirectory(prefix="expert-load-") as tmp:
+            for path in write_expert_load(history, layers, tmp, title):
+                self.log_artifact(path)
+        return True
+
     def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:
         """A .json / .yaml / .yml artifact (format from the file name)."""
         from pipeline.tracking.deferred import upload_retrying
@@ -537,6 +551,9 @@ class NullTracker:
         pass
 
     def log_position_plot(self, title: str | None = None) -> bool:
+        return False
+
+    def log_expert_load(self, history: list, layers: list[int], title: str | None = None) -> bool:
         return False
 
     def log_dict(self, dictionary: Mapping[str, Any], artifact_file: str) -> None:

@@ -33,12 +33,12 @@ from cuda_ops.metrics import TokenMetrics
 from model.decoder import build_model
 from model.flops import (attention_flops_per_pair, causal_pairs, matmul_flops_per_token,
                          within_document_causal_pairs)
-from model.flops import flops_per_token, resonance_flops_per_token
+from model.flops import feed_forward_params, flops_per_token, resonance_flops_per_token
 from model.context import NOT_SPLIT, RowSplit
 from model.layers import checkpointed_layers
 from model.rope import RopeConfig
 from model.tiers import get_mixer_tier
-from pipeline.config import Config
+from pipeline.config import Config, model_tier
 from pipeline.eval.positions import token_losses
 from pipeline.tracking import names
 from pipeline.train.checkpoints import state as checkpoint
@@ -47,6 +47,7 @@ from pipeline.train.checkpoints.state import (CHECKPOINT_FORMAT, CheckpointError
 from pipeline.train.memory.hardware import autocast_dtype, configure_cuda_math, default_device, peak_flops, peak_memory_gib
 from pipeline.train.memory.limit import MemoryLimit
 from pipeline.train.memory.plan import shape_of
+from pipeline.train.moe_balance import MoEBalance
 from pipeline.train.distributed.context_parallel import ContextMesh
 from pipeline.train.distributed.parallel import resolve_parallel, shard_model
 from pipeline.train.spike_detector import SpikeSettings, Verdict
@@ -188,6 +189,7 @@ class Engine:
         if cfg.model.compile == "on" or (cfg.model.compile == "auto" and self.device.type == "cuda"):
             decoder.compile_blocks()  # before sharding: FSDP's hooks stay outside the compiled graphs
         self.n_params = sum(p.numel() for p in decoder.parameters())
+        self.moe = MoEBalance.for_model(decoder, cfg, self.device)  # a mixture of experts' aux losses, bias, metrics
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
         # The (data x context) mesh: every rank builds it here (it creates the context groups), before the model is
         # shared over all the ranks (DDP or FSDP over data x context); one line when the workers cannot form it
@@ -223,7 +225,7 @@ class Engine:
         # output projection's 6 V D per token
         if cfg.model.activation_checkpointing == "mixer":  # resonance: every block's mixer half, by its matmuls
             mix = 3 * tier.d_model ** 2 + 4 * tier.d_model * tier.n_eigen
-            self.recompute_fraction = mix / (mix + 3 * tier.d_model * tier.d_ff) / 3
+            self.recompute_fraction = mix / (mix + feed_forward_params(tier, active=True) / tier.n_layers) / 3
         else:
             n_ckpt = len(checkpointed_layers(cfg.model.activation_checkpointing, tier.n_layers))
             self.recompute_fraction = n_ckpt / tier.n_layers / 3
@@ -341,6 +343,8 @@ class Engine:
                 else:  # this rank's share of the whole rows' mean, x d: the mean over the d ranks is the rows' mean
                     row_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
                     loss = res.loss_sum * (self.mesh.degree / row_tokens / n_micro)
+                if self.moe is not None:  # load balancing and router z-loss (pipeline/train/moe_balance.py)
+                    loss = loss + self.moe.loss(n_micro)
             loss.backward()
             loss_total += loss.detach()
             self.train_metrics.add(res.loss_sum.detach(), res.n_tokens, res.n_correct)
@@ -372,6 +376,8 @@ class Engine:
         elif not finite:
             self.bad_steps_in_row += 1
             self.bad_steps_total += 1
+        if self.moe is not None:
+            self.moe.after_step(finite)  # the selection bias follows the step's load (model.moe_balance=bias)
         self.optimizer.zero_grad(set_to_none=True)
         self.tokens_seen += toks * self.data_world_size
         self._interval_tokens += toks * self.data_world_size
@@ -441,6 +447,7 @@ class Engine:
         self.train_metrics.all_reduce()
         m = self.train_metrics.pull()
         grad_norm, attention_pairs, steady_pairs, peak_gib = self._pull_grad_norm_pairs_and_peak()
+        moe, dropped_flops = self.moe.pull(self.step) if self.moe is not None else ({}, 0.0)
         self._steady["attention_pairs"] += steady_pairs
         now = self.clock()
         elapsed = max(now - self._interval_start, 1e-9)
@@ -455,8 +462,8 @@ class Engine:
         if self.spikes.enabled:
             out[names.TRAIN_SPIKE_SKIPS] = float(self.spikes.skips)
             out[names.TRAIN_SPIKE_REWINDS] = float(len(self.spikes.rewinds))
-        executed = (self.matmul_flops_per_token * self._interval_tokens
-                    + self.attention_flops_per_pair * attention_pairs)  # FLOPs computed in the interval
+        executed = (self.matmul_flops_per_token * self._interval_tokens + self.attention_flops_per_pair
+                    * attention_pairs - dropped_flops)  # FLOPs computed (MoE: the experts that ran) in the interval
         out[names.TRAIN_EXECUTED_FLOPS_PER_TOKEN] = executed / max(self._interval_tokens, 1)
         out[names.TRAIN_TFLOPS_PER_GPU] = executed / elapsed / self.world_size / 1e12
         if self.peak_flops:  # MFU only where the device's peak is known (not on a CPU)
@@ -475,6 +482,7 @@ class Engine:
                 steady_executed = (self.matmul_flops_per_token * st["tokens"]
                                    + self.attention_flops_per_pair * st["attention_pairs"])
                 out[names.TRAIN_STEADY_MFU] = steady_executed / seconds / (self.peak_flops * self.world_size)
+        out.update(moe)
         self._interval_start, self._interval_tokens = now, 0
         return out
 
@@ -560,7 +568,7 @@ def _hookless_twin(decoder: nn.Module, cfg: Config) -> nn.Module:
     tensors: built on the meta device, then every tensor slot pointed at the original's. Call it while the sharded
     decoder's parameters are unsharded; drop it before they are resharded (their storage is freed then)."""
     with torch.device("meta"):
-        twin = build_model(cfg.model.tier, decoder.vocab_size, mixer=cfg.model.mixer, rope=model_rope(cfg, say=False),
+        twin = build_model(model_tier(cfg), decoder.vocab_size, mixer=cfg.model.mixer, rope=model_rope(cfg, say=False),
                            tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
                            attention=cfg.model.attention)
     for name, tensor in [*decoder.named_parameters(), *decoder.named_buffers()]:

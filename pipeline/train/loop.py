@@ -266,6 +266,8 @@ def standard_hooks(tracker=None, audit: AuditLog | None = None,
         log(engine, metrics)
         if tracker is not None and any(is_position_metric(k) for k in metrics):  # train.eval_by_position
             tracker.log_position_plot(title=f"{engine.cfg.model.tier} {engine.cfg.model.mixer}")
+        if tracker is not None and engine.moe is not None:  # a mixture of experts: its load over the steps
+            tracker.log_expert_load(engine.moe.history, engine.moe.block_index, title=engine.cfg.model.tier)
         if on_eval_extra is not None:
             on_eval_extra(engine, metrics)
 

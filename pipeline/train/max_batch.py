@@ -331,6 +331,9 @@ def plan_main(args, rest: list[str]) -> int:
                   f"{q.workers} --train.parallel={c.parallel} --model.activation_checkpointing="
                   f"{c.activation_checkpointing} --train.batch_size={c.max_batch} ({size_text(c.peak_bytes)} per "
                   f"worker)")
+        if p is not None:  # a MoE tier: also the smallest expert-parallel degree that fits
+            result["smallest_expert_degree"] = _print_expert_degree(cfg, vocab, args.workers[0], limit, device_type,
+                                                                    args.upper)
         p = p if p is not None and p.fits else None
     if args.measure and p is not None and p.choice is not None:
         from pipeline.train.memory.hardware import default_device
@@ -351,6 +354,29 @@ def plan_main(args, rest: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _print_expert_degree(cfg: Config, vocab: int, workers: int, limit: float, device_type: str, upper: int):
+    """A MoE tier that does not fit: the smallest expert-parallel degree at which it does (plan.py), as a line."""
+    from pipeline.config import model_tier
+    from pipeline.console import size_text
+    from pipeline.train.memory.plan import smallest_expert_degree
+
+    if model_tier(cfg).moe is None:
+        return None
+    q = smallest_expert_degree(cfg, vocab, workers=workers, limit_gib=limit, device_type=device_type, upper=upper)
+    if q is None:
+        print(f"expert parallelism: it does not fit at any degree dividing both the experts and the {workers} "
+              f"worker(s) either")
+        return None
+    c = q.choice
+    print(f"expert parallelism: the smallest degree that fits is {q.expert_degree} (each MoE layer's experts split "
+          f"over {q.expert_degree} workers): --train.expert_parallel_degree={q.expert_degree} --train.parallel="
+          f"{c.parallel} --model.activation_checkpointing={c.activation_checkpointing} --train.batch_size="
+          f"{c.max_batch} ({size_text(c.peak_bytes)} per worker)" + ("" if q.expert_degree == 1 else
+                                                                      "; degrees above 1 need the distributed expert "
+                                                                      "exchange, which this version does not have"))
+    return q.to_dict()
 
 
 CPU_MAX_SECONDS = 300.0  # the measured search's default time bound on a CPU (--max-seconds)

@@ -1,7 +1,7 @@
 """Fixtures of the cuda_ops tests: the CUDA-simulator runs, started together in the background.
 
 NUMBA_ENABLE_CUDASIM must be set before numba is first imported, so each simulator script
-(cudasim_cross_entropy.py, cudasim_sampling.py, cudasim_resonance_scan.py, and ptx_resonance_scan.py, which compiles
+(cudasim_cross_entropy.py, cudasim_sampling.py, cudasim_resonance_scan.py, cudasim_moe_dispatch.py, and ptx_resonance_scan.py, which compiles
 the resonance kernels with the real compiler instead) runs in a subprocess of its own. The first two are single-threaded
 Python (the simulator runs every GPU thread as a Python thread), ~13 s and ~36 s on 2 cores (the resonance ones
 ~4 s each), and used to run one after the other, each when its test module started, while the second core idled. They now start as soon as the
@@ -23,7 +23,8 @@ HERE = Path(__file__).resolve().parent
 # test module -> the simulator script whose output it checks
 SCRIPTS = {"test_cross_entropy_cudasim.py": HERE / "cudasim_cross_entropy.py",
            "test_sampling_cudasim.py": HERE / "cudasim_sampling.py",
-           "test_resonance_scan_cudasim.py": HERE / "cudasim_resonance_scan.py"}
+           "test_resonance_scan_cudasim.py": HERE / "cudasim_resonance_scan.py",
+           "test_moe_dispatch_cudasim.py": HERE / "cudasim_moe_dispatch.py"}
 # scripts that run beside a module's simulator script: the real compiler's check (it unsets the simulator itself)
 COMPANIONS = {"test_resonance_scan_cudasim.py": [HERE / "ptx_resonance_scan.py"],
               "test_sampling_cudasim.py": [HERE / "ptx_decoder_kernels.py"],

@@ -103,15 +103,15 @@ def test_every_family_names_its_backend_and_why(monkeypatch):
     cpu = dispatch.kernel_backends("cpu")
     assert set(cpu) == set(dispatch.KERNEL_FAMILIES)
     assert {b for b, _ in cpu.values()} == {"reference"} and "need CUDA tensors" in cpu["cross_entropy"][1]
-    assert dispatch.describe_backends("cpu").startswith("cross_entropy, sampling, resonance_scan: reference (")
+    assert dispatch.describe_backends("cpu").startswith("cross_entropy, sampling, resonance_scan, moe_dispatch: reference (")
 
     monkeypatch.setattr(dispatch, "numba_cuda_status", lambda: (False, "numba-cuda finds no usable CUDA driver/NVVM"))
     line = dispatch.describe_backends("cuda")
-    assert line.startswith("cross_entropy, sampling, resonance_scan: reference (numba-cuda finds no usable CUDA")
+    assert line.startswith("cross_entropy, sampling, resonance_scan, moe_dispatch: reference (numba-cuda finds no usable CUDA")
     assert "pip install -e '.[gpu]'" in line
 
     monkeypatch.setattr(dispatch, "numba_cuda_status", lambda: (True, "numba-cuda sees a CUDA device"))
-    assert dispatch.describe_backends("cuda") == "cross_entropy, sampling, resonance_scan: numba (Numba-CUDA kernels)"
+    assert dispatch.describe_backends("cuda") == "cross_entropy, sampling, resonance_scan, moe_dispatch: numba (Numba-CUDA kernels)"
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
     assert dispatch.kernel_backends("cuda")["sampling"] == (
         "reference", f"forced by environment variable {dispatch.ENV_VAR}=reference")

@@ -13,9 +13,11 @@ from tests.model.tiny import TINY, VOCAB, make_model, packed_row
 
 
 def expected_params(tier, vocab: int, tied: bool) -> int:
-    """Closed form: per layer wq, wk, wv, wo + SwiGLU gate/up/down + two RMSNorm weights; final norm; embedding(s)."""
+    """Closed form: per layer wq, wk, wv, wo + SwiGLU gate/up/down (a MoE tier: the router and E experts' gate/up/down)
+    + two RMSNorm weights; final norm; embedding(s)."""
     d, hd = tier.d_model, tier.head_dim
-    per_layer = 2 * d * tier.n_heads * hd + 2 * d * tier.n_kv_heads * hd + 3 * d * tier.d_ff + 2 * d
+    ffn = 3 * d * tier.d_ff if tier.moe is None else tier.moe.num_experts * (d + 3 * d * tier.moe.expert_ffn)
+    per_layer = 2 * d * tier.n_heads * hd + 2 * d * tier.n_kv_heads * hd + ffn + 2 * d
     return tier.n_layers * per_layer + d + vocab * d * (1 if tied else 2)
 
 
@@ -35,7 +37,8 @@ def test_known_parameter_counts():
         with torch.device("meta"):
             counts[name] = build_model(name, 32000).num_params()
     assert counts == {"nano": 2_154_816, "A": 26_450_304, "B": 109_529_856, "C": 341_099_520, "D": 757_016_064,
-                      "E": 1_504_299_008, "F": 2_936_855_040}
+                      "E": 1_504_299_008, "F": 2_936_855_040, "nano-moe": 2_377_024, "A-moe": 130_455_936,
+                      "B-moe": 732_973_824, "C-moe": 2_550_973_440}
 
 
 def test_gqa_shrinks_key_value_projections():

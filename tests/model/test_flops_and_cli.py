@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model.decoder import Decoder, build_model
-from model.flops import flops_per_token, matmul_params, param_count
+from model.flops import active_param_count, flops_per_token, matmul_params, param_count
 from model.tiers import MIXERS, TIERS, get_mixer_tier, tiers_for
 from tests.model.tiny import TINY
 
@@ -21,8 +21,10 @@ def test_matmul_params_are_the_model_matrices_plus_the_output_projection(name):
     """Every 2-D weight except the embedding lookup is a matmul; the output projection is one even when tied."""
     with torch.device("meta"):
         model = Decoder(TIERS[name], 32000, tie_embeddings=False)
-    in_matmuls = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "tok_emb.weight")
-    assert matmul_params(TIERS[name], 32000) == in_matmuls
+    in_matmuls = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and n != "tok_emb.weight")
+    assert matmul_params(TIERS[name], 32000, active=False) == in_matmuls  # a MoE tier: every expert
+    if TIERS[name].moe is None:
+        assert matmul_params(TIERS[name], 32000) == in_matmuls  # dense: every matrix is active
 
 
 @pytest.mark.parametrize("mixer,name", [(m, n) for m in MIXERS for n in tiers_for(m)])
@@ -83,8 +85,9 @@ def test_python_m_model_prints_every_tier():
     lines = out.strip().split("\n\n")[0].splitlines()  # the attention table; the resonance one follows
     assert "vocab_size=32,000" in lines[0]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert list(rows) == list(TIERS)
-    for name, tier in TIERS.items():
+    dense = {name: tier for name, tier in TIERS.items() if tier.moe is None}
+    assert list(rows) == list(dense)
+    for name, tier in dense.items():
         with torch.device("meta"):
             model = Decoder(tier, 32000)
         cells = rows[name]
@@ -94,6 +97,13 @@ def test_python_m_model_prints_every_tier():
         assert cells[9] == f"{model.num_params(exclude_embedding=True):,}"
         assert cells[10] == f"{flops_per_token(tier, 4096, 32000) / 1e9:.3f}"
         assert cells[11] == f"{flops_per_token(tier, 32768, 32000) / 1e9:.3f}"
+    moe = out.strip().split("\n\n")[2].splitlines()  # the mixture-of-experts table, both families
+    moe_rows = {(line.split()[0], line.split()[1]): line.split() for line in moe[2:]}
+    assert list(moe_rows) == [(n, m) for m in MIXERS for n, t in tiers_for(m).items() if t.moe is not None]
+    for (name, mixer), cells in moe_rows.items():
+        tier = get_mixer_tier(name, mixer)
+        assert cells[4:7] == [str(tier.moe.num_experts), str(tier.moe.experts_per_token), str(tier.moe.expert_ffn)]
+        assert cells[9] == f"{param_count(tier, 32000):,}" and cells[10] == f"{active_param_count(tier, 32000):,}"
 
 
 @pytest.mark.parametrize("name", ["E", "F"])

@@ -314,7 +314,9 @@ def test_bf16_autocast_trains_like_fp32(one_thread):
 
 # ------------------------------------------------------------------------- tiers, config, FLOPs, CLI
 def test_resonance_tiers_share_the_attention_names_and_parameter_budgets():
-    assert list(RESONANCE_TIERS) == [*TIERS, "small_32k"]
+    dense = [n for n, t in TIERS.items() if t.moe is None]
+    moe = [n for n, t in TIERS.items() if t.moe is not None]
+    assert list(RESONANCE_TIERS) == [*dense, "small_32k", *moe]  # the mixture-of-experts tiers too, last
     for name, tier in TIERS.items():
         with torch.device("meta"):
             att = build_model(name, 32000).num_params()
@@ -334,7 +336,8 @@ def test_model_mixer_is_a_validated_config_field():
     assert load_config("cpu").model.mixer == "attention"
     with pytest.raises(ConfigError, match=r"model.mixer='rnn' is not allowed; choose one of: attention, resonance"):
         load_config("cpu", ["--model.mixer=rnn"])
-    with pytest.raises(ConfigError, match=r"model.tier='small_32k' is not allowed; choose one of: nano, A, B, C, D, E, F$"):
+    with pytest.raises(ConfigError, match=r"model.tier='small_32k' is not allowed; choose one of: nano, A, B, C, D, "
+                                          r"E, F, nano-moe, A-moe, B-moe, C-moe$"):
         load_config("cpu", ["--model.tier=small_32k"])
     assert load_config("cpu", ["--model.mixer=resonance", "--model.activation_checkpointing=mixer"])
     with pytest.raises(ConfigError, match="activation_checkpointing=mixer recomputes the resonance mixer"):
@@ -372,7 +375,9 @@ def test_resonance_matmul_params_are_the_model_matrices(name):
     with torch.device("meta"):
         model = ResonanceLM(RESONANCE_TIERS[name], 32000, tie_embeddings=False)
     in_matmuls = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and n != "tok_emb.weight")
-    assert resonance_matmul_params(RESONANCE_TIERS[name], 32000) == in_matmuls
+    assert resonance_matmul_params(RESONANCE_TIERS[name], 32000, active=False) == in_matmuls  # MoE: every expert
+    if RESONANCE_TIERS[name].moe is None:
+        assert resonance_matmul_params(RESONANCE_TIERS[name], 32000) == in_matmuls
 
 
 def test_training_form_and_its_flops_follow_the_device(monkeypatch):
@@ -407,12 +412,13 @@ def test_python_m_model_lists_both_families(capsys):
 
     main([])
     out = capsys.readouterr().out
-    attention, resonance = out.strip().split("\n\n")
-    assert [line.split()[0] for line in attention.splitlines()[2:]] == list(TIERS)
+    attention, resonance, moe = out.strip().split("\n\n")  # the mixture-of-experts tiers in a third table
+    assert [line.split()[0] for line in attention.splitlines()[2:]] == [n for n, t in TIERS.items() if t.moe is None]
     lines = resonance.splitlines()
     assert lines[0].startswith("model.mixer=resonance")
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert list(rows) == list(RESONANCE_TIERS)
+    assert list(rows) == [n for n, t in RESONANCE_TIERS.items() if t.moe is None]
+    assert moe.splitlines()[0].startswith("mixture of experts")
     with torch.device("meta"):
         n = ResonanceLM(RESONANCE_TIERS["small_32k"], 32000).num_params()
     assert rows["small_32k"][8] == f"{n:,}"

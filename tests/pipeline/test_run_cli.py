@@ -105,7 +105,7 @@ def test_the_main_job_reads_well_in_a_log_file(test_runs_root):
     # the kernels' backend, once, with the reason it is not the Numba one (rank 0's line, through Ray's log)
     kernels = [ln for ln in lines if "kernels: " in ln]
     assert len(kernels) == 1 and kernels[0].split("kernels: ", 1)[1].startswith(
-        "cross_entropy, sampling, resonance_scan: reference (the tensors are on the cpu"), out
+        "cross_entropy, sampling, resonance_scan, moe_dispatch: reference (the tensors are on the cpu"), out
     noise = [i for i, ln in enumerate(lines)
              if "PlacementGroupCleaner" in ln or "deprecated" in ln.lower() or "Traceback" in ln]
     assert not noise, "\n\n".join("\n".join(lines[i:i + 40]) for i in noise[:2])

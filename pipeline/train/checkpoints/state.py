@@ -264,6 +264,32 @@ def check_checkpoint_fits(meta: dict[str, Any], tier: str, vocab_size: int, wher
                               f"has {vocab_size}; use the dataset and tokenizer the checkpoint was trained with")
 
 
+def check_same_experts(meta: dict[str, Any], cfg, where: Any) -> None:
+    """A checkpoint of another mixture-of-experts shape (model.num_experts, experts_per_token, expert_ffn,
+    shared_experts, dense_first_layers, or a selection bias where it had none) gets one line naming the field and
+    the checkpoint's value, before any weight is touched (the routing settings that shape no weight may change)."""
+    from pipeline.config import from_dict, model_tier
+
+    if not meta.get("config"):
+        return
+    saved, now = model_tier(from_dict(meta["config"])).moe, model_tier(cfg).moe
+    shape = ("num_experts", "experts_per_token", "expert_ffn", "shared_experts", "dense_first_layers")
+    if (saved is None) != (now is None):
+        what = "a dense model" if saved is None else f"a mixture of {saved.num_experts} experts"
+        raise CheckpointError(f"checkpoint {where} is {what} but this run's model.tier={cfg.model.tier} with its "
+                              f"model.num_experts is {'not' if now is None else 'a mixture'}; set model.num_experts to "
+                              f"{0 if saved is None else saved.num_experts} or start a new run")
+    for name in shape if saved is not None else ():
+        if getattr(saved, name) != getattr(now, name):
+            raise CheckpointError(f"checkpoint {where} has model.{name}={getattr(saved, name)} but this run has "
+                                  f"{getattr(now, name)}; set --model.{name}={getattr(saved, name)} or start a new run")
+    if saved is not None and saved.selection_bias != now.selection_bias:
+        was = "bias" if saved.selection_bias else "aux"
+        raise CheckpointError(f"checkpoint {where} balanced its experts with model.moe_balance={was} (its selection "
+                              f"bias is {'part' if saved.selection_bias else 'not part'} of the weights); set "
+                              f"--model.moe_balance={was} or start a new run")
+
+
 # ------------------------------------------------------------------------------------------ saving
 def _meta(engine, layout: str, extra: dict[str, Any] | None) -> dict[str, Any]:
     cfg = engine.cfg
@@ -296,10 +322,9 @@ def checkpoint_bytes(cfg, vocab_size: int) -> int:
     AdamW's two moments (8 B), and 64 KiB for headers, the RNG state and meta.json (nano: 1.74 MB against 1.70 MB
     written)."""
     from model.flops import param_count
-    from model.tiers import get_mixer_tier
+    from pipeline.config import model_tier
 
-    tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
-    return 12 * param_count(tier, vocab_size, cfg.model.tie_embeddings) + (64 << 10)
+    return 12 * param_count(model_tier(cfg), vocab_size, cfg.model.tie_embeddings) + (64 << 10)
 
 
 def warn_if_no_room_for_checkpoints(cfg, vocab_size: int, location: str) -> str | None:
@@ -398,6 +423,7 @@ def load(engine, directory: str | os.PathLike, weights_only_model: bool = False,
 
     meta = meta or read_checkpoint_meta(directory, weights_only=weights_only_model)
     check_checkpoint_fits(meta, engine.cfg.model.tier, engine.vocab_size, directory, mixer=engine.cfg.model.mixer)
+    check_same_experts(meta, engine.cfg, directory)
     if meta["layout"] == SHARDED:
         _load_sharded(engine, str(directory), meta, weights_only_model)
     elif not is_local(str(directory)):

@@ -1,4 +1,5 @@
-"""Export a checkpoint to a Hugging Face Llama directory that transformers loads unchanged.
+"""Export a checkpoint to a Hugging Face directory that transformers loads unchanged: Llama, or for a mixture of
+experts Mixtral or Qwen2-MoE (pipeline/train/handoff/hf_moe.py says which and why).
 
     python pipeline/run.py export --resume runs/<run> --out hf/nano-run
     python pipeline/run.py export --checkpoint runs/<run>/checkpoints/phase0/step_000200 --out hf/x --overwrite
@@ -8,7 +9,8 @@
     result = export_checkpoint("runs/<run>/checkpoints/phase0/step_000200", "hf/x")   # full or sharded (FSDP)
     # then, anywhere with transformers:  AutoModelForCausalLM.from_pretrained("hf/x"), AutoTokenizer...
 
-What the directory holds: config.json (LlamaForCausalLM), model.safetensors, generation_config.json,
+What the directory holds: config.json (LlamaForCausalLM; MixtralForCausalLM or Qwen2MoeForCausalLM for a MoE
+tier), model.safetensors, generation_config.json,
 tokenizer.json + tokenizer_config.json (a fast tokenizer converted from the run's SentencePiece model), the
 SentencePiece model itself as tokenizer.model, and README.md (a model card: tier, tokens seen, data manifest
 hash, final val loss, commit).
@@ -62,6 +64,7 @@ class ExportResult:
     val_loss: float | None
     manifest_hash: str | None
     commit: str | None
+    architecture: str = "LlamaForCausalLM"  # the transformers class written
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,11 +77,32 @@ def checkpoint_mixer(meta: dict[str, Any]) -> str:
 
 
 def check_exportable(meta: dict[str, Any], what: str) -> None:
-    """ExportError unless `what` (a checkpoint's meta, or {"config": cfg.to_dict()}) is an attention model."""
+    """ExportError unless `what` (a checkpoint's meta, or {"config": cfg.to_dict()}) is an attention model that a
+    transformers architecture represents exactly (Llama; a mixture of experts: hf_moe.py)."""
     mixer = checkpoint_mixer(meta)
     if mixer != "attention":
         raise ExportError(f"{what} is a model.mixer={mixer} model; only attention models have a Hugging Face "
                           f"equivalent (LlamaForCausalLM), so it cannot be exported or registered")
+    hf_architecture(_meta_tier(meta), what)
+
+
+def _meta_tier(meta: dict[str, Any]):
+    """The tier a checkpoint's meta (or {"config": ...}) trained, its mixture-of-experts settings applied."""
+    from pipeline.config import from_dict, model_tier
+
+    return model_tier(from_dict(meta["config"]))
+
+
+def hf_architecture(tier, what: str = "the model") -> str:
+    """The transformers class the export writes for `tier`; ExportError with the reason when none is exact."""
+    if tier.moe is None:
+        return "LlamaForCausalLM"
+    from pipeline.train.handoff.hf_moe import UnrepresentableMoE, moe_architecture
+
+    try:
+        return moe_architecture(tier)
+    except UnrepresentableMoE as exc:
+        raise ExportError(f"{what} cannot be exported: {exc}") from None
 
 
 def require_tokenizers() -> None:
@@ -95,12 +119,17 @@ def require_tokenizers() -> None:
 
 
 def hf_state_dict(state: dict[str, torch.Tensor], tier, tie_embeddings: bool) -> dict[str, torch.Tensor]:
-    """Our Decoder's state dict -> LlamaForCausalLM's (contiguous copies; lm_head omitted when tied)."""
+    """Our Decoder's state dict -> LlamaForCausalLM's, or a MoE tier's architecture's (hf_moe.py) (contiguous
+    copies; lm_head omitted when tied)."""
+    from pipeline.train.handoff.hf_moe import expected_block_keys, moe_block_weights
+
     H, Hkv, hd, n_layers = tier.n_heads, tier.n_kv_heads, tier.head_dim, tier.n_layers
+    arch = hf_architecture(tier)
     expected = {"tok_emb.weight", "norm.weight"} | ({"lm_head.weight"} if not tie_embeddings else set())
     for i in range(n_layers):
-        expected |= {f"blocks.{i}.{n}.weight" for n in ("attn_norm", "attn.wqkv", "attn.wo", "mlp_norm",
-                                                       "mlp.w_gate_up", "mlp.w_down")}
+        expected |= {f"blocks.{i}.{n}.weight" for n in ("attn_norm", "attn.wqkv", "attn.wo", "mlp_norm")}
+        expected |= (expected_block_keys(tier, i) if tier.moe is not None
+                     else {f"blocks.{i}.mlp.w_gate_up.weight", f"blocks.{i}.mlp.w_down.weight"})
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ExportError(f"the checkpoint's weights do not match tier {tier.name}: missing {missing[:3]}, "
@@ -111,15 +140,18 @@ def hf_state_dict(state: dict[str, torch.Tensor], tier, tie_embeddings: bool) ->
     for i in range(n_layers):
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
         q, k, v = state[src + "attn.wqkv.weight"].split([H * hd, Hkv * hd, Hkv * hd], dim=0)  # rows: q | k | v
-        gate, up = state[src + "mlp.w_gate_up.weight"].chunk(2, dim=0)  # rows: gate | up
         out.update({
             dst + "input_layernorm.weight": state[src + "attn_norm.weight"],
             dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
             dst + "self_attn.v_proj.weight": v, dst + "self_attn.o_proj.weight": state[src + "attn.wo.weight"],
             dst + "post_attention_layernorm.weight": state[src + "mlp_norm.weight"],
-            dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": state[src + "mlp.w_down.weight"],
         })
+        if tier.moe is not None:
+            out.update(moe_block_weights(state, tier, arch, i))
+            continue
+        gate, up = state[src + "mlp.w_gate_up.weight"].chunk(2, dim=0)  # rows: gate | up
+        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+                    dst + "mlp.down_proj.weight": state[src + "mlp.w_down.weight"]})
     return {k: t.detach().contiguous().clone() for k, t in out.items()}
 
 
@@ -157,9 +189,10 @@ def hf_rope(rope, tier) -> dict[str, Any]:
 
 def hf_config(tier, vocab_size: int, tie_embeddings: bool, special: dict[str, int],
               dtype: torch.dtype, rope=None) -> dict[str, Any]:
-    """config.json for LlamaForCausalLM; `rope`: the checkpoint's RoPE base and scaling (model/rope.py
-    RopeConfig; None = the tier's base, unscaled), written as hf_rope says."""
-    return {
+    """config.json for LlamaForCausalLM (a MoE tier: its architecture's keys on top, hf_moe.py); `rope`: the
+    checkpoint's RoPE base and scaling (model/rope.py RopeConfig; None = the tier's base, unscaled), written as
+    hf_rope says."""
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": vocab_size, "hidden_size": tier.d_model, "intermediate_size": tier.d_ff,
         "num_hidden_layers": tier.n_layers, "num_attention_heads": tier.n_heads,
@@ -170,6 +203,11 @@ def hf_config(tier, vocab_size: int, tie_embeddings: bool, special: dict[str, in
         "bos_token_id": special["bos_id"], "eos_token_id": special["eos_id"], "pad_token_id": special["pad_id"],
         "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
     }
+    if tier.moe is not None:
+        from pipeline.train.handoff.hf_moe import moe_config
+
+        config.update(moe_config(tier, hf_architecture(tier)))
+    return config
 
 
 def generation_config(special: dict[str, int]) -> dict[str, Any]:
@@ -266,19 +304,25 @@ def write_tokenizer(model_path: str | Path, out_dir: Path, special: dict[str, in
 
 def model_card(r: ExportResult, vocab_size: int, tie: bool, tier, dataset: str | None, rope=None) -> str:
     val = f"{r.val_loss:.4f}" if r.val_loss is not None else "not evaluated"
+    arch = hf_architecture(tier)
+    spec = tier.moe
+    ffn = (f"d_ff {tier.d_ff}" if spec is None else
+           f"{spec.num_experts} experts ({spec.experts_per_token} per token) of width {spec.expert_ffn}"
+           + (f", {spec.shared_experts} shared" if spec.shared_experts else "")
+           + (f", first {spec.dense_first_layers} layers dense (d_ff {tier.d_ff})" if spec.dense_first_layers else ""))
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
-tags: [longtrain, llama]
+tags: [longtrain, {"llama" if spec is None else "mixture-of-experts"}]
 ---
 # longtrain {r.tier} (step {r.step})
 
-A Llama-architecture causal language model trained with longtrain and exported to the Hugging Face format
-(`LlamaForCausalLM`, loads with `AutoModelForCausalLM.from_pretrained` without `trust_remote_code`).
+A causal language model trained with longtrain and exported to the Hugging Face format (`{arch}`, loads with
+`AutoModelForCausalLM.from_pretrained` without `trust_remote_code`).
 
 | | |
 |---|---|
-| tier | {r.tier}: d_model {tier.d_model}, {tier.n_layers} layers, {tier.n_heads} heads ({tier.n_kv_heads} key/value), d_ff {tier.d_ff} |
+| tier | {r.tier}: d_model {tier.d_model}, {tier.n_layers} layers, {tier.n_heads} heads ({tier.n_kv_heads} key/value), {ffn} |
 | vocabulary | {vocab_size} (SentencePiece BPE with byte fallback), embeddings {'tied' if tie else 'untied'} |
 | RoPE | {rope.describe() if rope is not None else f"theta {tier.rope_base:,.0f}"} |
 | tokens seen | {r.tokens_seen:,} |
@@ -334,7 +378,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     Raises ExportError (or CheckpointError) with one line: not a checkpoint, a model without a Hugging Face
     equivalent, `out_dir` exists without overwrite, tokenizer missing; DiskFullError (pipeline/disk_space.py) when the
     disk fills, with nothing of the export left."""
-    from model.tiers import get_tier
     from pipeline.disk_space import EXPORT_FIX, one_line_when_full
     from pipeline.config import from_dict
     from pipeline.data.shards import DatasetError, dataset_tokenizer, load_manifest, tokenizer_location
@@ -358,7 +401,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
                               f"dataset, which must still exist") from None
         dataset_tokenizer(dataset_dir, checkpoint)  # a broken tokenizer model: one line naming it, before any work
         state = load_model_state(local, meta)  # either layout: a sharded (FSDP) checkpoint is consolidated here
-    tier, tie, vocab = get_tier(meta["tier"]), bool(meta.get("tie_embeddings", True)), int(meta["vocab_size"])
+    tier, tie, vocab = _meta_tier(meta), bool(meta.get("tie_embeddings", True)), int(meta["vocab_size"])
     rope = model_rope(from_dict(meta["config"]))  # the RoPE base and scaling the checkpoint's last phase used
     special = {k: int(manifest.get(k, d)) for k, d in (("pad_id", 0), ("unk_id", 1), ("bos_id", 2), ("eos_id", 3))}
     if commit is None:
@@ -368,7 +411,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, overwrite:
     counters, metrics = meta.get("counters", {}), meta.get("metrics") or {}
     result = ExportResult(out, meta["tier"], int(counters.get("step", 0)), int(counters.get("tokens_seen", 0)),
                           float(metrics[VAL_LOSS]) if VAL_LOSS in metrics else None,
-                          manifest.get("settings_hash"), commit)
+                          manifest.get("settings_hash"), commit, hf_architecture(tier))
 
     weights = hf_state_dict(state, tier, tie)
     dtype = state["tok_emb.weight"].dtype
@@ -409,7 +452,7 @@ def register_export(result: ExportResult, tracking_uri: str, run_id: str, name: 
 
     tags = {"tier": result.tier, "tokens_seen": result.tokens_seen, "step": result.step,
             "val_loss": "" if result.val_loss is None else f"{result.val_loss:.6f}",
-            "manifest_hash": result.manifest_hash or "", "format": "transformers/LlamaForCausalLM"}
+            "manifest_hash": result.manifest_hash or "", "format": f"transformers/{result.architecture}"}
     return register_model_dir(tracking_uri, run_id, result.out_dir, name, tags,
                               description=f"longtrain {result.tier}, step {result.step}, "
                                           f"{result.tokens_seen:,} tokens seen; Hugging Face format (transformers)")

@@ -62,7 +62,7 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
     """(decoder in eval mode, Tokenizer) from a checkpoint, full or sharded (a directory, or a URI on object
     storage: read through a temporary local copy), and its dataset's tokenizer."""
     from model.decoder import build_model
-    from pipeline.config import from_dict
+    from pipeline.config import from_dict, model_tier
     from pipeline.storage import local_copy
     from pipeline.train.checkpoints.state import load_decoder_weights, read_checkpoint_meta
     from pipeline.train.engine import model_rope
@@ -74,7 +74,7 @@ def load_for_generation(checkpoint: str | Path, device: torch.device | None = No
         # the dataset's tokenizer, or one line naming its file and what is wrong
         tokenizer = dataset_tokenizer(meta.get("dataset_dir", ""), checkpoint)
         device = device or default_device()
-        decoder = build_model(cfg.model.tier, meta["vocab_size"], mixer=cfg.model.mixer, rope=model_rope(cfg),
+        decoder = build_model(model_tier(cfg), meta["vocab_size"], mixer=cfg.model.mixer, rope=model_rope(cfg),
                               tie_embeddings=cfg.model.tie_embeddings)  # the RoPE tables the checkpoint trained with
         load_decoder_weights(decoder, local, meta)  # either layout: a sharded checkpoint is consolidated here
     return prepare_for_generation(decoder, device), tokenizer

@@ -21,6 +21,12 @@ kv = kv_heads x head_dim; V vocabulary):
                  bf16 autocast, eager         20 d +  6 q +  6 kv +  8 d_ff + 4 heads + 8
                  bf16 autocast, compiled       8 d +  8 q +  6 kv +  6 d_ff + 4 heads + 8   (inductor recomputes
                                               the norms and the SiLU instead of saving them)
+               (the 16 / 8 / 6 d_ff of a dense MLP; a mixture-of-experts layer's feed-forward instead keeps, per token,
+               k x (8 d + 16 F + 24) + 8 E + 48 in fp32 (its rows in expert order, the experts' SwiGLU tensors, the
+               rows picked back for the weighted combine, the slots), k x (6 d + 8 F + 24) + 8 E + 48 under bf16
+               autocast on a CPU and k x (4 d + 8 F + 24) + 8 E + 48 on CUDA, whose combine kernel keeps the bf16
+               rows; shared experts add a SwiGLU of their width and their gated output; `_ffn_bytes`; fitted on
+               CPU by tests/pipeline/train/test_memory_plan.py),
                plus, for a dense attention mask, the mask SDPA converts to floats in every block (T per token, in
                the compute dtype: the whole row's keys) and once per forward the boolean mask (T bytes per token).
                Context parallelism keeps only this worker's K and V (model/context.py); a block's backward also holds
@@ -113,7 +119,7 @@ def shape_of(cfg, vocab_size: int, device_type: str, *, batch_size: int | None =
              activation_checkpointing: str | None = None, context: int | None = None) -> Shape:
     """The Shape of `cfg` (pipeline/config.py Config) trained on a `device_type` device."""
     from model.decoder import resolve_attention
-    from model.tiers import get_mixer_tier
+    from pipeline.config import model_tier
 
     m, t = cfg.model, cfg.train
     bf16 = device_type == "cuda" and t.precision != "fp32"
@@ -122,7 +128,7 @@ def shape_of(cfg, vocab_size: int, device_type: str, *, batch_size: int | None =
     context = context or t.context_parallel_degree
     if context > 1 and attention == "sdpa":  # a split row attends through a mask (model/decoder.py _split_mask)
         attention = "dense"
-    return Shape(m.mixer, get_mixer_tier(m.tier, m.mixer), vocab_size, cfg.data.seq_len,
+    return Shape(m.mixer, model_tier(cfg), vocab_size, cfg.data.seq_len,
                  batch_size or t.batch_size, activation_checkpointing or m.activation_checkpointing,
                  m.tie_embeddings, t.ce_chunk_size, device_type, bf16, compiled, attention, m.doc_masking, context)
 
@@ -138,49 +144,84 @@ def _param_split(s: Shape) -> tuple[int, int, int]:
     return total, root, (total - root) // s.tier.n_layers
 
 
-def _largest_param(s: Shape) -> int:
+def _largest_param(s: Shape, expert_degree: int = 1) -> int:
     t = s.tier
     d = t.d_model
     if s.mixer == "attention":
         block = max(d * (t.n_heads + 2 * t.n_kv_heads) * t.head_dim, 2 * d * t.d_ff)
     else:
         block = max(2 * d * d, 2 * d * t.d_ff)
+    spec = getattr(t, "moe", None)
+    if spec is not None:  # one layer's stacked experts' gate and up weights, (E / degree, 2F, d) on a worker
+        block = max(block, spec.num_experts // expert_degree * 2 * spec.expert_ffn * d)
     return max(block, s.vocab_size * d)
+
+
+def _dense_ffn_bytes(s: Shape, width: int) -> int:
+    """Bytes per token a SwiGLU MLP of `width` keeps beyond its input: 16 / 8 / 6 x width (fp32, bf16, compiled)."""
+    return (16 if not s.bf16 else 6 if s.compiled else 8) * width
+
+
+def _ffn_bytes(s: Shape) -> float:
+    """Bytes per token one block's feed-forward keeps beyond its input, averaged over the blocks (dense first layers
+    of a MoE tier keep the dense MLP's): module docstring."""
+    t = s.tier
+    spec = getattr(t, "moe", None)
+    if spec is None:
+        return _dense_ffn_bytes(s, t.d_ff)
+    d, E, k, F = t.d_model, spec.num_experts, spec.experts_per_token, spec.expert_ffn
+    if not s.bf16:
+        per_assignment, shared_out = 8 * d + 16 * F + 24, 4 * d + 8
+    elif s.device_type == "cuda":
+        per_assignment, shared_out = 4 * d + 8 * F + 24, 2 * d + 4
+    else:
+        per_assignment, shared_out = 6 * d + 8 * F + 24, 2 * d + 4
+    moe = k * per_assignment + 8 * E + 48
+    if spec.shared_experts:
+        moe += _dense_ffn_bytes(s, spec.shared_ffn) + shared_out
+    n_moe = spec.moe_layers(t.n_layers)
+    return (n_moe * moe + (t.n_layers - n_moe) * _dense_ffn_bytes(s, t.d_ff)) / t.n_layers
+
+
+def ffn_width(tier) -> int:
+    """The hidden width one token runs through in a feed-forward: d_ff, or k x expert_ffn + the shared width."""
+    spec = getattr(tier, "moe", None)
+    return tier.d_ff if spec is None else spec.experts_per_token * spec.expert_ffn + spec.shared_ffn
 
 
 def block_bytes_per_token(s: Shape) -> float:
     """Bytes one block saves for backward per token of the micro-batch (module docstring)."""
     t = s.tier
-    d, dff = t.d_model, t.d_ff
+    d, ffn = t.d_model, _ffn_bytes(s)
     if s.mixer == "attention":
         q, kv, heads = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim, t.n_heads
         if not s.bf16:
-            core = 24 * d + 12 * q + 12 * kv + 16 * dff + 4 * heads + 8
+            core = 24 * d + 12 * q + 12 * kv + ffn + 4 * heads + 8
         elif s.compiled:
-            core = 8 * d + 8 * q + 6 * kv + 6 * dff + 4 * heads + 8
+            core = 8 * d + 8 * q + 6 * kv + ffn + 4 * heads + 8
         else:
-            core = 20 * d + 6 * q + 6 * kv + 8 * dff + 4 * heads + 8
+            core = 20 * d + 6 * q + 6 * kv + ffn + 4 * heads + 8
         if s.attention == "dense":  # SDPA turns the boolean mask into a float mask in every block and saves it
             core += s.seq_len * (2 if s.bf16 else 4)
         return core
     # resonance: the norms (the group norm's included), the input projection's (u, gate) output, the gate, the
     # output projection and the SwiGLU MLP, traced as above, plus the mixer itself (measured)
     if not s.bf16:
-        rest = 52 * d + 16 * dff + 16
+        rest = 52 * d + ffn + 16
     elif s.compiled:
-        rest = 18 * d + 6 * dff + 16
+        rest = 18 * d + ffn + 16
     else:
-        rest = 38 * d + 8 * dff + 16
+        rest = 38 * d + ffn + 16
     return rest + _mixer_bytes(d, t.n_groups, t.n_eigen, t.chunk_size, _mixer_form(s), s.bf16)
 
 
 def mlp_half_bytes_per_token(s: Shape) -> float:
     """Of block_bytes_per_token, what the MLP half keeps (its norm's input and output, the SwiGLU tensors): all a
     resonance block keeps, with its input, under activation_checkpointing=mixer (the mixer half is recomputed)."""
-    d, dff = s.tier.d_model, s.tier.d_ff
+    d, ffn = s.tier.d_model, _ffn_bytes(s)
     if not s.bf16:
-        return 12 * d + 16 * dff + 4
-    return (6 * d + 6 * dff + 4) if s.compiled else (10 * d + 8 * dff + 4)
+        return 12 * d + ffn + 4
+    return (6 * d + ffn + 4) if s.compiled else (10 * d + ffn + 4)
 
 
 def _mixer_form(s: Shape) -> str:
@@ -261,9 +302,16 @@ def _head(s: Shape) -> tuple[int, int]:
 
 def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", device_type: str = "cuda",
              batch_size: int | None = None, activation_checkpointing: str | None = None,
-             shape: Shape | None = None) -> MemoryEstimate:
+             shape: Shape | None = None, expert_degree: int = 1) -> MemoryEstimate:
     """Peak bytes per worker of a training step of `cfg` with `workers` workers under `parallel` (ddp | fsdp;
     ddp with one worker is the one-process run) on a `device_type` device.
+
+    expert_degree: a mixture of experts' routed experts split over that many workers (expert parallelism): a
+    worker holds E / degree experts of every MoE layer; under FSDP the experts are sharded over the workers as the
+    rest is (degree x the workers left of the mesh), so the state per worker is the same, and what the degree
+    saves is FSDP's working set (a block's gathered parameters hold E / degree experts); under DDP the experts'
+    state itself is divided by the degree. Each MoE layer also holds the rows it sends and receives (k d per token
+    each, in the compute dtype). The load is taken as balanced.
 
     Backward is followed block by block: block i's backward holds the activations of the blocks below it, its
     own (saved, or recomputed when checkpointed), the residual stream's gradient in and out, and the gradients
@@ -280,12 +328,24 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     else:
         s = replace(shape, batch_size=batch_size or shape.batch_size,
                     activation_checkpointing=activation_checkpointing or shape.activation_checkpointing)
+    from model.flops import expert_params
+
     total_p, root_p, block_p = _param_split(s)
     L, d = s.tier.n_layers, s.tier.d_model
     n = s.tokens
     fsdp = parallel == "fsdp"
     shard = workers if fsdp else 1
-    local = math.ceil(total_p / shard)
+    expert_p = expert_params(s.tier)
+    if expert_degree > 1:  # a worker's experts: E / degree of them, sharded further by FSDP over what is left
+        if not expert_p or s.tier.moe.num_experts % expert_degree or (fsdp and workers % expert_degree):
+            raise ValueError(f"expert_degree={expert_degree} must divide the tier's experts (and the workers)")
+        held = expert_p // expert_degree
+        total_p -= expert_p - held  # what this worker's state is made of, before FSDP's sharding
+        block_p -= (expert_p - held) // L
+        shard_e = shard // expert_degree if fsdp else 1
+        local = math.ceil((total_p - held) / shard) + math.ceil(held / shard_e)
+    else:
+        local = math.ceil(total_p / shard)
     params, adam, grads = 4 * local, 8 * local, 4 * local
     buckets = grads if (not fsdp and workers > 1) else 0  # DDP: gradients live in its buckets all run long
     grow = 0 if buckets else 1  # gradients appear during backward unless the buckets already hold them
@@ -296,12 +356,14 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     else:
         working = 2 * (total_p - root_p + vocab_size * d) if s.bf16 else 0  # autocast's bf16 weight copies
         block_working = 0
-    opt_temp = 0 if device_type == "cuda" else 2 * 4 * math.ceil(_largest_param(s) / shard)
+    opt_temp = 0 if device_type == "cuda" else 2 * 4 * math.ceil(_largest_param(s, expert_degree) / shard)
 
     full = block_bytes_per_token(s) * n
     # inside a block's backward: the residual stream's gradient in and out (8 d), and one d_ff-wide gradient in the
     # compute dtype live beside the block's activations (the MLP's; fitted on CPU: checkpointed blocks within 5%)
-    grad_ff = s.tier.d_ff * (2 if s.bf16 else 4)
+    grad_ff = ffn_width(s.tier) * (2 if s.bf16 else 4)
+    if expert_degree > 1:  # the rows a MoE layer sends and receives
+        grad_ff += 2 * s.tier.moe.experts_per_token * d * (2 if s.bf16 else 4)
     # context parallelism: the whole row's K and V gathered again in a block's backward, and their gradients
     gathered = (4 * s.batch_size * s.seq_len * s.tier.n_kv_heads * s.tier.head_dim * (2 if s.bf16 else 4)
                 if s.context > 1 and s.mixer == "attention" else 0)
@@ -371,6 +433,7 @@ class Plan:
     rows: list[PlanRow] = field(default_factory=list)
     choice: PlanRow | None = None  # the least recompute that fits one sequence; DDP before FSDP at equal recompute
     context: int = 1  # train.context_parallel_degree planned for: workers that split one row
+    expert_degree: int = 1  # train.expert_parallel_degree planned for: workers a MoE model's experts are split over
 
     @property
     def fits(self) -> bool:
@@ -399,24 +462,28 @@ def max_batch_by_model(cfg, vocab_size: int, *, limit_bytes: float, upper: int =
 
 
 def plan(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str = "cuda",
-         upper: int = 1024) -> Plan:
+         upper: int = 1024, expert_degree: int | None = None) -> Plan:
     """Every (parallel, activation checkpointing) with its largest micro-batch by the model, and the choice: the
     least recompute that fits one sequence, DDP before FSDP at equal recompute (one worker: DDP only). cfg's
-    train.context_parallel_degree splits each row over that many of the `workers` (a multiple of it)."""
+    train.context_parallel_degree splits each row over that many of the `workers` (a multiple of it); expert_degree
+    (default train.expert_parallel_degree) splits a MoE tier's experts over that many (estimate says how)."""
     from pipeline.train.distributed.context_parallel import check_degree
 
     check_degree(cfg.train.context_parallel_degree, workers)
+    ep = expert_degree or cfg.train.expert_parallel_degree
     usable = usable_bytes(limit_gib, device_type)
     out = Plan(cfg.model.tier, cfg.model.mixer, cfg.data.seq_len, vocab_size, workers, limit_gib, usable, device_type,
-               context=cfg.train.context_parallel_degree)
+               context=cfg.train.context_parallel_degree, expert_degree=ep)
     modes = ("ddp", "fsdp") if workers > 1 else ("ddp",)
     options = AC_OPTIONS if cfg.model.mixer != "resonance" else ("none", "every_4", "mixer", "every_2", "all")
     shape = shape_of(cfg, vocab_size, device_type)  # the tier resolved once for every estimate below
     for ac in options:
         for mode in modes:
+            if mode == "fsdp" and workers % ep:
+                continue
             b, est = max_batch_by_model(cfg, vocab_size, limit_bytes=usable, upper=upper, workers=workers,
                                         parallel=mode, device_type=device_type, activation_checkpointing=ac,
-                                        shape=shape)
+                                        shape=shape, expert_degree=ep)
             row = PlanRow(mode, ac, b, est.total, est)
             out.rows.append(row)
             if out.choice is None and b >= 1:
@@ -454,6 +521,29 @@ def smallest_context_degree(cfg, vocab_size: int, *, limit_gib: float, device_ty
     return None
 
 
+def expert_degrees(num_experts: int, workers: int) -> list[int]:
+    """The expert-parallel degrees a plan tries: the divisors of the experts that also divide the workers, from 1."""
+    return [e for e in range(1, min(num_experts, workers) + 1) if num_experts % e == 0 and workers % e == 0]
+
+
+def smallest_expert_degree(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str = "cuda",
+                           upper: int = 1024) -> Plan | None:
+    """The plan at the smallest expert-parallel degree at which cfg's MoE tier fits `workers` workers of limit_gib
+    each (train.expert_parallel_degree 1, 2, ... dividing both the experts and the workers), or None when no degree
+    does (or the tier is dense). Each plan is `plan(..., expert_degree=e)`: DDP and FSDP, every checkpointing."""
+    from pipeline.config import model_tier
+
+    spec = model_tier(cfg).moe
+    if spec is None:
+        return None
+    for e in expert_degrees(spec.num_experts, workers):
+        p = plan(cfg, vocab_size, workers=workers, limit_gib=limit_gib, device_type=device_type, upper=upper,
+                 expert_degree=e)
+        if p.fits:
+            return p
+    return None
+
+
 def choose_parallel(cfg, vocab_size: int, *, workers: int, limit_gib: float, device_type: str,
                     shape: Shape | None = None) -> tuple[str, str]:
     """train.parallel=auto: ("ddp" | "fsdp", why). FSDP when a full copy with its gradients, AdamW state and the
@@ -480,11 +570,11 @@ def fit_table(cfg, vocab_size: int, tiers: list[str], workers: list[int], *, lim
     head = "| tier | params | " + " | ".join(f"{w} x {limit_gib:g} GiB" for w in workers) + " |"
     lines = [head, "|" + "---|" * (2 + len(workers))]
     from model.flops import param_count
-    from model.tiers import get_mixer_tier
+    from pipeline.config import model_tier
 
     for tier in tiers:
         tcfg = cfg.replace({"model.tier": tier})
-        n = param_count(get_mixer_tier(tier, tcfg.model.mixer), vocab_size, tcfg.model.tie_embeddings)
+        n = param_count(model_tier(tcfg), vocab_size, tcfg.model.tie_embeddings)
         cells = []
         for w in workers:
             c = plan(tcfg, vocab_size, workers=w, limit_gib=limit_gib, device_type=device_type, upper=64).choice

@@ -72,15 +72,17 @@ class Phase:
 
 def run_params(cfg: Config, manifest: Any) -> dict[str, Any]:
     """The params an MLflow run logs beside its config, a single run's and each sweep trial's alike: the model's
-    exact parameter count (computed from its tier, model/flops.py param_count), world size, and the dataset's
-    tokenizer and settings hashes (`manifest`: pipeline/data/shards.py's Manifest)."""
-    from model.flops import param_count
-    from model.tiers import get_mixer_tier
-    from pipeline.tracking.names import (PARAM_MANIFEST_HASH, PARAM_MODEL_PARAMS, PARAM_TOKENIZER_SHA256,
-                                         PARAM_WORLD_SIZE)
+    exact parameter count (computed from its tier, model/flops.py param_count) and the count one token uses
+    (active_param_count: a mixture of experts runs k of its E experts; the total for a dense model), world size,
+    and the dataset's tokenizer and settings hashes (`manifest`: pipeline/data/shards.py's Manifest)."""
+    from model.flops import active_param_count, param_count
+    from pipeline.config import model_tier
+    from pipeline.tracking.names import (PARAM_MANIFEST_HASH, PARAM_MODEL_ACTIVE_PARAMS, PARAM_MODEL_PARAMS,
+                                         PARAM_TOKENIZER_SHA256, PARAM_WORLD_SIZE)
 
-    tier = get_mixer_tier(cfg.model.tier, cfg.model.mixer)
+    tier = model_tier(cfg)
     return {PARAM_MODEL_PARAMS: param_count(tier, manifest.vocab_size, cfg.model.tie_embeddings),
+            PARAM_MODEL_ACTIVE_PARAMS: active_param_count(tier, manifest.vocab_size, cfg.model.tie_embeddings),
             PARAM_WORLD_SIZE: cfg.ray.num_workers, PARAM_TOKENIZER_SHA256: manifest.tokenizer_sha256,
             PARAM_MANIFEST_HASH: manifest.settings_hash}
 

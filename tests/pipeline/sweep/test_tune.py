@@ -96,7 +96,7 @@ def test_a_bad_space_gets_one_clear_error(tmp_path, doc, expected):
 
 def test_missing_space_file_names_the_shipped_ones(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    with pytest.raises(SpaceError, match=r"does not exist; tune_spaces/ holds bs_tier.yaml, lr.yaml"):
+    with pytest.raises(SpaceError, match=r"does not exist; tune_spaces/ holds bs_tier.yaml, dense_vs_moe.yaml, lr.yaml"):
         load_space("tune_spaces/nope.yaml")
     assert set(DISTRIBUTIONS) == {"grid", "choice", "uniform", "loguniform", "randint", "lograndint"}
 
@@ -142,6 +142,22 @@ def test_best_is_the_best_finished_trial_and_the_table_has_every_row():
                                 f"{STEADY_AFTER_STEPS} (torch.compile and warm-up)")
     assert "| nano | 64 | – | – | – | – | – | oom (OutOfMemoryError) | t3 |" in table
     assert "| nano | 2 | 270 | 31.3% | 4–32 | 0.003 | 5.1000 | ok | t1 |" in table
+
+
+def test_the_table_shows_total_and_active_parameters_when_a_trial_has_experts():
+    from pipeline.sweep.tune import _sizes
+
+    base = load_config("test")
+    dense, moe = _sizes(base, {"model.tier": "nano"}), _sizes(base, {"model.tier": "nano", "model.num_experts": 8})
+    assert dense[0] == dense[1] and moe[0] > moe[1] and abs(moe[1] - dense[1]) == 8 * 64 * 2  # the routers
+    rows = [TrialRow("t0", {"model.num_experts": 0}, "nano", 4, 100.0, 0.01, 5.0, OK, params_total=dense[0],
+                     params_active=dense[1]),
+            TrialRow("t1", {"model.num_experts": 8}, "nano", 4, 90.0, 0.01, 4.9, OK, params_total=moe[0],
+                     params_active=moe[1])]
+    table = markdown_table(rows, "val/loss").splitlines()
+    assert table[0].startswith("| tier | batch size | model.num_experts | params | active params | tokens/s |")
+    assert f"| nano | 4 | 8 | {moe[0]:,} | {moe[1]:,} | 90 |" in table[3]
+    assert "params" not in markdown_table(rows[:1], "val/loss").splitlines()[0]  # dense only: no such columns
 
 
 def test_best_preset_round_trips_through_the_config_loader(tmp_path):

@@ -253,6 +253,7 @@ def test_the_engine_resolves_its_tier_once_and_hands_it_on(monkeypatch, mixer):
     import model.decoder
     import model.resonance
     import model.tiers
+    import pipeline.config
     import pipeline.train.engine as engine_module
     from pipeline.train.distributed.parallel import resolve_parallel
     from pipeline.train.memory.plan import estimate
@@ -267,7 +268,8 @@ def test_the_engine_resolves_its_tier_once_and_hands_it_on(monkeypatch, mixer):
         return lookup
 
     for module, name in [(model.tiers, "get_mixer_tier"), (model.tiers, "get_tier"), (model.decoder, "get_tier"),
-                         (model.resonance, "get_mixer_tier"), (engine_module, "get_mixer_tier")]:
+                         (model.resonance, "get_mixer_tier"), (engine_module, "get_mixer_tier"),
+                         (pipeline.config, "get_mixer_tier")]:  # model_tier: the tier with its MoE settings
         monkeypatch.setattr(module, name, counted(getattr(module, name)))
     engine = Engine(cfg, VOCAB, torch.device("cpu"))
     assert len(lookups) == 1, lookups

@@ -43,6 +43,8 @@ def counted_peak(cfg, vocab: int) -> int:
     ({"model.tie_embeddings": False, "data.vocab_size": 4000}, 0.03),
     ({"model.mixer": "resonance"}, 0.07),
     ({"model.mixer": "resonance", "model.activation_checkpointing": "mixer", "train.batch_size": 8}, 0.07),
+    ({"model.tier": "nano-moe", "train.batch_size": 8}, 0.05),                            # a mixture of experts
+    ({"model.tier": "nano-moe", "model.shared_experts": 1, "train.batch_size": 8}, 0.05),  # with a shared expert
 ])
 def test_model_against_the_cpu_counter(over, tol):
     cfg = load_config("test", {"model.compile": "off", **over})
@@ -154,3 +156,25 @@ def test_the_memory_model_and_the_plan_know_the_context_parallel_degree(capsys):
         below = res.replace({"data.seq_len": 262144, "train.context_parallel_degree": want // 2,
                              "ray.num_workers": want // 2})
         assert not plan(below, 32000, workers=want // 2, limit_gib=limit, upper=8).fits
+
+
+def test_the_expert_parallel_degree_in_the_memory_model_and_the_plan(capsys):
+    """Experts split over workers: under DDP their state is divided by the degree; under FSDP the state is the same
+    and the gathered blocks' working set shrinks; the plan names the smallest degree at which a MoE tier fits."""
+    from model.flops import expert_params
+    from pipeline.config import model_tier
+    from pipeline.train.memory.plan import smallest_expert_degree
+
+    cfg = load_config("gpu", {"model.tier": "C-moe", "data.seq_len": 4096, "ray.num_workers": 8})
+    experts = expert_params(model_tier(cfg))
+    ddp = [estimate(cfg, 32000, workers=8, parallel="ddp", expert_degree=e) for e in (1, 4)]
+    assert ddp[0].params - ddp[1].params == 4 * (experts - experts // 4)  # fp32 weights of the experts held elsewhere
+    fsdp = [estimate(cfg, 32000, workers=8, parallel="fsdp", expert_degree=e) for e in (1, 2)]
+    assert fsdp[1].params == pytest.approx(fsdp[0].params, rel=1e-3) and fsdp[1].working < fsdp[0].working
+    p = smallest_expert_degree(cfg, 32000, workers=8, limit_gib=6)
+    assert p is not None and p.expert_degree == 2 and p.fits
+    assert smallest_expert_degree(load_config("gpu", {"model.tier": "C"}), 32000, workers=8, limit_gib=6) is None
+    assert max_batch_main(["--tier", "C-moe", "--seq-len", "4096", "--workers", "8", "--memory-limit-gib", "6"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("expert parallelism: the smallest degree that fits is 2") and "--train.expert_parallel_" \
+        "degree=2" in line

@@ -128,7 +128,7 @@ def test_session_tracks_to_a_real_mlflow_server_and_matches_the_ray_free_engine(
     record = json.loads((run_dir / "run.json").read_text())
     run = client.get_run(record["mlflow_run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.tags["longtrain.kernels"].startswith("cross_entropy, sampling, resonance_scan: reference (the "
+    assert run.data.tags["longtrain.kernels"].startswith("cross_entropy, sampling, resonance_scan, moe_dispatch: reference (the "
                                                          "tensors are on the cpu")
     p = run.data.params
     assert p["train.batch_size"] == "4" and p["model.tier"] == "nano" and int(p["model.params"]) > 0
