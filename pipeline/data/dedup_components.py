@@ -158,8 +158,11 @@ def small_star(part: pa.Table) -> pa.Table:
 
 
 def star_removed(part: pa.Table) -> pa.Table:
-    """Converged stars partitioned by their centre (lo): every member but the centre is removed, kept by it."""
+    """Converged stars partitioned by their centre (lo): every member but the centre is removed, kept by it; one row
+    per centre has `cluster` 1, so the clusters counted are the connected components (a chain A-B-C is one)."""
     hi, lo = _unique_edges(part)
+    order = np.lexsort((hi, lo))  # by centre: each centre's members in one run
+    hi, lo = hi[order], lo[order]
     starts = _group_starts([lo])
     first = np.zeros(len(hi), bool)
     first[starts] = True

@@ -168,6 +168,49 @@ def test_components_of_a_random_graph_match_union_find():
     assert dict(zip(member.tolist(), smallest.tolist())) == expected
 
 
+def _union_find_clusters(edges: list[tuple[int, int]]) -> tuple[dict[int, int], int]:
+    """node -> its component's smallest node (for every node but the smallest), and the number of components."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        ra, rb = find(a), find(b)
+        parent[max(ra, rb)] = min(ra, rb)
+    label = {n: find(n) for n in parent}
+    return {n: r for n, r in label.items() if n != r}, len(set(label.values()))
+
+
+@pytest.mark.parametrize("edges", [
+    [(3, 1), (5, 3), (4, 2)],  # a chain 1-3-5 and a pair 2-4: 2 clusters (star_removed once counted 3)
+    [(2, 1), (3, 2), (4, 3), (5, 4), (6, 5)],  # one chain of six: 1 cluster
+    [(11, 10), (12, 11), (21, 20), (22, 20), (23, 22), (31, 30), (9, 1), (8, 9)],  # four clusters, chains and stars
+    [(7, 1), (6, 2), (5, 3), (8, 7), (8, 6), (9, 5)],  # two chains joined through 8 (1-7-8-6-2) and 3-5-9
+])
+def test_clusters_are_counted_as_connected_components(edges):
+    """The record's clusters_near: one per connected component of the checked edges, whichever way the components
+    are found (in one task, or by the large-star/small-star rounds), whatever order the edges come in."""
+    expected, clusters = _union_find_clusters(edges)
+    for order in (edges, edges[::-1], sorted(edges)):
+        hi, lo = np.array([max(e) for e in order]), np.array([min(e) for e in order])
+        member, smallest = stars_in_one_task(hi, lo)
+        out = star_removed(pa.table({"hi": member, "lo": smallest})).to_pydict()
+        assert dict(zip(out["node"], out["keeper"])) == expected
+        assert sum(out["cluster"]) == clusters, (order, out)
+    assert _components(edges) == expected
+
+
+def test_star_removed_counts_each_centre_once_in_any_row_order():
+    """Rows of one partition by centre, members interleaved across centres (sorted by member): two clusters."""
+    part = pa.table({"hi": pa.array([3, 4, 5, 6], pa.int64()), "lo": pa.array([1, 2, 1, 2], pa.int64())})
+    out = star_removed(part).to_pydict()
+    assert sum(out["cluster"]) == 2 and sorted(zip(out["node"], out["keeper"])) == [(3, 1), (4, 2), (5, 1), (6, 2)]
+
+
 # ----------------------------------------------------------------------------------------------- settings
 @pytest.mark.parametrize("override, message", [
     ({"data.dedup": "fuzzy"}, "data.dedup='fuzzy' is not allowed; choose one of: none, exact, near"),
