@@ -190,12 +190,18 @@ def _drop_removed(batch: pa.Table, removal: Removal) -> pa.Table:
     ids = batch.column(DOC_COLUMN).to_numpy()
     node = (np.int64(removal.priority) << np.int64(DOC_ID_BITS)) | ids.astype(np.int64)
     lo, hi = int(node.min()), int(node.max())
+    blocks = [_removed_nodes(removal.refs[i]) for i in np.flatnonzero((removal.lows <= hi) & (removal.highs >= lo))]
+    gone = removed_mask(node, blocks)
+    return batch.filter(pa.array(~gone)) if gone.any() else batch
+
+
+def removed_mask(node: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
+    """(len(node),) bool: which nodes one of the sorted arrays `blocks` holds."""
     gone = np.zeros(len(node), bool)
-    for i in np.flatnonzero((removal.lows <= hi) & (removal.highs >= lo)):
-        nodes = _removed_nodes(removal.refs[i])
+    for nodes in blocks:
         at = np.clip(np.searchsorted(nodes, node), 0, len(nodes) - 1)
         gone |= nodes[at] == node
-    return batch.filter(pa.array(~gone)) if gone.any() else batch
+    return gone
 
 
 # ----------------------------------------------------------------------------------------------- the result
@@ -288,9 +294,12 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None
                                     batch_format="pyarrow", batch_size=_BATCH_DOCS, compute=compute))
     sigs = (parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]).materialize()
     stages["signatures_s"] = round(time.perf_counter() - t0, 2)
+    if log.isEnabledFor(logging.DEBUG):  # Ray Data's per-operator times (bench/dedup_speed.py records them)
+        log.debug("Ray Data, the signatures:\n%s", sigs.stats())
     docs = sigs.count()  # the materialized blocks' metadata: no pass over them
     if workers is None and docs <= (ONE_TASK_DOCS if spec.mode == "exact" else ONE_TASK_DOCS // 2):
-        removed_ref, read, info = find_removed(sigs.to_arrow_refs(), spec, s, cpus)
+        bands = spec.params.bands if spec.mode == "near" else 0
+        removed_ref, read, info = find_removed(sigs.to_arrow_refs(), bands, spec.params.threshold, s, cpus)
         counts, clusters = counts_of(info, s)
         stages.update(info["stage_seconds"])
         blocks = [(*info["bounds"], removed_ref)]

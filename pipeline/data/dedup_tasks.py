@@ -1,7 +1,7 @@
 """Deduplication after the signatures, in a few plain Ray tasks and no shuffle: the path of a corpus whose signatures
 (materialized by Ray Data in the object store) one task can hold, ~24 bytes a document per band it reads.
 
-    removed_ref, read, info = find_removed(signature_refs, spec, sources=1, tasks=4)
+    removed_ref, read, info = find_removed(signature_refs, bands=14, threshold=0.75, sources=1, tasks=4)
 
     exact task     every block's (node, ex_hi, ex_lo): the exact copies (pipeline/data/dedup_components.py
                    exact_removed), and the documents read per source
@@ -20,7 +20,7 @@ pipeline/data/dedup.py) would move the same rows at a fixed cost of seconds that
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,9 +28,6 @@ import pyarrow as pa
 from pipeline.data.corpus import DOC_ID_BITS
 from pipeline.data.dedup_components import (EXACT, bucket_pairs, edge_table, exact_removed, removed_table,
                                             star_removed, stars_in_one_task)
-
-if TYPE_CHECKING:
-    from pipeline.data.dedup import DedupSpec
 
 
 def _column(tables: list[pa.Table], name: str) -> np.ndarray:
@@ -49,11 +46,9 @@ def sorted_by_node(table: pa.Table) -> pa.Table:
 
 
 # ----------------------------------------------------------------------------------------------- the tasks
-def exact_task(refs: list, sources: int) -> tuple[pa.Table, np.ndarray]:
+def exact_rows(tables: list[pa.Table], sources: int) -> tuple[pa.Table, np.ndarray]:
     """(the exact copies' removed rows, documents read per source (S,)) over every signature block."""
-    import ray
-
-    tables = [t.select(["node", "ex_hi", "ex_lo"]) for t in ray.get(refs)]
+    tables = [t.select(["node", "ex_hi", "ex_lo"]) for t in tables]
     if not tables:
         return removed_table(*(np.zeros(0, np.int64),) * 2, EXACT, np.zeros(0, bool)), np.zeros(sources, np.int64)
     rows = pa.concat_tables(tables)
@@ -61,11 +56,15 @@ def exact_task(refs: list, sources: int) -> tuple[pa.Table, np.ndarray]:
     return exact_removed(rows), read.astype(np.int64)
 
 
-def band_task(refs: list, bands: list[int], threshold: float) -> pa.Table:
-    """The checked edges (hi, lo) of these bands over every document with words."""
+def exact_task(refs: list, sources: int) -> tuple[pa.Table, np.ndarray]:
+    """exact_rows of the signature blocks `refs` (a Ray task: they come from the object store, without a copy)."""
     import ray
 
-    tables = ray.get(refs)
+    return exact_rows(ray.get(refs), sources)
+
+
+def band_edges(tables: list[pa.Table], bands: list[int], threshold: float) -> pa.Table:
+    """The checked edges (hi, lo) of these bands over every document with words of the signature blocks."""
     has = _column(tables, "has_words").astype(bool)
     rows = np.flatnonzero(has)  # a document's row in the blocks laid end to end
     node, ex = _column(tables, "node")[rows], _column(tables, "ex_lo")[rows]
@@ -98,6 +97,13 @@ def band_task(refs: list, bands: list[int], threshold: float) -> pa.Table:
     return edge_table(hi, lo)
 
 
+def band_task(refs: list, bands: list[int], threshold: float) -> pa.Table:
+    """band_edges of the signature blocks `refs` (a Ray task)."""
+    import ray
+
+    return band_edges(ray.get(refs), bands, threshold)
+
+
 def removal_task(exact: pa.Table, *edges: pa.Table) -> tuple[pa.Table, dict[str, Any]]:
     """Every removed document (exact and near) in one table sorted by node, and what the record needs of it: counts
     (keeper priority, own priority, kind) -> (documents, clusters), the table's node bounds, the edges and seconds."""
@@ -122,17 +128,16 @@ def removal_task(exact: pa.Table, *edges: pa.Table) -> tuple[pa.Table, dict[str,
 
 
 # ----------------------------------------------------------------------------------------------- the driver's part
-def find_removed(refs: list, spec: "DedupSpec", sources: int, tasks: int) -> tuple[Any, np.ndarray, dict[str, Any]]:
-    """Submit the tasks over the signature blocks `refs`; returns (the removed table's object reference, documents
-    read per source, the removal task's info with `stage_seconds`)."""
+def find_removed(refs: list, bands: int, threshold: float, sources: int, tasks: int
+                 ) -> tuple[Any, np.ndarray, dict[str, Any]]:
+    """Submit the tasks over the signature blocks `refs` (`bands` 0: exact copies only); returns (the removed table's
+    object reference, documents read per source, the removal task's info with `stage_seconds`)."""
     import ray
 
     t0 = time.perf_counter()
     exact_ref, read_ref = ray.remote(exact_task).options(num_returns=2).remote(refs, sources)
-    edge_refs = []
-    if spec.mode == "near":
-        groups = np.array_split(np.arange(spec.params.bands), max(1, min(tasks, spec.params.bands)))
-        edge_refs = [ray.remote(band_task).remote(refs, g.tolist(), spec.params.threshold) for g in groups]
+    groups = np.array_split(np.arange(bands), max(1, min(tasks, bands))) if bands else []
+    edge_refs = [ray.remote(band_task).remote(refs, g.tolist(), threshold) for g in groups]
     removed_ref, info_ref = ray.remote(removal_task).options(num_returns=2).remote(exact_ref, *edge_refs)
     ray.wait([exact_ref, *edge_refs], num_returns=1 + len(edge_refs), fetch_local=False)
     t1 = time.perf_counter()

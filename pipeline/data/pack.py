@@ -438,6 +438,8 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
                 check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)  # at once, not hours later
             hand_out(planner.advance(segments.total // width), open_rule)
         timings = {"tokenize_s": round(time.perf_counter() - t0, 2)}
+        if log.isEnabledFor(logging.DEBUG):  # Ray Data's per-operator times (bench/dedup_speed.py records them)
+            log.debug("Ray Data, the tokenizing pass:\n%s", batches.stats())
         check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)
         if stats.clean.documents == 0:
             raise DataSourceError(nothing_usable(d, stats.clean))
