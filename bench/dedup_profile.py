@@ -1,17 +1,18 @@
 """Where the time of a prepare goes, stage by stage, in one process and without Ray: the CPU-seconds each step of
-near deduplication and of tokenizing and packing takes over a planted corpus, as MB per CPU-second (one core's rate,
-which is also how each scales to more cores: the steps are per document or per band, and the few that are not are
-named). Ray's own share (its tasks, transfers and start-ups) is what bench/dedup_speed.py measures around them.
+deduplication and of tokenizing and packing takes over a planted corpus, as MB per CPU-second (one core's rate, which
+is also how each scales to more cores: every step is per document, per batch or per band, but the exact groups and
+the components, one task each, whose rates are hundreds of times the others'). Ray's own share (its tasks, transfers
+and start-ups) is what bench/dedup_speed.py measures around them.
 
     python bench/dedup_profile.py --mb 30 --work /tmp/dedup-work     # the corpus and tokenizer of bench/dedup.py
     python bench/dedup_profile.py --mb 900 --work /tmp/dedup-work
 
-Steps: read (the .jsonl reader of the prepare), clean, exact hash (the whitespace normalisation kernel and BLAKE2b),
-near signature (lowercase and UTF-8, the words-shingles-MinHash kernel, band keys), the signature rows as the
-prepare's map builds them, the exact groups, the band tasks (each band's keys sorted, candidates checked), the
-components and removal, the tokenizing pass's drop of removed documents, SentencePiece's encode, the token stream's
-assembly, and the shards (windows cut, Parquet with zstd and page checksums, sha256). Writes
-bench/results/dedup_profile_<mb>mb-<device>-<date>.json.
+Steps: read (the .jsonl reader of the prepare), clean, exact hash (the whitespace normalisation in Python, as exact
+mode runs it, and in the kernel, as near mode does; then BLAKE2b), near signature (lowercase and UTF-8, the words,
+shingles and MinHash kernel, band keys), the signature rows as the prepare's map builds them in each mode, the exact
+groups, the band tasks (each band's keys sorted, candidates checked), the components and removal, the tokenizing
+pass's drop of removed documents, SentencePiece's encode, the token stream's assembly, and the shards (windows cut,
+Parquet with zstd and page checksums, sha256). Writes bench/results/dedup_profile_<mb>mb-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def profile(files: list[Path], tokenizer: Path, seq_len: int, work: Path) -> dic
 
     clock, params = Clock(), DedupParams()
     signer = Signer(params)
-    exact_hashes(["warm up"]), signer.sign(["warm up the kernels"])  # compiled or loaded once, not timed
+    signer.sign(["warm up the kernels"])  # compiled or loaded once (Numba's start-up, ~0.5-0.9 s): not timed
     batches = []
     for i, f in enumerate(files):
         with open(f, "rb") as fh:
@@ -71,14 +72,17 @@ def profile(files: list[Path], tokenizer: Path, seq_len: int, work: Path) -> dic
             batches += [block.slice(a, BATCH) for a in range(0, block.num_rows, BATCH)]
     texts = [clock.time("clean", clean_batch, b)[0] for b in batches]
     for t in texts:
-        clock.time("exact hash (normalise + blake2b)", exact_hashes, t)
+        clock.time("exact hash, exact mode (Python normalisation + blake2b)", exact_hashes, t)
+        clock.time("exact hash, near mode (kernel normalisation + blake2b)", exact_hashes, t, compiled=True)
     lowered = [clock.time("near: lowercase + UTF-8", lambda t: utf8_batch([x.lower() for x in t]), t) for t in texts]
     minhash = [clock.time("near: words, shingles, 112 MinHash (kernel)", near_minhash, lb, params.ngram, signer.a,
                           signer.b)[0] for lb in lowered]
     for m in minhash:
         clock.time("near: band keys + sketch", lambda: (signer.band_keys(m), (m & 0xFF).astype(np.uint8)))
-    tables = [clock.time("signature rows (the map: all of the above)", _signature_rows, b, 0, "near", params)
-              for b in batches]
+    for b in batches:
+        clock.time("signature rows, exact mode (the map: clean + exact hash)", _signature_rows, b, 0, "exact", None)
+    tables = [clock.time("signature rows, near mode (the map: clean + both hashes)", _signature_rows, b, 0, "near",
+                         params) for b in batches]
     exact_removed, _ = clock.time("exact copies (one task)", exact_rows, tables, 1)
     edges = clock.time(f"bands ({params.bands} bands, one task)", band_edges, tables, list(range(params.bands)),
                        params.threshold)

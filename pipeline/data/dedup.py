@@ -102,7 +102,7 @@ def _signature_rows(batch: pa.Table, priority: int, mode: str, params: DedupPara
     texts, _ = clean_batch(batch, kept_rows=kept)
     ids = batch.column(DOC_COLUMN).to_numpy()[np.asarray(kept, np.int64)] if kept else np.zeros(0, np.int64)
     node = (np.int64(priority) << np.int64(DOC_ID_BITS)) | ids.astype(np.int64)
-    exact = exact_hashes(texts)
+    exact = exact_hashes(texts, compiled=mode == "near")  # exact alone never loads Numba (exact_hashes)
     cols: dict[str, pa.Array] = {"node": pa.array(node, pa.int64()), "ex_hi": pa.array(exact[:, 0]),
                                  "ex_lo": pa.array(exact[:, 1])}
     if mode == "near":

@@ -97,15 +97,21 @@ def exact_text(text: str) -> str:
     return " ".join(text.split())
 
 
-def exact_hashes(texts: Sequence[str]) -> np.ndarray:
-    """(N, 2) uint64: BLAKE2b-128 of each text's exact normalisation, as (high, low) halves. The normalisation runs in
-    one kernel over the batch's bytes (pipeline/data/dedup_kernels.py), the hash in C per document."""
-    from pipeline.data.dedup_kernels import exact_normalised, utf8_batch  # Numba: only where documents are hashed
+def exact_hashes(texts: Sequence[str], compiled: bool = False) -> np.ndarray:
+    """(N, 2) uint64: BLAKE2b-128 of each text's exact normalisation, as (high, low) halves. `compiled`: normalise
+    in one Numba kernel over the batch's bytes (pipeline/data/dedup_kernels.py; ~2x the Python's ~100 MB a
+    CPU-second, the same bytes), for a process that loads Numba anyway (near deduplication). Exact deduplication
+    alone does not: Numba's first call in a process costs ~0.5-0.9 CPU-seconds (LLVM's start-up, even from its
+    cache), which a Ray worker would pay before it had hashed ~170 MB."""
+    if compiled:
+        from pipeline.data.dedup_kernels import exact_normalised, utf8_batch
 
-    buf, starts, ends = exact_normalised(*utf8_batch(texts))
-    view = memoryview(buf)
-    digests = b"".join([hashlib.blake2b(view[s:e], digest_size=16).digest() for s, e in zip(starts.tolist(),
-                                                                                          ends.tolist())])
+        buf, starts, ends = exact_normalised(*utf8_batch(texts))
+        view = memoryview(buf)
+        pieces = (view[s:e] for s, e in zip(starts.tolist(), ends.tolist()))
+    else:
+        pieces = (exact_text(t).encode("utf-8", "surrogatepass") for t in texts)
+    digests = b"".join([hashlib.blake2b(p, digest_size=16).digest() for p in pieces])
     return np.frombuffer(digests, ">u8").astype(np.uint64).reshape(len(texts), 2)
 
 
@@ -142,7 +148,7 @@ class Signer:
         MinHash functions of the whole batch run in one compiled kernel (pipeline/data/dedup_kernels.py)."""
         from pipeline.data.dedup_kernels import near_minhash, utf8_batch
 
-        exact = exact_hashes(texts) if exact is None else exact
+        exact = exact_hashes(texts, compiled=True) if exact is None else exact
         minhash, has_words = near_minhash(utf8_batch([t.lower() for t in texts]), self.params.ngram, self.a, self.b)
         return Signatures(exact, minhash, self.band_keys(minhash), (minhash & 0xFF).astype(np.uint8), has_words)
 

@@ -134,6 +134,10 @@ def test_the_compiled_signatures_are_their_definition(ngram):
         assert sig.minhash[i].tolist() == (want or [0xFFFFFFFF] * 112), t
         digest = hashlib.blake2b(" ".join(t.split()).encode("utf-8", "surrogatepass"), digest_size=16).digest()
         assert sig.exact[i].tolist() == np.frombuffer(digest, ">u8").tolist(), t
+    assert (exact_hashes(TRICKY) == sig.exact).all()  # exact deduplication's own path, without Numba
+    every_space = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
+    spaced = [f"{every_space}a{every_space}b{every_space}", "", *[f"x{ch}y" for ch in every_space]]
+    assert (exact_hashes(spaced, compiled=True) == exact_hashes(spaced)).all()
     assert (sig.sketch == (sig.minhash & 0xFF)).all()
 
 
