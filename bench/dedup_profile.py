@@ -54,7 +54,7 @@ def profile(files: list[Path], tokenizer: Path, seq_len: int, work: Path) -> dic
     from pipeline.data.dedup_kernels import near_minhash, utf8_batch
     from pipeline.data.dedup_signatures import DedupParams, Signer, exact_hashes
     from pipeline.data.dedup_tasks import band_edges, exact_rows, removal_task
-    from pipeline.data.pack import encode_stream
+    from pipeline.data.pack import token_stream
     from pipeline.data.shards import rows_per_row_group, shard_schema, token_numpy_type, windows_table, write_shard
     from pipeline.data.tokenizer import Tokenizer
 
@@ -93,9 +93,8 @@ def profile(files: list[Path], tokenizer: Path, seq_len: int, work: Path) -> dic
     tok = Tokenizer(tokenizer)
     dtype = token_numpy_type(tok.vocab_size)
     ids = [clock.time("SentencePiece encode", tok.encode_batch, t) for t in texts]
-    streams = [clock.time("token stream (encode_stream less encode)", encode_stream, tok, t, dtype)[0]
-               for t in texts]
-    clock.seconds["token stream (encode_stream less encode)"] -= clock.seconds["SentencePiece encode"]
+    streams = [clock.time("token stream (ids laid end to end, EOS after each)", token_stream, i, tok.eos_id, dtype)[0]
+               for i in ids]
     del ids
     stream = np.concatenate(streams)
     width = seq_len + 1

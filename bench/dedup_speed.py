@@ -242,6 +242,15 @@ def measure(mb: float, args: argparse.Namespace, work: Path) -> dict:
     row["dedup_stage_share_of_none"] = {m: round(best[m]["dedup_s"] / best["none"]["prepare_s"], 4)
                                         for m in ("exact", "near")}
     row["prepare_mb_per_s"] = {m: round(size / best[m]["prepare_s"], 2) for m in MODES}
+    # CPU-seconds, which the other tenants of a shared machine move far less than seconds: the signature pass's (Ray
+    # Data's own count of its tasks) and the prepares' (every process of the Ray, by bench/data_throughput.py TreeCPU)
+    for run in warm["runs"]:
+        ops = run["ray_data"].get("Ray Data, the signatures", {})
+        run["signatures_cpu_s"] = round(sum(op.get("remote_cpu_s", 0.0) for op in ops.values()), 2)
+    row["least_cpu_s"] = {m: min(r["cpu_s"] for r in warm["runs"] if r["mode"] == m) for m in MODES}
+    row["signatures_cpu_share_of_none"] = {
+        m: round(min(r["signatures_cpu_s"] for r in warm["runs"] if r["mode"] == m) / row["least_cpu_s"]["none"], 4)
+        for m in ("exact", "near")}
     print(f"[{size:.0f} MB] prepares (best of {args.repeat}): {row['best_prepare_s']} s; extra over none "
           f"{row['extra_over_none']}; dedup stage alone {warm['stage']['seconds']} s", flush=True)
     where = {}
@@ -305,6 +314,13 @@ def main() -> None:
         result["marginal_over_encode_limit"] = round(marginal / big["encode_limit"]["mb_per_s"], 3)
         print(f"marginal prepare rate {marginal:.2f} MB/s = {result['marginal_over_encode_limit']:.2f} x "
               f"SentencePiece's limit on these cores", flush=True)
+        # the same in CPU-seconds: SentencePiece's CPU-s per MB alone over the prepare's marginal CPU-s per MB
+        encode_cpu = 1 / max(x["corpus_mb_per_cpu_s"] for x in big["encode_limit"]["runs"])
+        marginal_cpu = (big["least_cpu_s"]["none"] - small["least_cpu_s"]["none"]) / (big["corpus_mb"]
+                                                                                     - small["corpus_mb"])
+        result["marginal_cpu_s_per_mb"] = round(marginal_cpu, 4)
+        result["encode_cpu_s_per_mb"] = round(encode_cpu, 4)
+        result["marginal_cpu_efficiency"] = round(encode_cpu / marginal_cpu, 3)
     name = "dedup_speed_smoke" if args.smoke else "dedup_speed_" + "_".join(f"{m:g}" for m in args.mb) + "mb"
     print(f"wrote {write_result(name, result, Path(args.out_dir) if args.out_dir else None)}")
 
