@@ -288,7 +288,11 @@ def child(kind: str, corpus: Path, tok: Path, out: Path, seq_len: int, rows_per_
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # its JSON line: the last line that is one (a Ray it joined may forward its workers' lines after it)
+    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{kind} run printed no result:\n{proc.stdout[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def timed_child(kind: str, corpus: Path, tok: Path, out: Path, args: argparse.Namespace, cpus: int = 0) -> dict:

@@ -53,6 +53,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+def last_json(stdout: str) -> dict:
+    """A child's result: its last line that is a JSON object (Ray may forward its workers' lines after it)."""
+    return json.loads([ln for ln in stdout.strip().splitlines() if ln.startswith("{")][-1])
+
+
 def machine_used_bytes() -> int:
     info = {}
     for line in open("/proc/meminfo"):
@@ -132,7 +137,7 @@ def run_prepare_child(corpus: Path, mode: str, tokenizer: Path, work: Path, seq_
     mem = sampler.stop()
     if child.returncode != 0:
         raise SystemExit(f"prepare child failed ({child.returncode}):\n{err[-3000:]}")
-    result = json.loads(out.strip().splitlines()[-1])
+    result = last_json(out)
     return {**result, **mem, "child_wall_s": round(wall, 2), "load_1min": [load0, os.getloadavg()[0]]}
 
 
@@ -205,14 +210,52 @@ def ours(files: list[Path], corpus_dir: Path, runs: int = 2) -> tuple[list[dict]
     return timings, removed
 
 
-def datatrove(python: str, files: list[Path], work: Path, workers: int) -> tuple[dict, set[int]]:
+def datatrove(python: str, files: list[Path], work: Path, workers: int, words: str = "spacy"
+              ) -> tuple[dict, set[int]]:
+    """datatrove's stages on `files` in its own virtualenv (bench/dedup_datatrove.py): (seconds per stage, the removed
+    documents' corpus positions). `words`: spacy (its stock splitting) or matched (longtrain's)."""
     out = subprocess.run([python, str(Path(__file__).with_name("dedup_datatrove.py")), "--work", str(work),
-                          "--workers", str(workers), *map(str, files)], capture_output=True, text=True)
+                          "--workers", str(workers), "--words", words, *map(str, files)], capture_output=True,
+                         text=True)
     if out.returncode != 0:
         raise SystemExit(f"datatrove failed:\n{out.stderr[-3000:]}")
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = last_json(out.stdout)
     where = positions(files)
     return got["seconds"], {where[(f, i)] for f, i in got["removed"]}
+
+
+def score(pairs: list[dict], documents: int, sides: dict[str, set[int]]) -> dict:
+    """Per side (its removed corpus positions) against the planted pairs (each with its true `jaccard`): recall of
+    pairs at >= 0.85, false merges of pairs below 0.6, distinct documents removed, merges per Jaccard bin and per
+    share of words changed. A pair counts as merged when either of its documents was removed."""
+    copies = {p["copy"] for p in pairs} | {p["original"] for p in pairs}
+    bins = [(0.0, 0.6), (0.6, 0.75), (0.75, 0.85), (0.85, 1.01)]
+    out: dict = {}
+    for name, removed in sides.items():
+        merged = [p["original"] in removed or p["copy"] in removed for p in pairs]
+        per_bin = {}
+        for lo, hi in bins:
+            sel = [m for m, p in zip(merged, pairs) if lo <= p["jaccard"] < hi]
+            per_bin[f"{lo:g}-{min(hi, 1):g}"] = {"pairs": len(sel), "merged": sum(sel),
+                                                 "share": round(sum(sel) / len(sel), 4) if sel else None}
+        by_change = {}
+        for share in sorted({p["changed"] for p in pairs}):
+            sel = [(m, p["jaccard"]) for m, p in zip(merged, pairs) if p["changed"] == share]
+            by_change[f"{share:g}"] = {"pairs": len(sel), "merged": sum(m for m, _ in sel),
+                                       "mean_jaccard": round(sum(j for _, j in sel) / len(sel), 4)}
+        above = [m for m, p in zip(merged, pairs) if p["jaccard"] >= 0.85]
+        below = [m for m, p in zip(merged, pairs) if p["jaccard"] < 0.6]
+        out[name] = {"recall_above_0.85": round(sum(above) / max(1, len(above)), 4),
+                     "false_merges_below_0.6": round(sum(below) / max(1, len(below)), 4),
+                     "distinct_documents_removed": len(removed - copies), "by_jaccard": per_bin,
+                     "by_words_changed": by_change, "removed": len(removed), "documents": documents}
+    return out
+
+
+def planted_quality(files: list[Path], work: Path, seed: int, mb: float, sides: dict[str, set[int]]) -> dict:
+    """score() of each side on the corpus corpus_for(mb, work, seed) wrote (its truth kept beside it)."""
+    truth = json.loads((work / f"corpus-{mb:g}mb.truth.json").read_text())
+    return score(truth["pairs"], truth["documents"], sides)
 
 
 def quality(args: argparse.Namespace) -> None:
@@ -227,7 +270,6 @@ def quality(args: argparse.Namespace) -> None:
     texts = [json.loads(line)["text"] for f in planted.files for line in open(f)]
     for p in planted.pairs:
         p["jaccard"] = jaccard(texts[p["original"]], texts[p["copy"]], 5)
-    copies = {p["copy"] for p in planted.pairs} | {p["original"] for p in planted.pairs}
     load0 = os.getloadavg()[0]
     our_times, our_removed = ours(planted.files, corpus_dir)
     sides = {"longtrain": our_removed}
@@ -236,7 +278,8 @@ def quality(args: argparse.Namespace) -> None:
                     "longtrain_mb_per_s": {"cold": round(mb / our_times[0]["seconds"], 2),
                                            "warm": round(mb / our_times[-1]["seconds"], 2)}}
     if args.datatrove:
-        dt_seconds, dt_removed = datatrove(args.datatrove, planted.files, work / "datatrove", os.cpu_count() or 2)
+        dt_seconds, dt_removed = datatrove(args.datatrove, planted.files, work / "datatrove", os.cpu_count() or 2,
+                                           args.words)
         sides["datatrove"] = dt_removed
         s13 = sum(dt_seconds[k] for k in ("signatures", "buckets", "clusters"))
         result["datatrove_seconds"] = {k: round(v, 2) for k, v in dt_seconds.items()}
@@ -249,26 +292,7 @@ def quality(args: argparse.Namespace) -> None:
                                "removed_by_longtrain_only": len(our_removed - dt_removed),
                                "removed_by_datatrove_only": len(dt_removed - our_removed)}
     result["load_1min"] = [load0, os.getloadavg()[0]]
-    bins = [(0.0, 0.6), (0.6, 0.75), (0.75, 0.85), (0.85, 1.01)]
-    for name, removed in sides.items():
-        merged = [p["original"] in removed or p["copy"] in removed for p in planted.pairs]
-        per_bin = {}
-        for lo, hi in bins:
-            sel = [m for m, p in zip(merged, planted.pairs) if lo <= p["jaccard"] < hi]
-            per_bin[f"{lo:g}-{min(hi, 1):g}"] = {"pairs": len(sel), "merged": sum(sel),
-                                                 "share": round(sum(sel) / len(sel), 4) if sel else None}
-        by_change = {}
-        for share in sorted({p["changed"] for p in planted.pairs}):
-            sel = [(m, p["jaccard"]) for m, p in zip(merged, planted.pairs) if p["changed"] == share]
-            by_change[f"{share:g}"] = {"pairs": len(sel), "merged": sum(m for m, _ in sel),
-                                       "mean_jaccard": round(sum(j for _, j in sel) / len(sel), 4)}
-        above = [m for m, p in zip(merged, planted.pairs) if p["jaccard"] >= 0.85]
-        below = [m for m, p in zip(merged, planted.pairs) if p["jaccard"] < 0.6]
-        stray = len(removed - copies)  # distinct documents (no copy planted) that were removed anyway
-        result[name] = {"recall_above_0.85": round(sum(above) / max(1, len(above)), 4),
-                        "false_merges_below_0.6": round(sum(below) / max(1, len(below)), 4),
-                        "distinct_documents_removed": stray, "by_jaccard": per_bin, "by_words_changed": by_change,
-                        "removed": len(removed)}
+    result.update(score(planted.pairs, planted.documents, sides))
     path = write_result("dedup_quality", {"args": vars(args), **result})
     print(json.dumps(result, indent=1))
     print(f"wrote {path}")
@@ -276,9 +300,21 @@ def quality(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------------------------- memory and cost
 def corpus_for(mb: float, work: Path, seed: int) -> Path:
+    """The planted corpus of about `mb` MB under `work` (written once), its truth beside it in
+    corpus-<mb>mb.truth.json: the pairs (original, copy, share of words changed, true Jaccard similarity of their
+    5-gram sets)."""
+    from pipeline.data.dedup_signatures import jaccard
+
     d = work / f"corpus-{mb:g}mb"
-    if not (d / "done").exists():
-        write_planted(d, mb, seed=seed)
+    truth = work / f"corpus-{mb:g}mb.truth.json"
+    if not (d / "done").exists() or not truth.exists():
+        planted = write_planted(d, mb, seed=seed)
+        wanted = {i for p in planted.pairs for i in (p["original"], p["copy"])}
+        texts = {i: json.loads(line)["text"] for i, line in enumerate(line for f in planted.files for line in open(f))
+                 if i in wanted}
+        for p in planted.pairs:
+            p["jaccard"] = jaccard(texts[p["original"]], texts[p["copy"]], 5)
+        truth.write_text(json.dumps({"documents": planted.documents, "pairs": planted.pairs}))
         (d / "done").write_text("")
     return d
 
@@ -337,7 +373,7 @@ def cost_warm(args: argparse.Namespace) -> None:
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "RAY_worker_niceness": "0"})
     if out.returncode != 0:
         raise SystemExit(f"warm child failed ({out.returncode})")
-    runs = json.loads(out.stdout.strip().splitlines()[-1])["runs"]
+    runs = last_json(out.stdout)["runs"]
     measured = [r for r in runs if r["round"] > 0]
     best = {m: min(r["prepare_s"] for r in measured if r["mode"] == m) for m in args.modes}
     share = {m: round(min(r["dedup_s"] / r["prepare_s"] for r in measured if r["mode"] == m), 4)
@@ -379,6 +415,8 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="cost: every prepare in one process and one Ray")
     ap.add_argument("--mb", type=float, action="append")
     ap.add_argument("--datatrove", default="", help="the Python of a virtualenv with datatrove (quality)")
+    ap.add_argument("--words", choices=("spacy", "matched"), default="spacy",
+                    help="quality: datatrove's word splitting, its stock spaCy or longtrain's (bench/dedup_datatrove.py)")
     ap.add_argument("--work", default="", help="where corpora and datasets go (default: a temporary directory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=2)

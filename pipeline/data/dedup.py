@@ -9,15 +9,22 @@ One group of sources is deduplicated together (a flat config is a group of one; 
 given as prepared datasets, are one group), so a document found in two sources is trained once. Stages:
   1. signatures: each source's reader (its documents numbered by the reader: pipeline/data/corpus.py DOC_COLUMN),
      cleaned as the tokenizer will clean them, then `map_batches` computing per document its node (priority << 56
-     | id), exact hash and, for near, MinHash band keys and sketch (pipeline/data/dedup_signatures.py). Materialized
-     in Ray's object store: ~30 bytes a document for exact, ~250 for near.
+     | id), exact hash and, for near, MinHash band keys and sketch (pipeline/data/dedup_signatures.py, its kernels
+     compiled by Numba: pipeline/data/dedup_kernels.py). Materialized in Ray's object store: ~30 bytes a document
+     for exact, ~250 for near.
+  2.-4. a corpus of up to ONE_TASK_DOCS documents (ONE_TASK_DOCS / 2 for near): a few plain Ray tasks over the
+     materialized blocks, side by side (pipeline/data/dedup_tasks.py): the exact copies; the bands, split over the
+     CPUs, each key sorted and the candidate pairs of shared keys checked against their signatures; the checked
+     edges' connected components, and every removed document in one block sorted by node.
+     A larger corpus (or an explicit `workers`), spread over the cluster by hash shuffles:
   2. exact: a hash shuffle by exact hash (Ray Data groupby over a hash partition column); in each partition every
      copy after the group's smallest node is removed.
   3. near: band rows (one per band and document with words) hash-shuffled by band key; each bucket's candidate pairs
      checked against their signatures; the checked edges' connected components by large-star/small-star rounds,
      each a shuffle (pipeline/data/dedup_components.py); every member but a component's smallest is removed.
-  4. the removed nodes, sorted by Ray Data into ranges: the tokenizing pass drops a document whose node lies in the
-     sorted block of its range (a task fused into the read). The driver holds block bounds and references only.
+  4. the removed nodes, sorted by Ray Data into ranges.
+  Either way the tokenizing pass drops a document whose node lies in the sorted block of its range (a map before
+  the tokenizer). The driver holds block bounds and references only.
 Nothing is collected in the driver but counts; memory beyond the object store does not grow with the corpus.
 
 Who keeps a document: the smallest node, i.e. the source first by `data.dedup_keep` (first: the order of
@@ -38,8 +45,9 @@ import pyarrow as pa
 from pipeline.data.cleaning import clean_batch
 from pipeline.data.corpus import DOC_COLUMN, DOC_ID_BITS
 from pipeline.data.dedup_components import EXACT, NEAR, bucket_edges, by_partition, components, exact_removed, \
-    removed_table, star_removed
+    star_removed
 from pipeline.data.dedup_signatures import DedupParams, Signer, exact_hashes
+from pipeline.data.dedup_tasks import counts_of, find_removed
 
 if TYPE_CHECKING:
     import ray.data
@@ -94,7 +102,7 @@ def _signature_rows(batch: pa.Table, priority: int, mode: str, params: DedupPara
     texts, _ = clean_batch(batch, kept_rows=kept)
     ids = batch.column(DOC_COLUMN).to_numpy()[np.asarray(kept, np.int64)] if kept else np.zeros(0, np.int64)
     node = (np.int64(priority) << np.int64(DOC_ID_BITS)) | ids.astype(np.int64)
-    exact = exact_hashes(texts)
+    exact = exact_hashes(texts, compiled=mode == "near")  # exact alone never loads Numba (exact_hashes)
     cols: dict[str, pa.Array] = {"node": pa.array(node, pa.int64()), "ex_hi": pa.array(exact[:, 0]),
                                  "ex_lo": pa.array(exact[:, 1])}
     if mode == "near":
@@ -182,12 +190,18 @@ def _drop_removed(batch: pa.Table, removal: Removal) -> pa.Table:
     ids = batch.column(DOC_COLUMN).to_numpy()
     node = (np.int64(removal.priority) << np.int64(DOC_ID_BITS)) | ids.astype(np.int64)
     lo, hi = int(node.min()), int(node.max())
+    blocks = [_removed_nodes(removal.refs[i]) for i in np.flatnonzero((removal.lows <= hi) & (removal.highs >= lo))]
+    gone = removed_mask(node, blocks)
+    return batch.filter(pa.array(~gone)) if gone.any() else batch
+
+
+def removed_mask(node: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
+    """(len(node),) bool: which nodes one of the sorted arrays `blocks` holds."""
     gone = np.zeros(len(node), bool)
-    for i in np.flatnonzero((removal.lows <= hi) & (removal.highs >= lo)):
-        nodes = _removed_nodes(removal.refs[i])
+    for nodes in blocks:
         at = np.clip(np.searchsorted(nodes, node), 0, len(nodes) - 1)
         gone |= nodes[at] == node
-    return batch.filter(pa.array(~gone)) if gone.any() else batch
+    return gone
 
 
 # ----------------------------------------------------------------------------------------------- the result
@@ -240,31 +254,10 @@ def _read_rows(batch: pa.Table) -> pa.Table:
     return pa.table({"priority": pa.array(uniq, pa.int64()), "documents": pa.array(n, pa.int64())})
 
 
-ONE_TASK_DOCS = 1 << 23  # a corpus of at most this many documents (24 bytes of hashes each: 192 MiB) has its exact
-# copies found, and its removed rows sorted, in one Ray task instead of a hash shuffle and a distributed sort, whose
-# fixed costs (seconds of tasks and object transfers on a small machine) outweighed the work up to that size
-
-
-def _exact_task(refs: list) -> pa.Table:
-    """exact_removed over every signature block at once (a Ray task: the blocks come from the object store), its rows
-    sorted by node."""
-    import ray
-
-    tables = [ray.get(r) for r in refs]
-    if not tables:
-        return removed_table(*(np.zeros(0, np.int64),) * 2, EXACT, np.zeros(0, bool))
-    return _sorted(exact_removed(pa.concat_tables(tables)))
-
-
-def _sorted(table: pa.Table) -> pa.Table:
-    return table.take(pa.array(np.argsort(table.column("node").to_numpy(), kind="stable")))
-
-
-def _sorted_task(refs: list) -> pa.Table:
-    """The removed rows of every block, in one table sorted by node."""
-    import ray
-
-    return _sorted(pa.concat_tables([ray.get(r) for r in refs]))
+ONE_TASK_DOCS = 1 << 23  # a corpus of at most this many documents is deduplicated in a few plain Ray tasks after its
+# signatures (pipeline/data/dedup_tasks.py: 24 bytes a document for its exact copies, 192 MiB; near halves it, ~40
+# bytes a document in each band task) instead of hash shuffles, whose fixed costs (seconds of tasks and object
+# transfers) outweighed the work up to that size; a larger corpus takes the shuffles, spread over the cluster
 
 
 def _partitions(rows: int, row_bytes: int) -> int:
@@ -277,8 +270,9 @@ def _partitions(rows: int, row_bytes: int) -> int:
 
 def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None = None) -> DedupResult:
     """Deduplicate `sources` together (module docstring); Ray must be up. The sources' priorities are 0..S-1.
-    `workers`: at most this many Ray Data tasks per stage and this many hash partitions (None: Ray Data's choice, and
-    partitions sized from the data); the result is the same either way."""
+    `workers`: at most this many Ray Data tasks per stage and this many hash partitions, and the shuffles whatever
+    the corpus's size (None: Ray Data's choice, partitions sized from the data, and a corpus of up to ONE_TASK_DOCS
+    documents in plain Ray tasks); the result is the same either way."""
     import ray
     import ray.data
 
@@ -288,10 +282,7 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None
         raise ValueError(f"data.dedup: {len(sources)} sources, at most {MAX_SOURCES} deduplicate together")
     t0, stages = time.perf_counter(), {}
     compute = ray.data.TaskPoolStrategy(size=workers) if workers else None
-
-    def partitions(rows: int, row_bytes: int) -> int:
-        return workers or _partitions(rows, row_bytes)
-
+    cpus = int(ray.cluster_resources().get("CPU", 1))
     s = len(sources)
     params = spec.params if spec.mode == "near" else None
     parts = []
@@ -303,22 +294,49 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None
                                     batch_format="pyarrow", batch_size=_BATCH_DOCS, compute=compute))
     sigs = (parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]).materialize()
     stages["signatures_s"] = round(time.perf_counter() - t0, 2)
-    read = np.zeros(s, np.int64)
-    if s == 1:  # the materialized blocks' metadata says it: no pass over them
-        read[0] = sigs.count()
+    if log.isEnabledFor(logging.DEBUG):  # Ray Data's per-operator times (bench/dedup_speed.py records them)
+        log.debug("Ray Data, the signatures:\n%s", sigs.stats())
+    docs = sigs.count()  # the materialized blocks' metadata: no pass over them
+    if workers is None and docs <= (ONE_TASK_DOCS if spec.mode == "exact" else ONE_TASK_DOCS // 2):
+        bands = spec.params.bands if spec.mode == "near" else 0
+        removed_ref, read, info = find_removed(sigs.to_arrow_refs(), bands, spec.params.threshold, s, cpus)
+        counts, clusters = counts_of(info, s)
+        stages.update(info["stage_seconds"])
+        blocks = [(*info["bounds"], removed_ref)]
     else:
-        for row in sigs.map_batches(_read_rows, batch_format="pyarrow", batch_size=None).take_all():
-            read[row["priority"]] += row["documents"]
-    docs = int(read.sum())
+        read, counts, clusters, blocks = _by_shuffles(sigs, spec, s, workers, compute, stages)
+    del sigs
+    removals = []
+    shift = DOC_ID_BITS
+    for p in range(s):
+        lo_p, hi_p = p << shift, ((p + 1) << shift) - 1
+        mine = [(lo, hi, r) for lo, hi, n, r in blocks if n and lo <= hi_p and hi >= lo_p]
+        removals.append(Removal(p, np.array([m[0] for m in mine], np.int64), np.array([m[1] for m in mine], np.int64),
+                                [m[2] for m in mine]))
+    names = [src.name for src in sorted(sources, key=lambda x: x.priority)]
+    result = DedupResult(spec, names, read, counts, clusters, removals, time.perf_counter() - t0, stages)
+    log.info("dedup %s: %s", spec.mode, summary(result))
+    return result
+
+
+def _by_shuffles(sigs: "ray.data.Dataset", spec: DedupSpec, s: int, workers: int | None, compute, stages: dict
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+    """The path of a corpus too large for dedup_tasks.py (or of an explicit `workers`): exact copies by a hash shuffle
+    on the exact hash, near copies by a shuffle of band rows on their key, components by large-star/small-star rounds
+    (pipeline/data/dedup_components.py), the removed rows sorted by Ray Data. Returns (read, counts, clusters, removed
+    blocks as (lowest node, highest node, rows, object reference))."""
+    import ray
+
+    def partitions(rows: int, row_bytes: int) -> int:
+        return workers or _partitions(rows, row_bytes)
 
     t1 = time.perf_counter()
-    one_task = workers is None and docs <= ONE_TASK_DOCS  # a corpus whose hashes fit one task: no shuffle at all
-    if one_task:
-        exact = ray.data.from_arrow_refs([ray.remote(_exact_task).remote(
-            sigs.select_columns(["node", "ex_hi", "ex_lo"]).to_arrow_refs())])
-    else:
-        exact = by_partition(sigs.select_columns(["node", "ex_hi", "ex_lo"]), "ex_lo", partitions(docs, 24),
-                             exact_removed, compute)
+    read = np.zeros(s, np.int64)
+    for row in sigs.map_batches(_read_rows, batch_format="pyarrow", batch_size=None).take_all():
+        read[row["priority"]] += row["documents"]
+    docs = int(read.sum())
+    exact = by_partition(sigs.select_columns(["node", "ex_hi", "ex_lo"]), "ex_lo", partitions(docs, 24),
+                         exact_removed, compute)
     removed_parts = [exact]
     if spec.mode == "near":
         k, b = spec.params.num_hashes, spec.params.bands
@@ -331,13 +349,8 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None
         if stars.count():
             removed_parts.append(by_partition(stars, "lo", partitions(docs, 32), star_removed, compute))
     removed = (removed_parts[0].union(*removed_parts[1:]) if len(removed_parts) > 1 else removed_parts[0])
-    if one_task:  # at most `docs` rows: sorted in one task too (Ray Data's sort is a sample, a shuffle and a merge)
-        removed = ray.data.from_arrow_refs([ray.remote(_sorted_task).remote(removed.to_arrow_refs())]).materialize()
-    else:
-        removed = removed.sort("node").materialize()
-    del sigs
+    removed = removed.sort("node").materialize()
     stages["removal_s"] = round(time.perf_counter() - t1, 2)
-
     counts = np.zeros((s, s, 2), np.int64)
     clusters = np.zeros((s, 2), np.int64)
     for row in removed.map_batches(_counts_rows, batch_format="pyarrow", batch_size=None).take_all():
@@ -347,17 +360,7 @@ def deduplicate(sources: list[GroupSource], spec: DedupSpec, workers: int | None
         clusters[keeper, kind] += row["clusters"]
     refs = removed.to_arrow_refs()
     bounds = ray.get([ray.remote(num_cpus=0)(_bounds).remote(r) for r in refs]) if refs else []
-    removals = []
-    shift = DOC_ID_BITS
-    for p in range(s):
-        lo_p, hi_p = p << shift, ((p + 1) << shift) - 1
-        mine = [(lo, hi, r) for (lo, hi, n), r in zip(bounds, refs) if n and lo <= hi_p and hi >= lo_p]
-        removals.append(Removal(p, np.array([m[0] for m in mine], np.int64), np.array([m[1] for m in mine], np.int64),
-                                [m[2] for m in mine]))
-    names = [src.name for src in sorted(sources, key=lambda x: x.priority)]
-    result = DedupResult(spec, names, read, counts, clusters, removals, time.perf_counter() - t0, stages)
-    log.info("dedup %s: %s", spec.mode, summary(result))
-    return result
+    return read, counts, clusters, [(lo, hi, n, r) for (lo, hi, n), r in zip(bounds, refs)]
 
 
 def summary(result: DedupResult) -> str:

@@ -78,18 +78,26 @@ def exact_removed(part: pa.Table) -> pa.Table:
 
 # ----------------------------------------------------------------------------------------------- LSH buckets
 def bucket_edges(part: pa.Table, threshold: float) -> pa.Table:
-    """Candidate pairs of each band bucket (rows with one key), checked against their signatures: an edge (hi, lo)
-    when the sketches' estimated Jaccard similarity reaches `threshold`. Exact copies in a bucket count once (by
-    their smallest node: the copies themselves are the exact stage's). A bucket of up to ALL_PAIRS_UP_TO documents
-    checks every pair; a larger one (boilerplate shared by many pages) each document against the bucket's smallest
-    and against the one before it, which keeps it linear and still links every chain of near copies."""
+    """`bucket_pairs` of one hash partition of band rows (key, node, ex_lo, sketch) as edges (hi, lo)."""
     key, node, ex = _col(part, "key"), _col(part, "node"), _col(part, "ex_lo")
     k = part.schema.field("sketch").type.list_size
     sketch = part.column("sketch").combine_chunks().flatten().to_numpy().reshape(-1, k)
+    return edge_table(*bucket_pairs(key, node, ex, np.arange(len(key)), sketch.__getitem__, threshold))
+
+
+def bucket_pairs(key: np.ndarray, node: np.ndarray, ex: np.ndarray, rows: np.ndarray, sketch_of,
+                 threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate pairs of each band bucket (rows with one key), checked against their signatures: an edge (hi, lo)
+    when the sketches' estimated Jaccard similarity reaches `threshold`. Every bucket's rows must be there (a hash
+    partition, or only the rows of buckets of two or more). `rows`: each row's index for `sketch_of(rows) -> (len,
+    K) uint8`. Exact copies in a bucket count once (by their smallest node: the copies themselves are the exact
+    stage's). A bucket of up to ALL_PAIRS_UP_TO documents checks every pair; a larger one (boilerplate shared by many
+    pages) each document against the bucket's smallest and against the one before it, which keeps it linear and
+    still links every chain of near copies."""
     order = np.lexsort((node, ex, key))
-    key, node, ex, sketch = key[order], node[order], ex[order], sketch[order]
+    key, node, ex, rows = key[order], node[order], ex[order], rows[order]
     reps = _group_starts([key, ex])  # the smallest node of each exact text in each bucket
-    key, node, sketch = key[reps], node[reps], sketch[reps]
+    key, node, rows = key[reps], node[reps], rows[reps]
     starts = _group_starts([key])
     sizes = np.diff(np.append(starts, len(key)))
     a_idx, b_idx = [], []
@@ -105,9 +113,9 @@ def bucket_edges(part: pa.Table, threshold: float) -> pa.Table:
         a_idx.append(s + i)
         b_idx.append(s + j)
     a, b = np.concatenate(a_idx).astype(np.int64), np.concatenate(b_idx).astype(np.int64)
-    ok = estimate_jaccard(sketch[a], sketch[b]) >= threshold
+    ok = estimate_jaccard(sketch_of(rows[a]), sketch_of(rows[b])) >= threshold if len(a) else np.zeros(0, bool)
     a, b = node[a[ok]], node[b[ok]]
-    return edge_table(np.maximum(a, b), np.minimum(a, b))
+    return np.maximum(a, b), np.minimum(a, b)
 
 
 # ----------------------------------------------------------------------------------------------- components
@@ -158,8 +166,11 @@ def small_star(part: pa.Table) -> pa.Table:
 
 
 def star_removed(part: pa.Table) -> pa.Table:
-    """Converged stars partitioned by their centre (lo): every member but the centre is removed, kept by it."""
+    """Converged stars partitioned by their centre (lo): every member but the centre is removed, kept by it; one row
+    per centre has `cluster` 1, so the clusters counted are the connected components (a chain A-B-C is one)."""
     hi, lo = _unique_edges(part)
+    order = np.lexsort((hi, lo))  # by centre: each centre's members in one run
+    hi, lo = hi[order], lo[order]
     starts = _group_starts([lo])
     first = np.zeros(len(hi), bool)
     first[starts] = True

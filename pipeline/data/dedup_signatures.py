@@ -1,5 +1,5 @@
 """What deduplication computes per document: an exact hash, a MinHash signature, its LSH band keys, and the check of
-a candidate pair against the two signatures. Numpy only (no Ray): the prepare stage (pipeline/data/dedup.py) runs it
+a candidate pair against the two signatures. Numpy and Numba (no Ray): the prepare stage (pipeline/data/dedup.py) runs it
 inside Ray Data's map_batches, `validate` (pipeline/data/contamination.py) in one process.
 
     signer = Signer(DedupParams(threshold=0.75, ngram=5))
@@ -14,7 +14,8 @@ Normalisation (documented in docs/data.md#deduplication):
   near    lowercased; words are maximal runs of Unicode word characters (Python's `\\w`), so punctuation and spacing
           do not count; shingles are the word n-grams (n = `ngram`, FineWeb's 5); a document of fewer than n words
           is one shingle of all its words. Word and shingle hashes are 64-bit (a polynomial hash of the UTF-8 bytes,
-          then the splitmix64 finalizer), computed for a whole batch at once in numpy.
+          then the splitmix64 finalizer), computed for a whole batch at once by one compiled kernel
+          (pipeline/data/dedup_kernels.py): each shingle is hashed once, then all K hash functions run over it.
 
 MinHash: K = bands x rows hash functions h_k(x) = (a_k * x + b_k mod 2^64) >> 32 with odd a_k (multiply-shift, a
 universal family for 32-bit values), K minima per document. LSH: band j is rows consecutive minima hashed to one
@@ -96,13 +97,22 @@ def exact_text(text: str) -> str:
     return " ".join(text.split())
 
 
-def exact_hashes(texts: Sequence[str]) -> np.ndarray:
-    """(N, 2) uint64: BLAKE2b-128 of each text's exact normalisation, as (high, low) halves."""
-    out = np.empty((len(texts), 2), np.uint64)
-    for i, t in enumerate(texts):
-        d = hashlib.blake2b(exact_text(t).encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        out[i] = np.frombuffer(d, ">u8")
-    return out
+def exact_hashes(texts: Sequence[str], compiled: bool = False) -> np.ndarray:
+    """(N, 2) uint64: BLAKE2b-128 of each text's exact normalisation, as (high, low) halves. `compiled`: normalise
+    in one Numba kernel over the batch's bytes (pipeline/data/dedup_kernels.py; ~2x the Python's ~100 MB a
+    CPU-second, the same bytes), for a process that loads Numba anyway (near deduplication). Exact deduplication
+    alone does not: Numba's first call in a process costs ~0.5-0.9 CPU-seconds (LLVM's start-up, even from its
+    cache), which a Ray worker would pay before it had hashed ~170 MB."""
+    if compiled:
+        from pipeline.data.dedup_kernels import exact_normalised, utf8_batch
+
+        buf, starts, ends = exact_normalised(*utf8_batch(texts))
+        view = memoryview(buf)
+        pieces = (view[s:e] for s, e in zip(starts.tolist(), ends.tolist()))
+    else:
+        pieces = (exact_text(t).encode("utf-8", "surrogatepass") for t in texts)
+    digests = b"".join([hashlib.blake2b(p, digest_size=16).digest() for p in pieces])
+    return np.frombuffer(digests, ">u8").astype(np.uint64).reshape(len(texts), 2)
 
 
 def near_words(text: str) -> str:
@@ -124,7 +134,7 @@ class Signatures:
 class Signer:
     """Computes Signatures for batches of texts; the hash functions are fixed by _SEED and the params."""
 
-    def __init__(self, params: DedupParams, chunk: int = 8):
+    def __init__(self, params: DedupParams):
         self.params = params
         self.bands, self.rows = params.bands, params.rows
         k = self.bands * self.rows
@@ -132,27 +142,14 @@ class Signer:
         self.a = rng.integers(0, 1 << 63, k, dtype=np.uint64) * _U64(2) + _U64(1)  # odd multipliers
         self.b = rng.integers(0, 1 << 63, k, dtype=np.uint64) * _U64(2)
         self.band_salt = rng.integers(0, 1 << 63, (self.bands, self.rows), dtype=np.uint64) | _U64(1)
-        self.chunk = chunk  # hash functions per pass: (shingles, chunk) uint32 at a time bounds the batch's memory
-        self._p = _U64(0x100000001B3)  # odd: invertible mod 2^64
-        self._p_inv = _U64(pow(0x100000001B3, -1, 1 << 64))
 
     def sign(self, texts: Sequence[str], exact: np.ndarray | None = None) -> Signatures:
-        """Signatures of `texts`; `exact`: their exact hashes when already computed."""
-        n, k = len(texts), self.bands * self.rows
-        exact = exact_hashes(texts) if exact is None else exact
-        shingles, starts, has_words = self.shingles(texts)
-        minhash = np.full((n, k), 0xFFFFFFFF, np.uint32)
-        if len(shingles):
-            docs = np.flatnonzero(has_words)
-            hv = np.empty((len(shingles), self.chunk), np.uint64)  # (S, chunk), reused: no temporaries per step
-            x = shingles[:, None]
-            for c in range(0, k, self.chunk):
-                w = min(self.chunk, k - c)
-                out = hv[:, :w]
-                np.multiply(x, self.a[None, c:c + w], out=out)
-                np.add(out, self.b[None, c:c + w], out=out)
-                np.right_shift(out, _U64(32), out=out)  # the top 32 bits: multiply-shift hashing
-                minhash[docs, c:c + w] = np.minimum.reduceat(out, starts[docs], axis=0)
+        """Signatures of `texts`; `exact`: their exact hashes when already computed. Words, shingles and all K
+        MinHash functions of the whole batch run in one compiled kernel (pipeline/data/dedup_kernels.py)."""
+        from pipeline.data.dedup_kernels import near_minhash, utf8_batch
+
+        exact = exact_hashes(texts, compiled=True) if exact is None else exact
+        minhash, has_words = near_minhash(utf8_batch([t.lower() for t in texts]), self.params.ngram, self.a, self.b)
         return Signatures(exact, minhash, self.band_keys(minhash), (minhash & 0xFF).astype(np.uint8), has_words)
 
     def band_keys(self, minhash: np.ndarray) -> np.ndarray:
@@ -163,55 +160,6 @@ class Signer:
         for r in range(self.rows):
             key = _splitmix64(key ^ (m[:, :, r] * self.band_salt[None, :, r]))
         return key
-
-    def shingles(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(hashes, starts, has_words): every document's shingle hashes laid end to end (uint64), where each
-        document's start (int64, (N,)), and which documents have any word. Words are hashed for the whole batch at
-        once: the UTF-8 bytes of all documents' normalised words, a space after each document."""
-        words = [near_words(t) for t in texts]
-        has_words = np.array([bool(w) for w in words], bool)
-        buf = np.frombuffer((" ".join(words) + " ").encode("utf-8", "surrogatepass"), np.uint8)
-        if not has_words.any():
-            return np.zeros(0, np.uint64), np.zeros(len(texts), np.int64), has_words
-        space = buf == 32
-        # word i spans [begin[i], end[i]): begins where a non-space follows a space (or the start)
-        begin = np.flatnonzero(~space & np.concatenate([[True], space[:-1]]))
-        end = np.flatnonzero(space & np.concatenate([[False], ~space[:-1]]))
-        word_hash = self._substring_hashes(buf, begin, end)
-        # which document each word belongs to: documents are separated by one space each, empty ones by nothing
-        doc_words = np.array([w.count(" ") + 1 if w else 0 for w in words], np.int64)
-        return self._ngrams(word_hash, doc_words) + (has_words,)
-
-    def _substring_hashes(self, buf: np.ndarray, begin: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """The polynomial hash sum_j buf[begin + j] * p^j (mod 2^64) of every [begin, end) range, finalized."""
-        n = len(buf)
-        pw = np.full(n, self._p, np.uint64)
-        pw[0] = 1
-        pw = np.cumprod(pw, dtype=np.uint64)  # p^i, wrapping mod 2^64
-        inv = np.full(n, self._p_inv, np.uint64)
-        inv[0] = 1
-        inv = np.cumprod(inv, dtype=np.uint64)  # p^-i
-        prefix = np.concatenate([[_U64(0)], np.cumsum((buf.astype(np.uint64) + _U64(1)) * pw, dtype=np.uint64)])
-        h = (prefix[end] - prefix[begin]) * inv[begin]
-        return _splitmix64(h ^ (end - begin).astype(np.uint64))
-
-    def _ngrams(self, word_hash: np.ndarray, doc_words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Shingle hashes of each document's word n-grams (a document of fewer words: one shingle of them all)."""
-        n = self.params.ngram
-        first = np.concatenate([[0], np.cumsum(doc_words)[:-1]])  # (N,) index of each document's first word
-        counts = np.where(doc_words >= n, doc_words - n + 1, np.minimum(doc_words, 1))  # shingles per document
-        total = int(counts.sum())
-        doc_of = np.repeat(np.arange(len(doc_words)), counts)
-        pos = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)  # shingle index inside its document
-        start = first[doc_of] + pos
-        width = np.minimum(doc_words[doc_of], n)  # words in each shingle
-        acc = np.zeros(total, np.uint64)
-        for j in range(n):
-            inside = j < width
-            w = np.where(inside, word_hash[np.minimum(start + j, len(word_hash) - 1)], _U64(0))
-            acc = np.where(inside, _splitmix64(acc ^ w) + _U64(j + 1), acc)
-        starts = np.cumsum(counts) - counts
-        return _splitmix64(acc), starts.astype(np.int64)
 
 
 def estimate_jaccard(sketch_a: np.ndarray, sketch_b: np.ndarray) -> np.ndarray:

@@ -55,6 +55,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -96,12 +97,14 @@ REMAINDER_POLICY = "global concat-then-split; the final partial window (< seq_le
 
 def encode_stream(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """(stream, lengths): the documents' ids each followed by EOS, and each document's length without EOS."""
-    ids = tok.encode_batch(texts)
-    flat: list[int] = []
-    for x in ids:
-        flat += x
-        flat.append(tok.eos_id)
-    return np.array(flat, dtype), np.fromiter(map(len, ids), np.int64, len(ids))
+    return token_stream(tok.encode_batch(texts), tok.eos_id, dtype)
+
+
+def token_stream(ids: list[list[int]], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """encode_stream of documents already encoded: their ids laid end to end in C, an EOS inserted after each."""
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
+    return np.insert(flat, np.cumsum(lengths), np.asarray(eos_id, dtype)), lengths
 
 
 def length_histogram(lengths: np.ndarray) -> np.ndarray:
@@ -438,6 +441,8 @@ def _build(cfg: "Config", settings: dict, key: str, out: str, build: Build, ray_
                 check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)  # at once, not hours later
             hand_out(planner.advance(segments.total // width), open_rule)
         timings = {"tokenize_s": round(time.perf_counter() - t0, 2)}
+        if log.isEnabledFor(logging.DEBUG):  # Ray Data's per-operator times (bench/dedup_speed.py records them)
+            log.debug("Ray Data, the tokenizing pass:\n%s", batches.stats())
         check_bad_records(stats.clean, d.on_bad_record, d.max_bad_fraction)
         if stats.clean.documents == 0:
             raise DataSourceError(nothing_usable(d, stats.clean))

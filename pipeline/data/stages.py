@@ -67,7 +67,7 @@ def prepared(cfg) -> tuple[Path | str, Manifest]:
         return _prepare_mixture_main(cfg)
     source = {"builtin": "built-in corpus", "files": f"files {d.path}", "hf": f"Hugging Face {d.hf_name}"}.get(
         d.source, d.source)
-    stage("prepare", f"{source}, seq_len {d.seq_len}, vocab {d.vocab_size}")
+    stage("prepare", f"{source}, seq_len {d.seq_len}, vocab {header_vocab(d)}")
     t0 = time.time()
     out, m = prepare_dataset(cfg)
     c = m.counts
@@ -93,7 +93,7 @@ def _prepare_mixture_main(cfg) -> tuple[Path | str, Manifest]:
     specs = parse_mixture(d.mixture)
     stage("prepare", f"mixture of {len(specs)} source(s): "
                      + ", ".join(f"{s.name} {w:.1%}" for s, w in zip(specs, normalized(specs)))
-                     + f"; seq_len {d.seq_len}, vocab {d.vocab_size}")
+                     + f"; seq_len {d.seq_len}, vocab {header_vocab(d)}")
     t0 = time.time()
     out = prepare_mixture(cfg)
     m = load_manifest(out)
@@ -113,6 +113,21 @@ def _prepare_mixture_main(cfg) -> tuple[Path | str, Manifest]:
     else:  # synthetic sources are token ids without a tokenizer file: there is none to keep
         print(f"  no tokenizer file (synthetic sources, vocab {m.vocab_size})")
     return out, m
+
+
+def header_vocab(d) -> str:
+    """The vocabulary the prepare will have: data.tokenizer's own size when one is given (data.vocab_size is then
+    unused), else data.vocab_size, the size of the tokenizer it trains. A tokenizer that cannot be read is left to
+    the prepare's own one-line error."""
+    from pipeline.data.tokenizer import Tokenizer, TokenizerError
+    from pipeline.storage import StorageError
+
+    if not d.tokenizer:
+        return str(d.vocab_size)
+    try:
+        return f"{Tokenizer(d.tokenizer).vocab_size} (data.tokenizer)"
+    except (TokenizerError, StorageError, OSError):
+        return "of data.tokenizer"
 
 
 def _removed(record: dict) -> str:

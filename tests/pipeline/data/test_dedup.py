@@ -94,6 +94,38 @@ def test_the_same_kept_set_on_one_worker_and_on_several(ray_session, tmp_path, t
     assert {(n >> 32, n & 0xFFFFFFFF) for n in one} == {(i % 4, i // 4) for i in (where["exact"], where["near"])}
 
 
+def changed_at(doc: str, every: int, offset: int) -> str:
+    """doc with word offset, offset + every, ... replaced (distinct replacements per offset)."""
+    return " ".join(f"chg{offset}x{i}" if i % every == offset else w for i, w in enumerate(doc.split()))
+
+
+@pytest.mark.system
+def test_the_record_counts_clusters_as_connected_components(ray_session, tmp_path, tok, monkeypatch):
+    """Near clusters of two, of three as a chain (A-B and B-C linked, A and C further apart than the threshold) and
+    of four (two chains through one document), and an exact pair: clusters_near counts the components, not the
+    removed documents, on the few-tasks path and on the shuffles' path alike."""
+    from pipeline.data import dedup_components
+    from pipeline.data.dedup import GroupSource, dedup_spec, deduplicate
+    from pipeline.data.dedup_signatures import jaccard
+
+    docs = sample_docs(30, 3000)
+    a, b = docs[3], changed_at(docs[3], 60, 10)
+    c = changed_at(b, 60, 40)
+    assert jaccard(a, b, 5) > 0.8 and jaccard(b, c, 5) > 0.8 and jaccard(a, c, 5) < 0.75  # a chain, not a triangle
+    hub = docs[5]
+    four = [changed_at(hub, 60, 10), changed_at(changed_at(hub, 60, 10), 60, 40), changed_at(hub, 60, 30)]
+    corpus = docs + [changed(docs[1], 100), b, c, *four, "  " + docs[7] + "\n"]
+    write_jsonl(tmp_path / "corpus.jsonl", corpus)
+    d = cfg_for(tmp_path, tok, tmp_path / "corpus.jsonl", dedup="near").data
+    records = [deduplicate([GroupSource("", d, 0)], dedup_spec(d)).record(0)]
+    monkeypatch.setattr(dedup_components, "ONE_TASK_EDGES", 0)
+    monkeypatch.setattr("pipeline.data.dedup.ONE_TASK_DOCS", 0)
+    records.append(deduplicate([GroupSource("", d, 0)], dedup_spec(d)).record(0))
+    for rec in records:
+        assert (rec["removed_near"], rec["clusters_near"]) == (1 + 2 + 3, 3), rec
+        assert (rec["removed_exact"], rec["clusters_exact"]) == (1, 1), rec
+
+
 @pytest.mark.system
 def test_a_prepare_with_near_dedup_removes_and_records_the_copies(ray_session, tmp_path, tok, capsys):
     from pipeline.data.stages import prepare_main, validate_main

@@ -4,6 +4,8 @@ settings (one line each when bad) and the cache key. No Ray: the partition funct
 every row, which is what Ray Data's hash shuffle guarantees for each key."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -81,6 +83,71 @@ def test_signatures_do_not_depend_on_the_batch():
     one_by_one = [signer.sign([t]) for t in texts]
     assert all((whole.minhash[i] == s.minhash[0]).all() for i, s in enumerate(one_by_one))
     assert (Signer(DedupParams()).sign(texts).bands == whole.bands).all()  # a new worker: the same hash functions
+
+
+_M64 = (1 << 64) - 1
+TRICKY = ["Straße ΣΑΣ İstanbul café naïve — “quoted” x_y 1,000.5", "a\u00a0b\u2028c\x1cd\u3000e\u200bf",
+          "emoji 😀 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 words", "lone \ud800 surrogate", "one", "a b c", "\t\n ", "", "-- !! --",
+          "e\u0301 combining", " ".join(WORDS[:40]), "CAPS Words MiXeD " * 7]
+
+
+def _mix(x: int) -> int:
+    x ^= x >> 30
+    x = x * 0xBF58476D1CE4E5B9 & _M64
+    x ^= x >> 27
+    x = x * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
+def _reference_minhash(text: str, signer: Signer, n: int) -> list[int] | None:
+    """The near signature by its definition (dedup_signatures.py's docstring), one Python integer at a time."""
+    words = re.findall(r"\w+", text.lower())
+    if not words:
+        return None
+    hashes = []
+    for w in words:
+        h, pw, raw = 0, 1, w.encode("utf-8", "surrogatepass")
+        for byte in raw:
+            h, pw = (h + (byte + 1) * pw) & _M64, pw * 0x100000001B3 & _M64
+        hashes.append(_mix(h ^ len(raw)))
+    width = min(n, len(hashes))
+    shingles = []
+    for i in range(len(hashes) - width + 1):
+        acc = 0
+        for j in range(width):
+            acc = (_mix(acc ^ hashes[i + j]) + j + 1) & _M64
+        shingles.append(_mix(acc))
+    return [min(((int(a) * x + int(b)) & _M64) >> 32 for x in shingles) for a, b in zip(signer.a, signer.b)]
+
+
+@pytest.mark.parametrize("ngram", [5, 2])
+def test_the_compiled_signatures_are_their_definition(ngram):
+    """The Numba kernels (pipeline/data/dedup_kernels.py) against the definitions written out in Python: words as
+    `re`'s \\w finds them in the lowercased text, whitespace as str.split() finds it, including Unicode's."""
+    import hashlib
+
+    signer = Signer(DedupParams(ngram=ngram))
+    sig = signer.sign(TRICKY)
+    for i, t in enumerate(TRICKY):
+        want = _reference_minhash(t, signer, ngram)
+        assert sig.has_words[i] == (want is not None), t
+        assert sig.minhash[i].tolist() == (want or [0xFFFFFFFF] * 112), t
+        digest = hashlib.blake2b(" ".join(t.split()).encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        assert sig.exact[i].tolist() == np.frombuffer(digest, ">u8").tolist(), t
+    assert (exact_hashes(TRICKY) == sig.exact).all()  # exact deduplication's own path, without Numba
+    every_space = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
+    spaced = [f"{every_space}a{every_space}b{every_space}", "", *[f"x{ch}y" for ch in every_space]]
+    assert (exact_hashes(spaced, compiled=True) == exact_hashes(spaced)).all()
+    assert (sig.sketch == (sig.minhash & 0xFF)).all()
+
+
+def test_the_kernels_classify_every_code_point_as_python_does():
+    from pipeline.data.dedup_kernels import SPACE, WORD, char_classes
+
+    table = char_classes()
+    assert np.flatnonzero(table & SPACE).tolist() == [c for c in range(0x110000) if chr(c).isspace()]
+    sample = list(range(0, 0x110000, 7)) + [0x5F, 0x2028, 0x200B, 0x0301, 0x1D518]
+    assert [bool(table[c] & WORD) for c in sample] == [re.fullmatch(r"\w", chr(c)) is not None for c in sample]
 
 
 # ----------------------------------------------------------------------------------------------- exact groups
@@ -168,6 +235,49 @@ def test_components_of_a_random_graph_match_union_find():
     assert dict(zip(member.tolist(), smallest.tolist())) == expected
 
 
+def _union_find_clusters(edges: list[tuple[int, int]]) -> tuple[dict[int, int], int]:
+    """node -> its component's smallest node (for every node but the smallest), and the number of components."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for a, b in edges:
+        ra, rb = find(a), find(b)
+        parent[max(ra, rb)] = min(ra, rb)
+    label = {n: find(n) for n in parent}
+    return {n: r for n, r in label.items() if n != r}, len(set(label.values()))
+
+
+@pytest.mark.parametrize("edges", [
+    [(3, 1), (5, 3), (4, 2)],  # a chain 1-3-5 and a pair 2-4: 2 clusters (star_removed once counted 3)
+    [(2, 1), (3, 2), (4, 3), (5, 4), (6, 5)],  # one chain of six: 1 cluster
+    [(11, 10), (12, 11), (21, 20), (22, 20), (23, 22), (31, 30), (9, 1), (8, 9)],  # four clusters, chains and stars
+    [(7, 1), (6, 2), (5, 3), (8, 7), (8, 6), (9, 5)],  # two chains joined through 8 (1-7-8-6-2) and 3-5-9
+])
+def test_clusters_are_counted_as_connected_components(edges):
+    """The record's clusters_near: one per connected component of the checked edges, whichever way the components
+    are found (in one task, or by the large-star/small-star rounds), whatever order the edges come in."""
+    expected, clusters = _union_find_clusters(edges)
+    for order in (edges, edges[::-1], sorted(edges)):
+        hi, lo = np.array([max(e) for e in order]), np.array([min(e) for e in order])
+        member, smallest = stars_in_one_task(hi, lo)
+        out = star_removed(pa.table({"hi": member, "lo": smallest})).to_pydict()
+        assert dict(zip(out["node"], out["keeper"])) == expected
+        assert sum(out["cluster"]) == clusters, (order, out)
+    assert _components(edges) == expected
+
+
+def test_star_removed_counts_each_centre_once_in_any_row_order():
+    """Rows of one partition by centre, members interleaved across centres (sorted by member): two clusters."""
+    part = pa.table({"hi": pa.array([3, 4, 5, 6], pa.int64()), "lo": pa.array([1, 2, 1, 2], pa.int64())})
+    out = star_removed(part).to_pydict()
+    assert sum(out["cluster"]) == 2 and sorted(zip(out["node"], out["keeper"])) == [(3, 1), (4, 2), (5, 1), (6, 2)]
+
+
 # ----------------------------------------------------------------------------------------------- settings
 @pytest.mark.parametrize("override, message", [
     ({"data.dedup": "fuzzy"}, "data.dedup='fuzzy' is not allowed; choose one of: none, exact, near"),
@@ -201,13 +311,10 @@ def test_the_cache_key_holds_the_settings_and_none_keeps_the_old_key(tmp_path):
 
 
 def test_the_exact_copies_in_one_task_are_those_of_the_partitions_sorted_by_node():
-    """pipeline/data/dedup.py's one-task path (a small corpus) runs exact_removed on every row at once and sorts the
-    result: the same rows as the hash partitions give, each partition on its own, merged and sorted."""
-    import numpy as np
-    import pyarrow as pa
-
-    from pipeline.data.dedup import _sorted
+    """pipeline/data/dedup_tasks.py (a corpus of up to ONE_TASK_DOCS) runs exact_removed on every row at once and
+    sorts the result: the same rows as the hash partitions give, each partition on its own, merged and sorted."""
     from pipeline.data.dedup_components import exact_removed
+    from pipeline.data.dedup_tasks import sorted_by_node as _sorted
 
     rng = np.random.default_rng(0)
     node = rng.permutation(1000).astype(np.int64)
