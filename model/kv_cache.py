@@ -139,13 +139,14 @@ class KVCache:
     def select_rows(self, index: torch.Tensor) -> "KVCache":
         """A cache whose row i is a copy of this cache's row index[i] (index (R,) int64): one prompt's prefix, computed
         once, continued by several rows (the choices of a multiple-choice question, pipeline/eval/harness_model.py).
-        The RoPE tables are shared; keys, values and pads are copied."""
+        The RoPE tables are shared; keys, values, pads and key_bias are copied."""
         rows = copy.copy(self)
         rows.batch_size = int(index.numel())
         rows.k = [k.index_select(0, index) for k in self.k]
         rows.v = [v.index_select(0, index) for v in self.v]
         rows.left_pad = None if self.left_pad is None else self.left_pad.index_select(0, index)
         rows.pad = self.pad.index_select(0, index)
+        rows.key_bias = self.key_bias.index_select(0, index)  # per row: which slots it may attend to
         rows.pos = self.pos.clone()
         return rows
 

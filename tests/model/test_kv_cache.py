@@ -74,6 +74,31 @@ def test_left_padded_batch_matches_each_prompt_alone():
                 last = model(model.logits(last).argmax(-1)[:, None], kv_cache=alone)[:, -1]
 
 
+def test_rows_selected_from_a_left_padded_cache_continue_as_their_prompt_alone():
+    """select_rows copies each chosen row's keys, values, pads and slot visibility: a continuation on the selected
+    rows (a chunk, then one-token steps) equals the same prompt and continuation run alone."""
+    model = make_model()
+    lengths = [3, 8]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    P = max(lengths)
+    pad = torch.tensor([P - n for n in lengths])
+    batch = torch.stack([torch.cat([torch.full((P - len(p),), 3), p]) for p in prompts])
+    owner = torch.tensor([0, 1, 0, 0])  # the short prompt continued three ways, the long one once
+    conts = torch.randint(0, VOCAB, (4, 3), generator=g)
+    with torch.no_grad():
+        cache = model.new_kv_cache(batch_size=2, max_len=P + 4, left_pad=pad)
+        model(batch, kv_cache=cache)
+        rows = cache.select_rows(owner)
+        chunk = model(conts[:, :2], kv_cache=rows)  # (4, 2, D)
+        step = model(conts[:, 2:], kv_cache=rows)[:, 0]  # one more token on the selected rows
+        for r, b in enumerate(owner.tolist()):
+            alone = model(torch.cat([prompts[b], conts[r]])[None])[0]  # no cache
+            n = len(prompts[b])
+            torch.testing.assert_close(chunk[r], alone[n:n + 2], rtol=0, atol=ATOL)
+            torch.testing.assert_close(step[r], alone[n + 2], rtol=0, atol=ATOL)
+
+
 def test_cache_misuse_raises_clear_errors():
     model = make_model()
     tokens, doc_ids = packed_row([5], batch=2)

@@ -126,7 +126,7 @@ def test_a_misspelled_sweep_key_gets_did_you_mean(tmp_path, key, hint):
     res = run_cli("tune", "--space", str(space), "--preset", "test", f"--run.root={tmp_path}")
     assert one_error_line(res) == (f"error: search space {space}: unknown key(s) [{key!r}]; {hint} valid keys: "
                                    f"description, metric, mode, num_samples, max_concurrent_trials, token_budget, "
-                                   f"skip_unfit_batch, scheduler, resources_per_trial, fixed, params")
+                                   f"skip_unfit_batch, scheduler, resources_per_trial, fixed, params, rank_by, rank_mode")
     assert not (tmp_path / "tune").exists()
 
 

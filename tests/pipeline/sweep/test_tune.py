@@ -145,7 +145,7 @@ def test_best_is_the_best_finished_trial_and_the_table_has_every_row():
 
 
 def test_the_table_shows_total_and_active_parameters_when_a_trial_has_experts():
-    from pipeline.sweep.tune import _sizes
+    from pipeline.sweep.results import _sizes
 
     base = load_config("test")
     dense, moe = _sizes(base, {"model.tier": "nano"}), _sizes(base, {"model.tier": "nano", "model.num_experts": 8})
@@ -291,8 +291,8 @@ def test_sweep_end_to_end_with_mlflow_parent_and_children(ray_session, mlflow_se
     children = client.search_runs([exp.experiment_id], f"tags.`{PARENT_RUN_TAG}` = '{parent.info.run_id}'")
     by_bs = {int(c.data.params["train.batch_size"]): c for c in children}
     assert sorted(by_bs) == [1, 4, 64]
-    single_run_params = set(load_config("test").flat()) | {"model.params", "world_size", "tokenizer_sha256",
-                                                           "manifest_hash", "git_commit"}
+    single_run_params = set(load_config("test").flat()) | {"model.params", "model.active_params", "world_size",
+                                                           "tokenizer_sha256", "manifest_hash", "git_commit"}
     final_val = {}
     for bs, child in by_bs.items():
         assert set(child.data.params) == single_run_params  # the same names as a single run
