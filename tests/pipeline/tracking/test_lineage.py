@@ -1,7 +1,8 @@
 """Against a real `mlflow server`: a training run (Ray-free path) lists its dataset as an MLflow dataset input
 with the manifest digest, samples system metrics while it trains and stops sampling when it ends, registers
 its export at the end (tracking.register_model) so that the registered version points at the run and its
-artifacts load with transformers; `eval` logs eval/* to the same run and `export --register` adds a version."""
+artifacts load with transformers; `eval` logs eval/* to the same run, `eval models:/NAME/VERSION --tasks` scores
+the registered version and logs to the run that trained it, and `export --register` adds a version."""
 from __future__ import annotations
 
 import json
@@ -129,3 +130,28 @@ def test_export_register_without_a_tracked_run_writes_nothing(tracked_run, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--register needs the MLflow run" in err[0]
     assert not (tmp_path / "hf").exists()
+
+
+def test_eval_scores_a_registered_model_on_a_local_task_and_logs_to_its_run(tracked_run, tmp_path, capsys):
+    """eval models:/NAME/VERSION --tasks YAML: the registered export is scored by the harness's Hugging Face backend
+    and the scores land in the run that trained it, at the step its version records."""
+    pytest.importorskip("lm_eval")
+    from pipeline.tracking.names import task_metric, task_status_tag
+
+    uri, _, run_id, _ = tracked_run
+    docs = tmp_path / "qa.jsonl"
+    docs.write_text("".join(json.dumps({"q": f"The {w} is", "c": [" red", " green", " blue"], "a": i % 3}) + "\n"
+                            for i, w in enumerate(["sky", "grass", "sea", "rose", "leaf", "night"])))
+    task = tmp_path / "qa.yaml"
+    task.write_text(f"task: lineage_qa\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {docs}\n"
+                    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: c\n"
+                    "doc_to_target: a\nmetric_list:\n  - metric: acc\n")
+    version = client_for(uri).search_model_versions(f"name='{MODEL_NAME}'")[0]
+    assert cli_main(["eval", f"models:/{MODEL_NAME}/{version.version}", "--tasks", str(task),
+                     f"--tracking.tracking_uri={uri}"]) == 0
+    out = capsys.readouterr().out
+    assert "lineage_qa" in out and f"task scores logged to MLflow run {run_id}" in out, out
+    run = client_for(uri).get_run(run_id)
+    assert run.data.tags[task_status_tag("lineage_qa")].startswith("ok at step ")
+    (scored,) = client_for(uri).get_metric_history(run_id, task_metric("lineage_qa", "acc"))
+    assert 0 <= scored.value <= 1 and scored.step == int(version.tags["step"]) == 6  # the run's last checkpoint
