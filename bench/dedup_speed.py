@@ -320,7 +320,9 @@ def main() -> None:
                                                                                      - small["corpus_mb"])
         result["marginal_cpu_s_per_mb"] = round(marginal_cpu, 4)
         result["encode_cpu_s_per_mb"] = round(encode_cpu, 4)
-        result["marginal_cpu_efficiency"] = round(encode_cpu / marginal_cpu, 3)
+        # None when the two sizes' CPU cannot be told apart: the Ray's processes were not counted (a Ray this bench
+        # did not start, as a test's session Ray: only the driver's CPU is seen) or the sizes are too close
+        result["marginal_cpu_efficiency"] = round(encode_cpu / marginal_cpu, 3) if marginal_cpu > 0 else None
     name = "dedup_speed_smoke" if args.smoke else "dedup_speed_" + "_".join(f"{m:g}" for m in args.mb) + "mb"
     print(f"wrote {write_result(name, result, Path(args.out_dir) if args.out_dir else None)}")
 
