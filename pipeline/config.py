@@ -138,8 +138,9 @@ class TrainConfig:
     # that fits (python -m pipeline.train.max_batch --workers N)
     context_parallel_degree: int = 1  # workers that split one row between them (context parallelism); 1 = off
     # The process group's timeout, gloo and NCCL alike (pipeline/train/distributed/collectives.py)
-    # Expert parallelism: a MoE model's experts split over this many workers (model/expert_dispatch.py); it must divide
-    # model.num_experts. Degrees above 1 need the all-to-all implementation, which this version does not have yet
+    # Expert parallelism: a MoE model's experts split over this many workers, tokens moved to them by all-to-all
+    # (pipeline/train/distributed/expert_parallel.py); it must divide model.num_experts, and the degree (x the context
+    # degree) must divide ray.num_workers
     expert_parallel_degree: int = 1  # workers the experts of a MoE model are split over; 1 = every worker holds all
     collective_timeout_s: float = 600.0  # seconds a collective waits for the other ranks before the attempt ends with one line naming the rank, the step and the collective
     # Loss spikes (pipeline/train/spike_guard.py, docs/training.md#loss-spikes): a step whose loss or gradient norm is

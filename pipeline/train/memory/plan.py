@@ -307,10 +307,9 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     ddp with one worker is the one-process run) on a `device_type` device.
 
     expert_degree: a mixture of experts' routed experts split over that many workers (expert parallelism): a
-    worker holds E / degree experts of every MoE layer; under FSDP the experts are sharded over the workers as the
-    rest is (degree x the workers left of the mesh), so the state per worker is the same, and what the degree
-    saves is FSDP's working set (a block's gathered parameters hold E / degree experts); under DDP the experts'
-    state itself is divided by the degree. Each MoE layer also holds the rows it sends and receives (k d per token
+    worker holds E / degree experts of every MoE layer, whole, with their gradients and AdamW moments (they are
+    left out of DDP and FSDP: pipeline/train/distributed/expert_parallel.py); under FSDP the rest is sharded over
+    every worker as before and a gathered block holds no experts. Each MoE layer also holds the rows it sends and receives (k d per token
     each, in the compute dtype). The load is taken as balanced.
 
     Backward is followed block by block: block i's backward holds the activations of the blocks below it, its
@@ -336,14 +335,13 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     fsdp = parallel == "fsdp"
     shard = workers if fsdp else 1
     expert_p = expert_params(s.tier)
-    if expert_degree > 1:  # a worker's experts: E / degree of them, sharded further by FSDP over what is left
-        if not expert_p or s.tier.moe.num_experts % expert_degree or (fsdp and workers % expert_degree):
+    if expert_degree > 1:  # a worker's experts: E / degree of them, whole (left out of DDP and FSDP)
+        if not expert_p or s.tier.moe.num_experts % expert_degree or workers % expert_degree:
             raise ValueError(f"expert_degree={expert_degree} must divide the tier's experts (and the workers)")
         held = expert_p // expert_degree
-        total_p -= expert_p - held  # what this worker's state is made of, before FSDP's sharding
-        block_p -= (expert_p - held) // L
-        shard_e = shard // expert_degree if fsdp else 1
-        local = math.ceil((total_p - held) / shard) + math.ceil(held / shard_e)
+        total_p -= expert_p - held  # what this worker's state is made of
+        block_p -= expert_p // L  # a block FSDP gathers: without the experts, which stay in place
+        local = math.ceil((total_p - held) / shard) + held
     else:
         local = math.ceil(total_p / shard)
     params, adam, grads = 4 * local, 8 * local, 4 * local

@@ -11,7 +11,8 @@ System (one spawn of a gloo group of 4 processes, one engine run in this process
     every rank's rows (tests/pipeline/train/expert_cases.py), fp64: loss within 1e-13, every gradient within 1e-12
     absolute (gradients of ~90 at most; summation order is all that differs);
   - the engine and the loop as launchers run them, 6 steps of nano-moe with the same global batch of 8 rows: expert
-    degree 1 (DDP), 2 and 4 (DDP and FSDP), expert 2 x context 2 (FSDP), for attention, and degrees 1, 2 (FSDP) and
+    degree 1 (DDP), 2 and 4 (DDP and FSDP), 2 with every block checkpointed (the exchange runs again in the
+    recompute), expert 2 x context 2 (FSDP), for attention, and degrees 1, 2 (FSDP) and
     4 (DDP) for resonance, against the one-process engine. fp32: losses rel 1e-5, weights 1e-4 absolute (the
     tolerances tests/pipeline/train/test_context_parallel.py states for AdamW steps whose sums change order);
   - the checkpoint written at expert degree 2 (step 3, 4 workers) resumed at degree 4 (4 workers, DDP and FSDP) and
@@ -147,6 +148,8 @@ def four_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
     out["ep2"] = train(rank, world, dataset, "ep2", {ep: 2}, save_to=f"{tmp}/ep2")
     out["ep4"] = train(rank, world, dataset, "ep4", {ep: 4})
     out["ep2_fsdp"] = train(rank, world, dataset, "ep2_fsdp", {ep: 2}, parallel="fsdp")
+    out["ep2_checkpointed"] = train(rank, world, dataset, "ep2_checkpointed",
+                                    {ep: 2, "model.activation_checkpointing": "all"})
     out["ep4_fsdp"] = train(rank, world, dataset, "ep4_fsdp", {ep: 4}, parallel="fsdp")
     out["ep2_cp2"] = train(rank, world, dataset, "ep2_cp2", {ep: 2, "train.context_parallel_degree": 2,
                                                               "train.batch_size": 4}, parallel="fsdp")
@@ -205,7 +208,7 @@ def test_the_engine_at_expert_degrees_1_2_4_trains_as_one_process(runs):
     over the same global batch; each rank holds E / degree experts."""
     four = runs["four"][0]
     cases = {"ep1": ("one", "ddp", 8), "ep2": ("one", "ddp", 4), "ep4": ("one", "ddp", 2),
-             "ep2_fsdp": ("one", "fsdp", 4), "ep4_fsdp": ("one", "fsdp", 2), "ep2_cp2": ("one", "fsdp", 4),
+             "ep2_fsdp": ("one", "fsdp", 4), "ep2_checkpointed": ("one", "ddp", 4), "ep4_fsdp": ("one", "fsdp", 2), "ep2_cp2": ("one", "fsdp", 4),
              "resonance_ep1": ("resonance_one", "ddp", 8), "resonance_ep2_fsdp": ("resonance_one", "fsdp", 4),
              "resonance_ep4": ("resonance_one", "ddp", 2)}
     for name, (want, parallel, held) in cases.items():
@@ -232,3 +235,74 @@ def test_a_checkpoint_is_not_split_by_experts(runs):
     got = runs["four"][0]["one_to_ep2"]
     assert got["losses"] == pytest.approx(runs["one"]["losses"][SAVE_AT:], **TOL)
     same_weights(runs, "one_to_ep2", "one")
+
+
+
+def leaves_after_step_1(rank: int, world: int, dataset: str, rank0_done: str) -> dict:
+    """Rank 1 leaves the loop after step 1 and stays alive until rank 0 has ended (tests/pipeline/train/
+    test_collectives.py leaves_early, with split experts): rank 0's next step meets collectives nobody joins."""
+    import os
+    import time
+
+    from pipeline.train.distributed.collectives import CollectiveTimeoutError
+    from tests.pipeline.train.test_collectives import _fit, _Left
+
+    def leave(engine, outcome, micro) -> None:
+        if rank == 1 and engine.step == 1:
+            raise _Left
+
+    over = {**MOE, "train.expert_parallel_degree": 2, "ray.num_workers": 2, "train.max_steps": 4,
+            "train.collective_timeout_s": HANG_TIMEOUT_S}
+    error = None
+    try:
+        _fit(rank, world, dataset, over, "ddp", on_step=leave)
+    except CollectiveTimeoutError as exc:
+        error = str(exc)
+    except _Left:
+        pass
+    finally:
+        if rank == 0:
+            Path(rank0_done).touch()
+    if rank == 1:
+        while not os.path.exists(rank0_done):
+            time.sleep(0.05)
+    return {"error": error}
+
+
+def exchange_nobody_joins(rank: int, world: int) -> dict:
+    """The expert group alone under a short timeout (the world's is 600 s): rank 1 does not join rank 0's exchange."""
+    import time
+
+    from pipeline.train.distributed.expert_parallel import ExpertMesh, ExpertSplit
+
+    split = ExpertSplit(ExpertMesh.build(2, 1, "cpu", HANG_TIMEOUT_S), 4)
+    start, error = time.monotonic(), None
+    if rank == 0:
+        try:
+            split.exchange(torch.randn(3, 8), torch.tensor([1, 1, 1, 0]))
+        except RuntimeError as exc:
+            error = str(exc)
+    else:
+        time.sleep(2 * HANG_TIMEOUT_S)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+HANG_TIMEOUT_S = 3.0
+
+
+@pytest.mark.system
+def test_an_exchange_nobody_joins_ends_in_seconds_and_in_one_line_naming_the_rank_and_the_step(tmp_path):
+    """The expert groups are made with train.collective_timeout_s (the process group's own is 600 s here): an
+    exchange nobody joins fails at that timeout; and in the training loop, a rank that stops joining ends the other
+    in collectives.py's one line."""
+    from pipeline.data.synthetic import write_synthetic_dataset
+    from pipeline.train.distributed.process_group import run_workers
+
+    r0, r1 = run_workers(exchange_nobody_joins, 2, timeout_s=600)
+    assert r1["error"] is None and "Timed out" in r0["error"] and r0["seconds"] < 30, r0
+    ds = str(tmp_path / "ds")
+    write_synthetic_dataset(ds, n_train=64, n_val=16, seq_len=64, vocab_size=512, seed=5, rows_per_shard=48)
+    r0, r1 = run_workers(leaves_after_step_1, 2, ds, str(tmp_path / "rank0_done"), timeout_s=HANG_TIMEOUT_S)
+    line = r0["error"]
+    assert r1["error"] is None and line is not None and "\n" not in line
+    assert line.startswith("rank 0 of 2: step 2: ") and f"did not complete within {HANG_TIMEOUT_S:g} s" in line, line
