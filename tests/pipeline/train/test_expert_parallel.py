@@ -84,6 +84,25 @@ def test_no_ray_with_an_expert_degree_is_one_line_that_says_what_to_run():
     assert load_config("test", {**MOE, "train.expert_parallel_degree": 2, "ray.num_workers": 2}) is not None
 
 
+@pytest.mark.parametrize("flags, line", [
+    (["--no-ray", "--train.expert_parallel_degree=2"],
+     "error: train.expert_parallel_degree=2 splits the experts over 2 workers, and --no-ray trains in one process; "
+     "drop --no-ray and train on Ray with --ray.num_workers=2 (or a multiple of it), or set "
+     "train.expert_parallel_degree=1"),
+    (["--train.expert_parallel_degree=2", "--ray.num_workers=3"],
+     "error: ray.num_workers=3 is not a multiple of train.expert_parallel_degree=2: the workers form whole expert "
+     "groups of 2"),
+    (["--train.expert_parallel_degree=3", "--ray.num_workers=3"],
+     "error: train.expert_parallel_degree=3 does not divide model.num_experts=8"),
+])
+def test_the_cli_refuses_each_bad_combination_in_one_line_before_a_run_starts(tmp_path, flags, line):
+    from tests.pipeline.test_cli_checks import one_error_line, run_cli
+
+    res = run_cli("train", "--preset", "test", "--model.tier=nano-moe", *flags, f"--run.root={tmp_path}")
+    assert one_error_line(res).startswith(line), res.stderr
+    assert not any(tmp_path.iterdir())  # refused: no run directory
+
+
 def test_the_engine_in_one_process_refuses_split_experts_and_evaluation_takes_them_whole():
     from pipeline.train.distributed.expert_parallel import ExpertParallelError
     from pipeline.train.engine import Engine
