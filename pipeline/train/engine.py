@@ -215,8 +215,7 @@ class Engine:
         if (self.mesh.degree > 1 or self.experts is not None) and self.parallel == "none":  # gradients must be reduced
             raise ValueError("context and expert parallelism need DDP or FSDP over their workers (parallel='none' "
                              "was asked)")
-        ignored = {f"decoder.{n}": p for n, p in self.experts.params.items()} if self.experts else {}
-        self.model = shard_model(self.module, self.parallel, self.device, self.amp_dtype, ignored=ignored)
+        self.model = shard_model(self.module, self.parallel, self.device, self.amp_dtype, experts=self.experts)
         # sharded: the checkpoint is written by every worker (sharded layout), under FSDP and with split experts
         self.sharded = self.parallel == "fsdp" or self.experts is not None
         if cfg.model.mixer == "resonance":  # FFT, reference scan or scan kernel, as the model runs it (model/flops.py)

@@ -546,11 +546,9 @@ def _load_sharded(engine, directory: str, meta: dict[str, Any], weights_only_mod
     ex = getattr(engine, "experts", None)  # split experts: read as whole-shape DTensors into this rank's blocks (to_global)
     if weights_only_model:
         model_sd = get_model_state_dict(engine.module)
-        if ex is not None:
-            model_sd = ex.to_global(model_sd, MODEL_PREFIX)
-        _dcp_load({"model": model_sd}, reader, no_dist=not engine.sharded)
-        if ex is not None:
-            model_sd = ex.to_local(model_sd)
+        # the whole-shape DTensors share the tensors of model_sd, which DCP fills in place
+        _dcp_load({"model": ex.to_global(model_sd, MODEL_PREFIX) if ex is not None else model_sd}, reader,
+                  no_dist=not engine.sharded)
         _check_keys(*engine.module.load_state_dict(model_sd, strict=False), directory)
         _count_read(meta, reader)
         return
@@ -559,12 +557,11 @@ def _load_sharded(engine, directory: str, meta: dict[str, Any], weights_only_mod
     model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer, options=opts)
     state = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
              "rng": _rng_state(engine)}
-    if ex is not None:
-        state["model"], state["optim"] = ex.to_global(model_sd, MODEL_PREFIX), ex.to_global(state["optim"],
-                                                                                              MODEL_PREFIX)
-    _dcp_load(state, reader, no_dist=not engine.sharded)
-    if ex is not None:
-        state["model"], state["optim"] = ex.to_local(state["model"]), ex.to_local(state["optim"])
+    if ex is not None:  # whole-shape DTensors sharing the tensors of `state`, which DCP fills in place
+        _dcp_load({**state, "model": ex.to_global(state["model"], MODEL_PREFIX),
+                   "optim": ex.to_global(state["optim"], MODEL_PREFIX)}, reader, no_dist=False)
+    else:
+        _dcp_load(state, reader, no_dist=not engine.sharded)
     set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
                    optim_state_dict={**optim_sd, **state["optim"]}, options=opts)
     engine.scheduler.load_state_dict(meta["scheduler"])

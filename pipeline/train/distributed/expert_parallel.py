@@ -22,12 +22,15 @@ so data rank = rank // c as before. 8 workers, e = 2, c = 2, E = 8 experts:
     A MoE layer's routed rows go to the rank that holds their expert and come back (forward; the gradients take
     the reverse way in backward). The counts go first (one all-to-all of E numbers), then the rows, uneven.
   expert gradients (replica group, world / e ranks): the ranks holding the same experts: {0, 1, 4, 5} {2, 3, 6, 7}.
-    After backward each expert's gradient is summed over them and divided by the world size: the mean over every
-    rank's loss, as DDP's average (or FSDP's reduce-scatter) gives every other parameter.
+    Each expert's gradient is summed over them and divided by the world size: the mean over every rank's loss, as
+    DDP's average (or FSDP's reduce-scatter) gives every other parameter.
   everything else (router, attention or resonance mixer, norms, embeddings, shared experts): DDP or FSDP over every
-    rank, as without experts. The expert weights are kept out of DDP and FSDP (ignored parameters): every rank
-    holds its E/e experts whole, with their AdamW moments, which is what the split saves (1/e of the experts'
-    memory); FSDP does not shard them further over the replica group in this version.
+    rank, as without experts.
+Under DDP the expert weights are left out of DDP: every rank holds its E/e experts whole, with their AdamW moments,
+and reduce_gradients all-reduces them over the replica group after backward. Under FSDP (torchtitan's way) each
+layer's experts are an FSDP unit of their own over the replica group (shard_experts): a rank stores 1/(world/e) of
+its block, gathered when the layer reads them and kept until their backward (a module call returns them, so they
+must outlive it), reduce-scattered over the replica group (an average over it; reduce_gradients divides by e too).
 
 The exchange (`ExpertSplit`) moves the rows with torch.distributed.nn.functional.all_to_all_single (autograd-aware,
 uneven splits; gloo and NCCL both run it). Received rows arrive grouped by source rank, then local expert; one
@@ -36,7 +39,8 @@ The groups are created with the run's collective timeout (train.collective_timeo
 an exchange ends in pipeline/train/distributed/collectives.py's one line naming the rank and the step.
 
 Checkpoints are not split by experts: the experts' weights and AdamW moments are saved as DTensors sharded on the
-expert dimension over the expert group (their global shape the whole (E, ...)), in the sharded layout
+expert dimension over the expert group (and over the replica group under FSDP; their global shape the whole
+(E, ...)), in the sharded layout
 (pipeline/train/checkpoints/state.py), so any degree and worker count reads them back, and one process reads the
 whole tensors.
 """
@@ -86,7 +90,7 @@ class ExpertMesh:
     world_size: int
     group: Any = None  # this rank's expert group (the all-to-all)
     replica_group: Any = None  # the ranks holding the same experts (the gradient sum)
-    device_mesh: Any = None  # the expert group as a 1-D DeviceMesh (the checkpoint's DTensors)
+    device_mesh: Any = None  # (expert, replica) DeviceMesh over the two groups: FSDP and the checkpoint's DTensors
     device_type: str = "cpu"
 
     @property
@@ -118,19 +122,23 @@ class ExpertMesh:
                 f"nccl on GPUs: what Ray Train and the Ray-free groups choose), or set the degree to 1")
         e, c = degree, context_degree
         kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
-        mine = group = replica = None
+        group = replica = None
         for r in range(world // (e * c)):
             for ci in range(c):
                 ranks = [(r * e + q) * c + ci for q in range(e)]
                 g = dist.new_group(ranks, **kw)
                 if rank in ranks:
-                    mine, group = ranks, g
+                    group = g
         for q in range(e):
             ranks = [(r * e + q) * c + ci for r in range(world // (e * c)) for ci in range(c)]
             g = dist.new_group(ranks, **kw)
             if rank in ranks:
                 replica = g
-        mesh = DeviceMesh.from_group(group, device_type, mesh=mine, mesh_dim_names=("expert",))
+        # (expert, replica): row q holds experts block q, in the replica group's order; its dimensions are the two
+        # groups above (with their timeout), for FSDP over the replicas and the checkpoint's DTensors
+        layout = torch.tensor([[(r * e + q) * c + ci for r in range(world // (e * c)) for ci in range(c)]
+                               for q in range(e)])
+        mesh = DeviceMesh.from_group([group, replica], device_type, mesh=layout, mesh_dim_names=("expert", "replica"))
         return cls(degree, context_degree, rank, world, group, replica, mesh, device_type)
 
     def describe(self, num_experts: int) -> str:
@@ -189,11 +197,33 @@ class ExpertSplit(ExpertDispatch):
 class ExpertParallel:
     """The experts of a decoder split over an ExpertMesh: each MoE layer keeps its block of experts as its
     parameters ((E/e, ...), sliced from the whole model every rank builds from the same seed) and dispatches
-    through ExpertSplit. `names`: the split parameters' names in the decoder."""
+    through ExpertSplit. `names`: the split parameters' names in the decoder; `params` reads them from it (FSDP
+    replaces them with its sharded ones, and with whole ones while gathered)."""
     mesh: ExpertMesh
     num_experts: int
     dispatch: ExpertSplit
-    params: dict[str, nn.Parameter] = field(default_factory=dict)  # decoder-relative name -> this rank's block
+    decoder: nn.Module
+    names: list[str] = field(default_factory=list)
+    fsdp: bool = False  # the experts are sharded over their replica group by FSDP (shard_experts)
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: self.decoder.get_parameter(n) for n in self.names}
+
+    def shard_experts(self, mp_policy) -> None:
+        """FSDP over the replica group for each layer's experts (torchtitan's way): each rank of it keeps 1/replicas
+        of its block of experts, gathered when the layer reads them (ExpertWeights' call) and kept until backward.
+        Its reduce-scatter averages over the replica group; reduce_gradients divides by the degree too, for the
+        mean over every rank's loss (set_gradient_divide_factor would do it in the collective, with a PREMUL_SUM
+        that gloo does not run)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from model.moe import moe_layers
+
+        for layer in moe_layers(self.decoder):
+            fully_shard(layer.experts, mesh=self.mesh.device_mesh["replica"], mp_policy=mp_policy,
+                        reshard_after_forward=False)
+        self.fsdp = True
 
     @classmethod
     def split(cls, mesh: ExpertMesh, decoder: nn.Module) -> "ExpertParallel":
@@ -210,15 +240,14 @@ class ExpertParallel:
         dispatch = ExpertSplit(mesh, E)
         per, q = E // mesh.degree, mesh.expert_rank
         owner = {id(m): n for n, m in decoder.named_modules()}
-        params = {}
+        names = []
         for layer in layers:
             for leaf in ("w_gate_up", "w_down"):
                 whole = getattr(layer.experts, leaf)
-                block = nn.Parameter(whole.detach()[q * per:(q + 1) * per].clone())
-                setattr(layer.experts, leaf, block)
-                params[f"{owner[id(layer.experts)]}.{leaf}"] = block
+                setattr(layer.experts, leaf, nn.Parameter(whole.detach()[q * per:(q + 1) * per].clone()))
+                names.append(f"{owner[id(layer.experts)]}.{leaf}")
         set_expert_dispatch(decoder, dispatch)
-        return cls(mesh, E, dispatch, params)
+        return cls(mesh, E, dispatch, decoder, names)
 
     def is_expert(self, p: torch.Tensor) -> bool:
         return any(p is q for q in self.params.values())
@@ -231,6 +260,12 @@ class ExpertParallel:
         """Each expert's gradient: summed over the replica group, / world size (module docstring). One all-reduce."""
         import torch.distributed as dist
 
+        if self.fsdp:  # FSDP's reduce-scatter over the replica group averaged them: / degree makes it / world
+            grads = [p.grad for p in self.params.values() if p.grad is not None]
+            if grads:
+                torch._foreach_div_([g.to_local() if hasattr(g, "to_local") else g for g in grads],
+                                    float(self.mesh.degree))
+            return
         params = list(self.params.values())
         for p in params:
             if p.grad is None:  # no row reached these experts on any rank of the group: a zero gradient
@@ -258,7 +293,10 @@ class ExpertParallel:
         norm = get_total_norm([p.grad for p in dense], foreach=True) if dense else torch.zeros(())
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        e_sq = get_total_norm([p.grad for p in experts], foreach=True).float() ** 2
+        e_norm = get_total_norm([p.grad for p in experts], foreach=True)
+        if hasattr(e_norm, "full_tensor"):  # FSDP over the replica group: reduced over its shards
+            e_norm = e_norm.full_tensor()
+        e_sq = e_norm.float() ** 2
         dist.all_reduce(e_sq, group=self.mesh.group)
         total = torch.sqrt(norm.float() ** 2 + e_sq)
         if max_norm != float("inf"):
@@ -286,13 +324,19 @@ class ExpertParallel:
         return whole[q * per:(q + 1) * per]
 
     def as_global(self, local: torch.Tensor):
-        """This rank's (E/e, ...) tensor as a DTensor of the whole (E, ...) shape, sharded on dim 0 over the expert
-        group (the storage shared: DCP reads into it in place)."""
-        from torch.distributed.tensor import DTensor, Shard
+        """This rank's (E/e, ...) block (a DTensor over the replica group under FSDP: its shard of the block) as a
+        DTensor of the whole (E, ...) shape, sharded on dim 0 over the expert group (and then over the replica
+        group); the storage shared: DCP reads into it in place."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        shape = (local.shape[0] * self.mesh.degree, *local.shape[1:])
+        block = local.shape  # the DTensor's global shape is the block's
+        if isinstance(local, DTensor):
+            local, placements = local.to_local(), [Shard(0), Shard(0)]
+        else:
+            placements = [Shard(0), Replicate()]
+        shape = (block[0] * self.mesh.degree, *block[1:])
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, self.mesh.device_mesh, [Shard(0)], run_check=False, shape=shape,
+        return DTensor.from_local(local, self.mesh.device_mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
 
     def state_keys(self, prefix: str = "") -> set[str]:
@@ -312,10 +356,3 @@ class ExpertParallel:
             else:
                 out[k] = v
         return out
-
-    def to_local(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Undo to_global: every DTensor on the expert group -> its local block (the same storage)."""
-        from torch.distributed.tensor import DTensor
-
-        return {k: (v.to_local() if isinstance(v, DTensor) and v.device_mesh is self.mesh.device_mesh else v)
-                for k, v in state.items()}

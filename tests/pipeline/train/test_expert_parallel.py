@@ -15,9 +15,10 @@ System (one spawn of a gloo group of 4 processes, one engine run in this process
     recompute), expert 2 x context 2 (FSDP), for attention, and degrees 1, 2 (FSDP) and
     4 (DDP) for resonance, against the one-process engine. fp32: losses rel 1e-5, weights 1e-4 absolute (the
     tolerances tests/pipeline/train/test_context_parallel.py states for AdamW steps whose sums change order);
-  - the checkpoint written at expert degree 2 (step 3, 4 workers) resumed at degree 4 (4 workers, DDP and FSDP) and
-    at degree 1 (one process): steps 4-6 are those of the run that never stopped; and a one-process checkpoint (full
-    layout, every expert in one tensor) resumed at degree 2 on 4 workers.
+  - the checkpoints written at expert degree 2 (step 3, 4 workers; DDP and FSDP, whose experts are also sharded
+    over their replicas) resumed at degree 4 (4 workers, DDP and FSDP) and at degree 1 (one process): steps 4-6 are
+    those of the run that never stopped; and a one-process checkpoint (full layout, every expert in one tensor)
+    resumed at degree 2 on 4 workers.
 The Ray Train run (4 workers, data 2 x experts 2, FSDP, resumed at another degree) is
 tests/pipeline/train/test_expert_parallel_ray.py.
 """
@@ -150,8 +151,11 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, *, paralle
         sd = {k: v.detach().clone().contiguous() for k, v in sorted(decoder.named_parameters())}
     if rank == 0:
         save_file(sd, str(Path(dataset).parent / f"{name}.safetensors"))
-    held = [int(p.shape[0]) for p in (engine.experts.params.values() if engine.experts else [])]
-    return {"losses": losses, "parallel": engine.parallel, "held": held[:1], "cursor": engine.cursor,
+    held = [int(p.shape[0]) for p in (engine.experts.params.values() if engine.experts else [])]  # the block
+    stored = [int((p.to_local() if hasattr(p, "to_local") else p).shape[0])  # what this rank stores of it
+              for p in (engine.experts.params.values() if engine.experts else [])]
+    return {"losses": losses, "parallel": engine.parallel, "held": held[:1], "stored": stored[:1],
+            "cursor": engine.cursor,
             "expert_rank": engine.experts.mesh.expert_rank if engine.experts else 0}
 
 
@@ -166,7 +170,7 @@ def four_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
     out["ep1"] = train(rank, world, dataset, "ep1", {})
     out["ep2"] = train(rank, world, dataset, "ep2", {ep: 2}, save_to=f"{tmp}/ep2")
     out["ep4"] = train(rank, world, dataset, "ep4", {ep: 4})
-    out["ep2_fsdp"] = train(rank, world, dataset, "ep2_fsdp", {ep: 2}, parallel="fsdp")
+    out["ep2_fsdp"] = train(rank, world, dataset, "ep2_fsdp", {ep: 2}, parallel="fsdp", save_to=f"{tmp}/ep2_fsdp")
     out["ep2_checkpointed"] = train(rank, world, dataset, "ep2_checkpointed",
                                     {ep: 2, "model.activation_checkpointing": "all"})
     out["ep4_fsdp"] = train(rank, world, dataset, "ep4_fsdp", {ep: 4}, parallel="fsdp")
@@ -179,6 +183,7 @@ def four_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
     out["ep2_to_ep4"] = train(rank, world, dataset, "ep2_to_ep4", {ep: 4}, load=f"{tmp}/ep2")
     out["ep2_to_ep4_fsdp"] = train(rank, world, dataset, "ep2_to_ep4_fsdp", {ep: 4}, parallel="fsdp",
                                    load=f"{tmp}/ep2")
+    out["ep2_fsdp_to_ep4"] = train(rank, world, dataset, "ep2_fsdp_to_ep4", {ep: 4}, load=f"{tmp}/ep2_fsdp")
     out["one_to_ep2"] = train(rank, world, dataset, "one_to_ep2", {ep: 2}, load=f"{tmp}/one")
     return out
 
@@ -237,6 +242,8 @@ def test_the_engine_at_expert_degrees_1_2_4_trains_as_one_process(runs):
         assert got["cursor"] == runs[want]["cursor"], name
         assert got["held"] == ([held] if held < 8 else []), name
         same_weights(runs, name, want)
+    # FSDP shards each block of experts over the ranks holding it (ep2: 2 of them, 2 experts each; ep4: 1, whole)
+    assert [four[n]["stored"] for n in ("ep2", "ep2_fsdp", "ep4_fsdp", "ep2_cp2")] == [[4], [2], [2], [2]]
     assert [r["ep2_cp2"]["expert_rank"] for r in runs["four"]] == [0, 0, 1, 1]  # a context group: one expert rank
     assert [r["ep4"]["expert_rank"] for r in runs["four"]] == [0, 1, 2, 3]
 
@@ -246,11 +253,12 @@ def test_the_engine_at_expert_degrees_1_2_4_trains_as_one_process(runs):
 def test_a_checkpoint_is_not_split_by_experts(runs):
     """Written at expert degree 2 on 4 workers, resumed at degree 4 (DDP, FSDP) and at degree 1 in one process: the
     steps after it are those of the run that never stopped; a one-process checkpoint resumes at degree 2."""
-    ep2 = runs["four"][0]["ep2"]
-    for name, got in (("ep2_to_ep4", runs["four"][0]["ep2_to_ep4"]),
-                      ("ep2_to_ep4_fsdp", runs["four"][0]["ep2_to_ep4_fsdp"]), ("ep2_to_one", runs["ep2_to_one"])):
-        assert got["losses"] == pytest.approx(ep2["losses"][SAVE_AT:], **TOL), name
-        same_weights(runs, name, "ep2")
+    four = runs["four"][0]
+    for name, got, was in (("ep2_to_ep4", four["ep2_to_ep4"], "ep2"), ("ep2_to_ep4_fsdp", four["ep2_to_ep4_fsdp"], "ep2"),
+                           ("ep2_fsdp_to_ep4", four["ep2_fsdp_to_ep4"], "ep2_fsdp"),
+                           ("ep2_to_one", runs["ep2_to_one"], "ep2")):
+        assert got["losses"] == pytest.approx(four[was]["losses"][SAVE_AT:], **TOL), name
+        same_weights(runs, name, was)
     got = runs["four"][0]["one_to_ep2"]
     assert got["losses"] == pytest.approx(runs["one"]["losses"][SAVE_AT:], **TOL)
     same_weights(runs, "one_to_ep2", "one")
