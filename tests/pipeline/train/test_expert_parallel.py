@@ -16,7 +16,7 @@ System (one spawn of a gloo group of 4 processes, one engine run in this process
     4 (DDP) for resonance, against the one-process engine. fp32: losses rel 1e-5, weights 1e-4 absolute (the
     tolerances tests/pipeline/train/test_context_parallel.py states for AdamW steps whose sums change order);
   - the checkpoints written at expert degree 2 (step 3, 4 workers; DDP and FSDP, whose experts are also sharded
-    over their replicas) resumed at degree 4 (4 workers, DDP and FSDP) and at degree 1 (one process): steps 4-6 are
+    over their replicas, the FSDP run evaluating before every step's checkpoint and training on after it) resumed at degree 4 (4 workers, DDP and FSDP) and at degree 1 (one process): steps 4-6 are
     those of the run that never stopped; and a one-process checkpoint (full layout, every expert in one tensor)
     resumed at degree 2 on 4 workers.
 The Ray Train run (4 workers, data 2 x experts 2, FSDP, resumed at another degree) is
@@ -104,6 +104,35 @@ def test_the_cli_refuses_each_bad_combination_in_one_line_before_a_run_starts(tm
     assert not any(tmp_path.iterdir())  # refused: no run directory
 
 
+def test_the_mesh_tag_and_the_resume_line_name_the_expert_degree(capfd):
+    """MLflow params keep a run's first values: the tag longtrain.mesh names the expert degree, and after a resume at
+    another one, the step since when and what it was (pipeline/train/ray_train.py _announce_parallel)."""
+    from types import SimpleNamespace
+
+    from pipeline.tracking.names import MESH_TAG
+    from pipeline.train.ray_train import _announce_parallel
+    from tests.pipeline.train.test_elastic import _stub_engine
+
+    class Tags:
+        def __init__(self):
+            self.tags = {}
+
+        def set_tags(self, tags):
+            self.tags.update(tags)
+
+    engine = _stub_engine(4, 1)
+    engine.experts = SimpleNamespace(mesh=SimpleNamespace(degree=4))
+    meta = {"world_size": 4, "layout": "sharded", "config": {"train": {"expert_parallel_degree": 2}}}
+    tracker = Tags()
+    _announce_parallel(engine, meta, tracker)
+    assert tracker.tags[MESH_TAG] == ("4 worker(s), data 4 x context 1, experts split over expert 4 since step 3 "
+                                      "(before: 4 worker(s), data 4 x context 1, expert 2)")
+    assert "expert parallel degree 2 -> 4 (the checkpoint holds every expert whole)" in capfd.readouterr().out
+    tracker = Tags()
+    _announce_parallel(engine, {**meta, "config": {"train": {"expert_parallel_degree": 4}}}, tracker)
+    assert tracker.tags[MESH_TAG] == "4 worker(s), data 4 x context 1, experts split over expert 4"
+
+
 def test_the_engine_in_one_process_refuses_split_experts_and_evaluation_takes_them_whole():
     from pipeline.train.distributed.expert_parallel import ExpertParallelError
     from pipeline.train.engine import Engine
@@ -123,15 +152,17 @@ def cfg_for(**over):
 
 
 def train(rank: int, world: int, dataset: str, name: str, over: dict, *, parallel: str = "ddp",
-          load: str | None = None, save_to: str | None = None) -> dict:
+          load: str | None = None, save_to: str | None = None, evaluate: bool = False) -> dict:
     """STEPS steps with the loop every launcher uses, each data rank reading its rows as Ray Train's workers do; the
     losses and the final whole weights (gathered: Engine.full_model, written to <dataset>/../<name>.safetensors)."""
     from safetensors.torch import save_file
 
-    from pipeline.data.shards import ShardReader
+    from pipeline.data.shards import ShardReader, eval_reader
     from pipeline.train.engine import Engine
     from pipeline.train.loop import Hooks, fit
 
+    if evaluate:  # an evaluation before every step's checkpoint hook (FSDP keeps the experts gathered after it)
+        over = {**over, "train.eval_every": 1, "train.eval_batches": 1}
     cfg = cfg_for(**over, **({"ray.num_workers": world} if world > 1 else {}))
     engine = Engine(cfg, VOCAB, torch.device("cpu"), rank=rank, world_size=world,
                     parallel=parallel if world > 1 else "none")
@@ -146,7 +177,8 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, *, paralle
     t, dr, dw = cfg.train, engine.mesh.data_rank, engine.data_world_size
     fit(engine, lambda epoch, start: ShardReader(dataset, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start,
                                                  rank=dr, world_size=dw),
-        None, Hooks(on_log=lambda e, m: losses.append(m["train/loss"]), on_checkpoint=on_checkpoint), progress=False)
+        (lambda: eval_reader(dataset, t.batch_size, dr, dw)) if evaluate else None,
+        Hooks(on_log=lambda e, m: losses.append(m["train/loss"]), on_checkpoint=on_checkpoint), progress=False)
     with engine.full_model() as decoder:
         sd = {k: v.detach().clone().contiguous() for k, v in sorted(decoder.named_parameters())}
     if rank == 0:
@@ -170,7 +202,8 @@ def four_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
     out["ep1"] = train(rank, world, dataset, "ep1", {})
     out["ep2"] = train(rank, world, dataset, "ep2", {ep: 2}, save_to=f"{tmp}/ep2")
     out["ep4"] = train(rank, world, dataset, "ep4", {ep: 4})
-    out["ep2_fsdp"] = train(rank, world, dataset, "ep2_fsdp", {ep: 2}, parallel="fsdp", save_to=f"{tmp}/ep2_fsdp")
+    out["ep2_fsdp"] = train(rank, world, dataset, "ep2_fsdp", {ep: 2}, parallel="fsdp", save_to=f"{tmp}/ep2_fsdp",
+                            evaluate=True)
     out["ep2_checkpointed"] = train(rank, world, dataset, "ep2_checkpointed",
                                     {ep: 2, "model.activation_checkpointing": "all"})
     out["ep4_fsdp"] = train(rank, world, dataset, "ep4_fsdp", {ep: 4}, parallel="fsdp")
