@@ -13,8 +13,10 @@ System (one spawn of a gloo group of 4 processes, one engine run in this process
   - the engine and the loop as launchers run them, 6 steps of nano-moe with the same global batch of 8 rows: expert
     degree 1 (DDP), 2 and 4 (DDP and FSDP), 2 with every block checkpointed (the exchange runs again in the
     recompute), expert 2 x context 2 (FSDP), for attention, and degrees 1, 2 (FSDP) and
-    4 (DDP) for resonance, against the one-process engine. fp32: losses rel 1e-5, weights 1e-4 absolute (the
-    tolerances tests/pipeline/train/test_context_parallel.py states for AdamW steps whose sums change order);
+    4 (DDP) for resonance, against the one-process engine, every step clipped (train.grad_clip=0.5 under the
+    gradient norm, which is taken over every expert wherever it lives). fp32: losses rel 1e-5, gradient norms rel
+    1e-4, weights 1e-4 absolute (the tolerances tests/pipeline/train/test_context_parallel.py states for AdamW
+    steps whose sums change order);
   - the checkpoints written at expert degree 2 (step 3, 4 workers; DDP and FSDP, whose experts are also sharded
     over their replicas, the FSDP run evaluating before every step's checkpoint and training on after it) resumed at degree 4 (4 workers, DDP and FSDP) and at degree 1 (one process): steps 4-6 are
     those of the run that never stopped; and a one-process checkpoint (full layout, every expert in one tensor)
@@ -146,7 +148,7 @@ def test_the_engine_in_one_process_refuses_split_experts_and_evaluation_takes_th
 # ------------------------------------------------------------------------------------------------- system
 def cfg_for(**over):
     base = {**MOE, "data.seq_len": SEQ, "data.vocab_size": VOCAB, "train.batch_size": 2, "train.max_steps": STEPS,
-            "train.warmup_steps": 2, "train.log_every": 1, "train.checkpoint_every": SAVE_AT, "model.compile": "off", "train.sample_tokens": 0,
+            "train.warmup_steps": 2, "train.log_every": 1, "train.checkpoint_every": SAVE_AT, "train.grad_clip": 0.5, "model.compile": "off", "train.sample_tokens": 0,
             "tracking.enabled": False}
     return load_config("test", {**base, **over})
 
@@ -169,6 +171,7 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, *, paralle
     if load:
         engine.load(load)
     losses: list[float] = []
+    norms: list[float] = []
 
     def on_checkpoint(e, metrics) -> None:
         if save_to and e.step == SAVE_AT:
@@ -178,7 +181,8 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, *, paralle
     fit(engine, lambda epoch, start: ShardReader(dataset, "train", t.batch_size, seed=t.seed, epoch=epoch, start=start,
                                                  rank=dr, world_size=dw),
         (lambda: eval_reader(dataset, t.batch_size, dr, dw)) if evaluate else None,
-        Hooks(on_log=lambda e, m: losses.append(m["train/loss"]), on_checkpoint=on_checkpoint), progress=False)
+        Hooks(on_log=lambda e, m: (losses.append(m["train/loss"]), norms.append(m["train/grad_norm"])),
+              on_checkpoint=on_checkpoint), progress=False)
     with engine.full_model() as decoder:
         sd = {k: v.detach().clone().contiguous() for k, v in sorted(decoder.named_parameters())}
     if rank == 0:
@@ -186,7 +190,7 @@ def train(rank: int, world: int, dataset: str, name: str, over: dict, *, paralle
     held = [int(p.shape[0]) for p in (engine.experts.params.values() if engine.experts else [])]  # the block
     stored = [int((p.to_local() if hasattr(p, "to_local") else p).shape[0])  # what this rank stores of it
               for p in (engine.experts.params.values() if engine.experts else [])]
-    return {"losses": losses, "parallel": engine.parallel, "held": held[:1], "stored": stored[:1],
+    return {"losses": losses, "grad_norms": norms, "parallel": engine.parallel, "held": held[:1], "stored": stored[:1],
             "cursor": engine.cursor,
             "expert_rank": engine.experts.mesh.expert_rank if engine.experts else 0}
 
@@ -272,6 +276,9 @@ def test_the_engine_at_expert_degrees_1_2_4_trains_as_one_process(runs):
         got = four[name]
         assert got["parallel"] == parallel and len(got["losses"]) == STEPS, name
         assert got["losses"] == pytest.approx(runs[want]["losses"], **TOL), name
+        # one norm over every expert wherever it lives, above train.grad_clip=0.5 at every step: clipped alike
+        assert got["grad_norms"] == pytest.approx(runs[want]["grad_norms"], rel=1e-4), name
+        assert min(got["grad_norms"]) > 0.5, name
         assert got["cursor"] == runs[want]["cursor"], name
         assert got["held"] == ([held] if held < 8 else []), name
         same_weights(runs, name, want)
