@@ -637,8 +637,8 @@ def _validate_moe(cfg: Config) -> None:
         more = f" x train.context_parallel_degree={cp}" if cp > 1 else ""
         raise ConfigError(f"ray.num_workers={workers} is not a multiple of train.expert_parallel_degree={ep}{more}: "
                           f"the workers form whole expert groups of {ep * cp} (each group holds every expert once); "
-                          f"set ray.num_workers to a multiple of {ep * cp} (e.g. {ep * cp * max(1, workers // (ep * cp))}"
-                          f"), or change the degree")
+                          f"set ray.num_workers to a multiple of {ep * cp} (e.g. "
+                          f"{ep * cp * max(1, workers // (ep * cp))}), or change the degree")
 
 
 def worker_group(cfg: Config) -> int:

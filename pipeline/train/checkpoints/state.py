@@ -543,7 +543,7 @@ def _load_sharded(engine, directory: str, meta: dict[str, Any], weights_only_mod
 
     opts = StateDictOptions(flatten_optimizer_state_dict=True)
     reader = _safe_reader(_join(directory, SHARDED_DIR))
-    ex = getattr(engine, "experts", None)  # split experts: read as whole-shape DTensors into this rank's blocks (to_global)
+    ex = getattr(engine, "experts", None)  # split experts: read as whole-shape DTensors into this rank's blocks
     if weights_only_model:
         model_sd = get_model_state_dict(engine.module)
         # the whole-shape DTensors share the tensors of model_sd, which DCP fills in place

@@ -3,9 +3,10 @@ a MoE layer takes (model/expert_dispatch.py's protocol), and the gradient reduct
 and whole-weight gathering of the experts it splits.
 
     mesh = ExpertMesh.build(degree=2, context_degree=1, device_type="cpu", timeout_s=600)   # every rank calls it
-    experts = ExpertParallel(mesh, decoder)     # this rank keeps its E/2 experts; every MoE layer dispatches by it
+    experts = ExpertParallel.split(mesh, decoder)  # this rank keeps its E/2 experts; every MoE layer dispatches by it
+    shard_model(module, "ddp" | "fsdp", ..., experts=experts)   # parallel.py: DDP leaves them out, FSDP shards them
     ...backward...
-    experts.reduce_gradients(world_size)       # each expert's gradient summed over the ranks that hold it, / world
+    experts.reduce_gradients()                 # each expert's gradient summed over the ranks that hold it, / world
     norm = experts.clip_grad_norm(module.parameters(), max_norm)   # one norm over every rank's experts
 
 `train.expert_parallel_degree` = e splits the E experts of every MoE layer over e workers: rank q of an expert group
@@ -40,9 +41,8 @@ an exchange ends in pipeline/train/distributed/collectives.py's one line naming 
 
 Checkpoints are not split by experts: the experts' weights and AdamW moments are saved as DTensors sharded on the
 expert dimension over the expert group (and over the replica group under FSDP; their global shape the whole
-(E, ...)), in the sharded layout
-(pipeline/train/checkpoints/state.py), so any degree and worker count reads them back, and one process reads the
-whole tensors.
+(E, ...)), in the sharded layout (pipeline/train/checkpoints/state.py), so any degree and worker count reads them
+back, and one process reads the whole tensors.
 """
 from __future__ import annotations
 
@@ -153,7 +153,6 @@ class ExpertSplit(ExpertDispatch):
     def __init__(self, mesh: ExpertMesh, num_experts: int):
         self.degree, self.rank, self.group = mesh.degree, mesh.expert_rank, mesh.group
         self.num_experts, self.per = num_experts, num_experts // mesh.degree
-        self.sent_rows = 0  # rows this rank sent to other ranks' experts (forward), for a byte count
 
     def local_weight(self, weight: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
@@ -173,7 +172,6 @@ class ExpertSplit(ExpertDispatch):
         dist.all_to_all_single(recv, counts.contiguous(), group=self.group)  # recv[s per + e]: rank s -> my expert e
         by_source = recv.view(d, per)
         send_splits, recv_splits = torch.stack([counts.view(d, per).sum(1), by_source.sum(1)]).tolist()  # one sync
-        self.sent_rows += sum(send_splits) - send_splits[self.rank]
         received = all_to_all_single(rows.new_empty(sum(recv_splits), rows.shape[1]), rows.contiguous(),
                                      recv_splits, send_splits, group=self.group)
         # received: grouped by source rank, then local expert -> by local expert, then source rank (one argsort)

@@ -161,8 +161,8 @@ def parse_phases(doc: Any, cfg: Config, where: str, *, one_process: bool = False
 
 def check_one_process(phases: list[Phase], cfg: Config, where: str, first: int = 0) -> None:
     """train --no-ray: every phase runs in this one process, so a phase that sets train.context_parallel_degree > 1
-    (or train.expert_parallel_degree > 1) is refused before the first step of the first phase (and before a new run's directory is made), not when it
-    comes. `first`: the index of phases[0] in the run."""
+    (or train.expert_parallel_degree > 1) is refused before the first step of the first phase (and before a new
+    run's directory is made), not when it comes. `first`: the index of phases[0] in the run."""
     from pipeline.config import one_process_refusal
 
     for i, phase in enumerate(phases, start=first):

@@ -55,7 +55,8 @@ def one_case(mixer: str, degree: int) -> dict:
             g = p.grad.clone()
             dist.all_reduce(g)
             grad_err = max(grad_err, float((g / world - want).abs().max()))
-    return {"loss_err": abs(float(total) / world - float(ref_loss.detach())), "grad_err": grad_err, "expert_grad_err": expert_err,
+    return {"loss_err": abs(float(total) / world - float(ref_loss.detach())), "grad_err": grad_err,
+            "expert_grad_err": expert_err,
             "grad_scale": max(float(p.grad.abs().max()) for p in ref.parameters()),
             "experts_held": [int(p.shape[0]) for n, p in model.named_parameters() if n in split.params][0]}
 

@@ -17,10 +17,10 @@ System (one spawn of a gloo group of 4 processes, one engine run in this process
     gradient norm, which is taken over every expert wherever it lives). fp32: losses rel 1e-5, gradient norms rel
     1e-4, weights 1e-4 absolute (the tolerances tests/pipeline/train/test_context_parallel.py states for AdamW
     steps whose sums change order);
-  - the checkpoints written at expert degree 2 (step 3, 4 workers; DDP and FSDP, whose experts are also sharded
-    over their replicas, the FSDP run evaluating before every step's checkpoint and training on after it) resumed at degree 4 (4 workers, DDP and FSDP) and at degree 1 (one process): steps 4-6 are
-    those of the run that never stopped; and a one-process checkpoint (full layout, every expert in one tensor)
-    resumed at degree 2 on 4 workers.
+  - the checkpoints written at expert degree 2 (step 3, 4 workers; DDP, and FSDP whose experts are also sharded
+    over their replicas, evaluating before every step's checkpoint and training on after it) resumed at degree 4
+    (4 workers, DDP and FSDP) and at degree 1 (one process): steps 4-6 are those of the run that never stopped; and
+    a one-process checkpoint (full layout, every expert in one tensor) resumed at degree 2 on 4 workers.
 The Ray Train run (4 workers, data 2 x experts 2, FSDP, resumed at another degree) is
 tests/pipeline/train/test_expert_parallel_ray.py.
 """
@@ -148,7 +148,8 @@ def test_the_engine_in_one_process_refuses_split_experts_and_evaluation_takes_th
 # ------------------------------------------------------------------------------------------------- system
 def cfg_for(**over):
     base = {**MOE, "data.seq_len": SEQ, "data.vocab_size": VOCAB, "train.batch_size": 2, "train.max_steps": STEPS,
-            "train.warmup_steps": 2, "train.log_every": 1, "train.checkpoint_every": SAVE_AT, "train.grad_clip": 0.5, "model.compile": "off", "train.sample_tokens": 0,
+            "train.warmup_steps": 2, "train.log_every": 1, "train.checkpoint_every": SAVE_AT, "train.grad_clip": 0.5,
+            "model.compile": "off", "train.sample_tokens": 0,
             "tracking.enabled": False}
     return load_config("test", {**base, **over})
 
@@ -269,7 +270,8 @@ def test_the_engine_at_expert_degrees_1_2_4_trains_as_one_process(runs):
     over the same global batch; each rank holds E / degree experts."""
     four = runs["four"][0]
     cases = {"ep1": ("one", "ddp", 8), "ep2": ("one", "ddp", 4), "ep4": ("one", "ddp", 2),
-             "ep2_fsdp": ("one", "fsdp", 4), "ep2_checkpointed": ("one", "ddp", 4), "ep4_fsdp": ("one", "fsdp", 2), "ep2_cp2": ("one", "fsdp", 4),
+             "ep2_fsdp": ("one", "fsdp", 4), "ep2_checkpointed": ("one", "ddp", 4), "ep4_fsdp": ("one", "fsdp", 2),
+             "ep2_cp2": ("one", "fsdp", 4),
              "resonance_ep1": ("resonance_one", "ddp", 8), "resonance_ep2_fsdp": ("resonance_one", "fsdp", 4),
              "resonance_ep4": ("resonance_one", "ddp", 2)}
     for name, (want, parallel, held) in cases.items():
@@ -294,7 +296,8 @@ def test_a_checkpoint_is_not_split_by_experts(runs):
     """Written at expert degree 2 on 4 workers, resumed at degree 4 (DDP, FSDP) and at degree 1 in one process: the
     steps after it are those of the run that never stopped; a one-process checkpoint resumes at degree 2."""
     four = runs["four"][0]
-    for name, got, was in (("ep2_to_ep4", four["ep2_to_ep4"], "ep2"), ("ep2_to_ep4_fsdp", four["ep2_to_ep4_fsdp"], "ep2"),
+    for name, got, was in (("ep2_to_ep4", four["ep2_to_ep4"], "ep2"),
+                           ("ep2_to_ep4_fsdp", four["ep2_to_ep4_fsdp"], "ep2"),
                            ("ep2_fsdp_to_ep4", four["ep2_fsdp_to_ep4"], "ep2_fsdp"),
                            ("ep2_to_one", runs["ep2_to_one"], "ep2")):
         assert got["losses"] == pytest.approx(four[was]["losses"][SAVE_AT:], **TOL), name
