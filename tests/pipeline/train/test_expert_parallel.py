@@ -12,7 +12,7 @@ System (one spawn of a gloo group of 4 processes, one engine run in this process
     absolute (gradients of ~90 at most; summation order is all that differs);
   - the engine and the loop as launchers run them, 6 steps of nano-moe with the same global batch of 8 rows: expert
     degree 1 (DDP), 2 and 4 (DDP and FSDP), 2 with every block checkpointed (the exchange runs again in the
-    recompute), expert 2 x context 2 (FSDP), for attention, and degrees 1, 2 (FSDP) and
+    recompute), 2 with compiled blocks (the exchange runs eagerly between their graphs), expert 2 x context 2 (FSDP), for attention, and degrees 1, 2 (FSDP) and
     4 (DDP) for resonance, against the one-process engine, every step clipped (train.grad_clip=0.5 under the
     gradient norm, which is taken over every expert wherever it lives). fp32: losses rel 1e-5, gradient norms rel
     1e-4, weights 1e-4 absolute (the tolerances tests/pipeline/train/test_context_parallel.py states for AdamW
@@ -211,6 +211,7 @@ def four_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
                             evaluate=True)
     out["ep2_checkpointed"] = train(rank, world, dataset, "ep2_checkpointed",
                                     {ep: 2, "model.activation_checkpointing": "all"})
+    out["ep2_compiled"] = train(rank, world, dataset, "ep2_compiled", {ep: 2, "model.compile": "on"})
     out["ep4_fsdp"] = train(rank, world, dataset, "ep4_fsdp", {ep: 4}, parallel="fsdp")
     out["ep2_cp2"] = train(rank, world, dataset, "ep2_cp2", {ep: 2, "train.context_parallel_degree": 2,
                                                               "train.batch_size": 4}, parallel="fsdp")
@@ -270,7 +271,8 @@ def test_the_engine_at_expert_degrees_1_2_4_trains_as_one_process(runs):
     over the same global batch; each rank holds E / degree experts."""
     four = runs["four"][0]
     cases = {"ep1": ("one", "ddp", 8), "ep2": ("one", "ddp", 4), "ep4": ("one", "ddp", 2),
-             "ep2_fsdp": ("one", "fsdp", 4), "ep2_checkpointed": ("one", "ddp", 4), "ep4_fsdp": ("one", "fsdp", 2),
+             "ep2_fsdp": ("one", "fsdp", 4), "ep2_checkpointed": ("one", "ddp", 4),
+             "ep2_compiled": ("one", "ddp", 4), "ep4_fsdp": ("one", "fsdp", 2),
              "ep2_cp2": ("one", "fsdp", 4),
              "resonance_ep1": ("resonance_one", "ddp", 8), "resonance_ep2_fsdp": ("resonance_one", "fsdp", 4),
              "resonance_ep4": ("resonance_one", "ddp", 2)}
