@@ -12,7 +12,8 @@ System (one spawn of a gloo group of 4 processes, one engine run in this process
     absolute (gradients of ~90 at most; summation order is all that differs);
   - the engine and the loop as launchers run them, 6 steps of nano-moe with the same global batch of 8 rows: expert
     degree 1 (DDP), 2 and 4 (DDP and FSDP), 2 with every block checkpointed (the exchange runs again in the
-    recompute), 2 with compiled blocks (the exchange runs eagerly between their graphs), expert 2 x context 2 (FSDP), for attention, and degrees 1, 2 (FSDP) and
+    recompute), 2 with compiled blocks (the exchange runs eagerly between their graphs), expert 2 x context 2 (FSDP),
+    and, against degree 1 on the same 4 ranks, a capacity factor (degree 2) and the selection bias (2, FSDP), for attention, and degrees 1, 2 (FSDP) and
     4 (DDP) for resonance, against the one-process engine, every step clipped (train.grad_clip=0.5 under the
     gradient norm, which is taken over every expert wherever it lives). fp32: losses rel 1e-5, gradient norms rel
     1e-4, weights 1e-4 absolute (the tolerances tests/pipeline/train/test_context_parallel.py states for AdamW
@@ -212,6 +213,14 @@ def four_workers(rank: int, world: int, dataset: str, tmp: str) -> dict:
     out["ep2_checkpointed"] = train(rank, world, dataset, "ep2_checkpointed",
                                     {ep: 2, "model.activation_checkpointing": "all"})
     out["ep2_compiled"] = train(rank, world, dataset, "ep2_compiled", {ep: 2, "model.compile": "on"})
+    # a capacity (each rank drops by its own tokens, so the reference is degree 1 on the same 4 ranks) and the
+    # selection bias (moved by the global load), 3 steps each
+    cap, bias = {"model.moe_capacity_factor": 1.0, "train.max_steps": 3}, {"model.moe_balance": "bias",
+                                                                          "train.max_steps": 3}
+    out["capacity_ep1"] = train(rank, world, dataset, "capacity_ep1", cap)
+    out["capacity_ep2"] = train(rank, world, dataset, "capacity_ep2", {**cap, ep: 2})
+    out["bias_ep1"] = train(rank, world, dataset, "bias_ep1", bias)
+    out["bias_ep2_fsdp"] = train(rank, world, dataset, "bias_ep2_fsdp", {**bias, ep: 2}, parallel="fsdp")
     out["ep4_fsdp"] = train(rank, world, dataset, "ep4_fsdp", {ep: 4}, parallel="fsdp")
     out["ep2_cp2"] = train(rank, world, dataset, "ep2_cp2", {ep: 2, "train.context_parallel_degree": 2,
                                                               "train.batch_size": 4}, parallel="fsdp")
@@ -286,6 +295,9 @@ def test_the_engine_at_expert_degrees_1_2_4_trains_as_one_process(runs):
         assert got["cursor"] == runs[want]["cursor"], name
         assert got["held"] == ([held] if held < 8 else []), name
         same_weights(runs, name, want)
+    for name, want in (("capacity_ep2", "capacity_ep1"), ("bias_ep2_fsdp", "bias_ep1")):
+        assert four[name]["losses"] == pytest.approx(four[want]["losses"], **TOL), name
+        same_weights(runs, name, want)  # the selection bias is a buffer: not among the weights compared
     # FSDP shards each block of experts over the ranks holding it (ep2: 2 of them, 2 experts each; ep4: 1, whole)
     assert [four[n]["stored"] for n in ("ep2", "ep2_fsdp", "ep4_fsdp", "ep2_cp2")] == [[4], [2], [2], [2]]
     assert [r["ep2_cp2"]["expert_rank"] for r in runs["four"]] == [0, 0, 1, 1]  # a context group: one expert rank
