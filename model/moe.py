@@ -81,6 +81,11 @@ class ExpertWeights(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn, d_model))
         self.w_down = nn.Parameter(torch.empty(num_experts, d_model, ffn))
 
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_gate_up, w_down): read through a call, so that a wrapper that shards the experts on their own (FSDP
+        over the ranks holding the same experts, pipeline/train/distributed/) gathers them first."""
+        return self.w_gate_up, self.w_down
+
 
 def _swiglu_rows(h: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """One expert on its rows: (n, D) -> (n, D)."""
@@ -161,8 +166,9 @@ class MoEFeedForward(nn.Module):
         N, k, E = flat.shape[0], self.spec.experts_per_token, self.spec.num_experts
         cdt = self.compute_dtype(flat)
         h = flat.to(cdt)
-        w_gu = self.dispatch.local_weight(self.experts.w_gate_up).to(cdt)  # (E_local, 2F, D)
-        w_dn = self.dispatch.local_weight(self.experts.w_down).to(cdt)  # (E_local, D, F)
+        w_gu, w_dn = self.experts()
+        w_gu = self.dispatch.local_weight(w_gu).to(cdt)  # (E_local, 2F, D)
+        w_dn = self.dispatch.local_weight(w_dn).to(cdt)  # (E_local, D, F)
         impl = self.choose_impl(N * k, flat.device, cdt)
         capacity = self.capacity(N, group_align(cdt))
         if impl == "gathered" and not capacity:  # no dispatch at all: each assignment's own weights

@@ -138,8 +138,9 @@ class TrainConfig:
     # that fits (python -m pipeline.train.max_batch --workers N)
     context_parallel_degree: int = 1  # workers that split one row between them (context parallelism); 1 = off
     # The process group's timeout, gloo and NCCL alike (pipeline/train/distributed/collectives.py)
-    # Expert parallelism: a MoE model's experts split over this many workers (model/expert_dispatch.py); it must divide
-    # model.num_experts. Degrees above 1 need the all-to-all implementation, which this version does not have yet
+    # Expert parallelism: a MoE model's experts split over this many workers, tokens moved to them by all-to-all
+    # (pipeline/train/distributed/expert_parallel.py); it must divide model.num_experts, and the degree (x the context
+    # degree) must divide ray.num_workers
     expert_parallel_degree: int = 1  # workers the experts of a MoE model are split over; 1 = every worker holds all
     collective_timeout_s: float = 600.0  # seconds a collective waits for the other ranks before the attempt ends with one line naming the rank, the step and the collective
     # Loss spikes (pipeline/train/spike_guard.py, docs/training.md#loss-spikes): a step whose loss or gradient norm is
@@ -629,10 +630,21 @@ def _validate_moe(cfg: Config) -> None:
     if E % ep:
         raise ConfigError(f"train.expert_parallel_degree={ep} does not divide model.num_experts={E}: each worker of "
                           f"an expert group holds E / degree experts; choose a divisor of {E}")
-    if ep > 1:
-        raise ConfigError(f"train.expert_parallel_degree={ep} needs the distributed expert exchange (an all-to-all "
-                          f"over the expert group), which this version does not have yet; train with degree 1 (every "
-                          f"worker holds all {E} experts; FSDP shards them with the other parameters)")
+    if ep == 1:
+        return
+    cp, workers = t.context_parallel_degree, cfg.ray.num_workers
+    if workers % (ep * cp):
+        more = f" x train.context_parallel_degree={cp}" if cp > 1 else ""
+        raise ConfigError(f"ray.num_workers={workers} is not a multiple of train.expert_parallel_degree={ep}{more}: "
+                          f"the workers form whole expert groups of {ep * cp} (each group holds every expert once); "
+                          f"set ray.num_workers to a multiple of {ep * cp} (e.g. "
+                          f"{ep * cp * max(1, workers // (ep * cp))}), or change the degree")
+
+
+def worker_group(cfg: Config) -> int:
+    """The workers that must come and go together: a context group (train.context_parallel_degree) times the
+    expert-parallel degree (one copy of every expert); 1 without either."""
+    return cfg.train.context_parallel_degree * cfg.train.expert_parallel_degree
 
 
 def _check_mixture(text: str) -> None:
@@ -684,11 +696,14 @@ def rows_per_step(cfg: Config) -> int:
     return t.batch_size * t.grad_accum * (cfg.ray.num_workers // t.context_parallel_degree)
 
 
-def one_process_refusal(degree: int) -> str:
-    """Why a run in one plain process (--no-ray) cannot take train.context_parallel_degree > 1, and what to run."""
-    return (f"train.context_parallel_degree={degree} splits each row over {degree} workers, and --no-ray trains in one "
+def one_process_refusal(degree: int, what: str = "context") -> str:
+    """Why a run in one plain process (--no-ray) cannot take train.context_parallel_degree > 1 (what="context") or
+    train.expert_parallel_degree > 1 (what="experts"), and what to run."""
+    key, splits = (("train.context_parallel_degree", "each row") if what == "context" else
+                   ("train.expert_parallel_degree", "the experts"))
+    return (f"{key}={degree} splits {splits} over {degree} workers, and --no-ray trains in one "
             f"process; drop --no-ray and train on Ray with --ray.num_workers={degree} (or a multiple of it), or set "
-            f"train.context_parallel_degree=1")
+            f"{key}=1")
 
 
 def elastic_worker_counts(cfg: Config) -> list[int]:
@@ -696,8 +711,8 @@ def elastic_worker_counts(cfg: Config) -> list[int]:
     x ray.num_workers sequences per optimizer step) with a whole number of micro-batches per worker; under context
     parallelism (degree d) only whole context groups: multiples of d, the micro-batches counted per group."""
     r, t = cfg.ray, cfg.train
-    cp = t.context_parallel_degree
-    return [w for w in range(cp, r.num_workers + 1, cp) if (t.grad_accum * r.num_workers // cp) % (w // cp) == 0]
+    cp, unit = t.context_parallel_degree, worker_group(cfg)  # split experts: whole expert groups too
+    return [w for w in range(unit, r.num_workers + 1, unit) if (t.grad_accum * r.num_workers // cp) % (w // cp) == 0]
 
 
 def _validate_elastic(cfg: Config) -> None:
@@ -717,8 +732,14 @@ def _validate_elastic(cfg: Config) -> None:
         raise ConfigError(f"{text}: an elastic range keeps whole context groups (train.context_parallel_degree={cp}), "
                           f"so MIN must be a multiple of {cp} too; write e.g. {cp * max(1, r.min_workers // cp)}-"
                           f"{r.num_workers}")
+    ep, unit = t.expert_parallel_degree, worker_group(cfg)
+    if ep > 1 and (r.min_workers % unit or r.num_workers % unit):
+        more = f" x train.context_parallel_degree={cp}" if cp > 1 else ""
+        raise ConfigError(f"{text}: an elastic range keeps whole expert groups (train.expert_parallel_degree={ep}"
+                          f"{more}), so MIN and MAX must be multiples of {unit}; write e.g. "
+                          f"{unit * max(1, r.min_workers // unit)}-{unit * max(1, r.num_workers // unit)}")
     can = elastic_worker_counts(cfg)
-    cannot = [w for w in range(r.min_workers, r.num_workers + 1, cp) if w not in can]
+    cannot = [w for w in range(r.min_workers, r.num_workers + 1, unit) if w not in can]
     if cannot:
         rows = r.num_workers // cp  # rows per micro-batch step at MAX: one per context group
         global_batch = t.batch_size * t.grad_accum * rows
@@ -970,6 +991,9 @@ def load_config(preset_name: str | None = None, overrides: list[str] | dict[str,
         degree = int(overrides.get("train.context_parallel_degree", base.train.context_parallel_degree))
         if degree > 1:
             raise ConfigError(one_process_refusal(degree))
+        degree = int(overrides.get("train.expert_parallel_degree", base.train.expert_parallel_degree))
+        if degree > 1:
+            raise ConfigError(one_process_refusal(degree, "experts"))
     return base.replace(overrides)
 
 

@@ -172,7 +172,8 @@ class Engine:
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, cfg: Config, vocab_size: int, device: torch.device | None = None, *, rank: int = 0,
-                 world_size: int = 1, parallel: str | None = None, context: int | None = None):
+                 world_size: int = 1, parallel: str | None = None, context: int | None = None,
+                 experts: int | None = None):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.device = device or default_device()
         self.rank, self.world_size = rank, world_size
@@ -186,15 +187,24 @@ class Engine:
                               tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
                               attention=cfg.model.attention, activation_checkpointing=cfg.model.activation_checkpointing)
         decoder.to(self.device)
+        self.n_params = sum(p.numel() for p in decoder.parameters())  # every expert counted, whatever the split
+        cp_degree = cfg.train.context_parallel_degree if context is None else context
+        ep_degree = cfg.train.expert_parallel_degree if experts is None else experts
+        # Expert parallelism: every rank built the whole model from the same seed and keeps its block of experts
+        # (pipeline/train/distributed/expert_parallel.py); before compile and before DDP or FSDP see the parameters
+        self.experts = None
+        if ep_degree > 1:
+            from pipeline.train.distributed.expert_parallel import ExpertMesh, ExpertParallel
+
+            self.experts = ExpertParallel.split(
+                ExpertMesh.build(ep_degree, cp_degree, self.device.type, cfg.train.collective_timeout_s), decoder)
         if cfg.model.compile == "on" or (cfg.model.compile == "auto" and self.device.type == "cuda"):
             decoder.compile_blocks()  # before sharding: FSDP's hooks stay outside the compiled graphs
-        self.n_params = sum(p.numel() for p in decoder.parameters())
         self.moe = MoEBalance.for_model(decoder, cfg, self.device)  # a mixture of experts' aux losses, bias, metrics
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
         # The (data x context) mesh: every rank builds it here (it creates the context groups), before the model is
         # shared over all the ranks (DDP or FSDP over data x context); one line when the workers cannot form it
-        self.mesh = ContextMesh.build(cfg.train.context_parallel_degree if context is None else context,
-                                      self.device.type)
+        self.mesh = ContextMesh.build(cp_degree, self.device.type)
         self.data_world_size = max(1, world_size // self.mesh.degree)
         self.counts_rows = self.mesh.context_rank == 0  # a row's per-token statistics: once per context group
         self.module = LossModule(decoder, cfg.train.ce_chunk_size, self.mesh.split(decoder.CONTEXT_LAYOUT))
@@ -202,10 +212,12 @@ class Engine:
             self.parallel, self.parallel_reason = resolve_parallel(cfg, vocab_size, self.device, shape=self.shape)
         else:
             self.parallel, self.parallel_reason = parallel, "set by the caller"
-        if self.mesh.degree > 1 and self.parallel == "none":  # a context group's gradients must be summed
-            raise ValueError("context parallelism needs DDP or FSDP over its workers (parallel='none' was asked)")
-        self.model = shard_model(self.module, self.parallel, self.device, self.amp_dtype)
-        self.sharded = self.parallel == "fsdp"
+        if (self.mesh.degree > 1 or self.experts is not None) and self.parallel == "none":  # gradients must be reduced
+            raise ValueError("context and expert parallelism need DDP or FSDP over their workers (parallel='none' "
+                             "was asked)")
+        self.model = shard_model(self.module, self.parallel, self.device, self.amp_dtype, experts=self.experts)
+        # sharded: the checkpoint is written by every worker (sharded layout), under FSDP and with split experts
+        self.sharded = self.parallel == "fsdp" or self.experts is not None
         if cfg.model.mixer == "resonance":  # FFT, reference scan or scan kernel, as the model runs it (model/flops.py)
             self.flops_per_token = resonance_flops_per_token(tier, cfg.data.seq_len, vocab_size,
                                                              form=decoder.training_form(self.device))
@@ -352,7 +364,11 @@ class Engine:
             seqs += tokens.shape[0]
             toks += tokens.shape[0] * (tokens.shape[1] - 1)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True)
+        if self.experts is not None:  # split experts: their gradients summed over their replicas, one global norm
+            self.experts.reduce_gradients()
+            grad_norm = self.experts.clip_grad_norm(self.module.parameters(), clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True)
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over the shards
             grad_norm = grad_norm.full_tensor()
         verdict = due = None
@@ -541,8 +557,9 @@ class Engine:
         units = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
         for unit in units:
             unit.unshard()
-        try:
-            yield _hookless_twin(self.module.decoder, self.cfg)
+        try:  # split experts: every rank gathers the whole (E, ...) weights; the twin's MoE layers hold them all
+            whole = self.experts.whole_weights() if self.experts is not None else {}
+            yield _hookless_twin(self.module.decoder, self.cfg, whole)
         finally:
             for unit in units:
                 unit.reshard()
@@ -563,15 +580,19 @@ def announce_kernels(engine: Engine, tracker=None, say=print) -> str:
     return line
 
 
-def _hookless_twin(decoder: nn.Module, cfg: Config) -> nn.Module:
+def _hookless_twin(decoder: nn.Module, cfg: Config, whole: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """A plain (unsharded, uncompiled) decoder of the same tier whose parameters and buffers ARE `decoder`'s current
     tensors: built on the meta device, then every tensor slot pointed at the original's. Call it while the sharded
-    decoder's parameters are unsharded; drop it before they are resharded (their storage is freed then)."""
+    decoder's parameters are unsharded; drop it before they are resharded (their storage is freed then). `whole`:
+    tensors that take the place of `decoder`'s by name (split experts' whole weights; the twin holds every expert
+    and dispatches locally)."""
+    whole = whole or {}
     with torch.device("meta"):
         twin = build_model(model_tier(cfg), decoder.vocab_size, mixer=cfg.model.mixer, rope=model_rope(cfg, say=False),
                            tie_embeddings=cfg.model.tie_embeddings, doc_masking=cfg.model.doc_masking,
                            attention=cfg.model.attention)
     for name, tensor in [*decoder.named_parameters(), *decoder.named_buffers()]:
+        tensor = whole.get(name, tensor)
         owner, _, leaf = name.rpartition(".")
         module = twin.get_submodule(owner) if owner else twin
         slots = module._parameters if leaf in module._parameters else module._buffers

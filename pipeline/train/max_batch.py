@@ -122,6 +122,10 @@ def find_max_batch(cfg: Config, *, tier: str | None = None, seq_len: int | None 
         raise ConfigError(f"the measured search runs one process, and train.context_parallel_degree="
                           f"{cfg.train.context_parallel_degree} splits each row over several: plan it with --workers N "
                           f"(a multiple of the degree), and add --measure to run the plan's choice on N processes")
+    if cfg.train.expert_parallel_degree > 1:
+        raise ConfigError(f"the measured search runs one process, and train.expert_parallel_degree="
+                          f"{cfg.train.expert_parallel_degree} splits the experts over several: plan it with --workers "
+                          f"N (a multiple of the degree), and add --measure to run the plan's choice on N processes")
     device = device or default_device()
     limit = cfg.train.memory_limit_gib if memory_limit_gib is None else memory_limit_gib
     simulated = limit > 0
@@ -373,9 +377,7 @@ def _print_expert_degree(cfg: Config, vocab: int, workers: int, limit: float, de
     print(f"expert parallelism: the smallest degree that fits is {q.expert_degree} (each MoE layer's experts split "
           f"over {q.expert_degree} workers): --train.expert_parallel_degree={q.expert_degree} --train.parallel="
           f"{c.parallel} --model.activation_checkpointing={c.activation_checkpointing} --train.batch_size="
-          f"{c.max_batch} ({size_text(c.peak_bytes)} per worker)" + ("" if q.expert_degree == 1 else
-                                                                      "; degrees above 1 need the distributed expert "
-                                                                      "exchange, which this version does not have"))
+          f"{c.max_batch} ({size_text(c.peak_bytes)} per worker)")
     return q.to_dict()
 
 

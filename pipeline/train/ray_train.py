@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Config, from_flat
+from pipeline.config import Config, from_flat, worker_group
 from pipeline.console import INTERACTIVE_ENV, interactive, quiet_ray_data, quiet_ray_train_worker, worker_print
 from pipeline.ray_runtime import ensure_ray, require_shared, use_gpu, worker_cpus, workers_may_be_elsewhere
 from pipeline import storage_faults as faults
@@ -178,6 +178,8 @@ def train_loop_per_worker(lc: dict[str, Any]) -> None:
             from pipeline.train.distributed.context_parallel import describe_context
 
             worker_print(f"context: {describe_context(engine)}")
+        if engine.experts is not None:  # how the experts are split (pipeline/train/distributed/expert_parallel.py)
+            worker_print(f"experts: {engine.experts.describe()}")
         elastic.announce(resumes.start(engine, meta), tracker)
     t = cfg.train
     dataset_dir = lc["dataset_dir"]
@@ -289,14 +291,18 @@ def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
     before = (meta or {}).get("world_size")
     old_cfg = (meta or {}).get("config", {}).get("train", {})
     old_cp, cp = old_cfg.get("context_parallel_degree", 1), engine.mesh.degree
-    changed = bool(before) and (before != engine.world_size or old_cp != cp)
+    experts = getattr(engine, "experts", None)
+    old_ep, ep = old_cfg.get("expert_parallel_degree", 1), experts.mesh.degree if experts is not None else 1
+    changed = bool(before) and (before != engine.world_size or old_cp != cp or old_ep != ep)
     if tracker is not None:
         from pipeline.tracking.names import MESH_TAG, PARALLEL_TAG
 
         mesh = f"{engine.world_size} worker(s), data {engine.data_world_size} x context {cp}"
+        if ep > 1 or old_ep > 1:  # the experts' split: each block of experts on `expert` ranks of the data ranks
+            mesh += f", experts split over expert {ep}"
         if changed:  # the run's params keep the first values: the tag says what it trains on since this step
             mesh += (f" since step {engine.step} (before: {before} worker(s), data {before // old_cp} x context "
-                     f"{old_cp})")
+                     f"{old_cp}{f', expert {old_ep}' if ep > 1 or old_ep > 1 else ''})")
         tracker.set_tags({PARALLEL_TAG: f"{engine.parallel}: {engine.parallel_reason}", MESH_TAG: mesh})
     if changed:
         t = engine.cfg.train
@@ -308,6 +314,8 @@ def _announce_parallel(engine, meta: dict[str, Any] | None, tracker) -> None:
                                                     f"workers / train.context_parallel_degree): set them to keep "
                                                     f"{old_global}")
         degrees = "" if old_cp == cp else f", context parallel degree {old_cp} -> {cp} (the weights are not split by it)"
+        if old_ep != ep:  # a checkpoint holds every expert whole: any degree reads it
+            degrees += f", expert parallel degree {old_ep} -> {ep} (the checkpoint holds every expert whole)"
         worker_print(f"resume: checkpoint written by {before} worker(s) ({meta.get('layout', 'full')} layout), "
                      f"resumed on {engine.world_size}{degrees}{note}")
 
@@ -389,7 +397,7 @@ def run_training(cfg: Config, dataset_dir: str | Path, run_dir: str | Path, *, m
           "score_tasks": score_tasks}
     # An error that the next attempt would raise again (a broken checkpoint, a refused config) spends no retry
     trainer = elastic.keeping_context_groups(_without_dataset_manager(trainer_class(TorchTrainer)),
-                                             cfg.train.context_parallel_degree if cfg.ray.min_workers else 1)(
+                                             worker_group(cfg) if cfg.ray.min_workers else 1)(
         train_loop_per_worker,
         train_loop_config=lc,
         # A range MIN-MAX runs elastic (pipeline/train/distributed/elastic.py); the backend sets each worker up before its

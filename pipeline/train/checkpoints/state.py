@@ -385,6 +385,9 @@ def _save_sharded(engine, directory: Path, extra: dict[str, Any] | None) -> Path
                                             options=StateDictOptions(flatten_optimizer_state_dict=True))
         state = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
                  "rng": _rng_state(engine)}
+        if getattr(engine, "experts", None) is not None:  # split experts: saved in their whole (E, ...) shape, not split by experts
+            state["model"] = engine.experts.to_global(state["model"], MODEL_PREFIX)
+            state["optim"] = engine.experts.to_global(state["optim"], MODEL_PREFIX)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDED_DIR)))
         # Every worker hashes the files it wrote (rank 0 also DCP's index); rank 0 records them all in meta.json.
         mine = [f"{SHARDED_DIR}/{p.name}" for p in (tmp / SHARDED_DIR).glob(f"__{engine.rank}_*.distcp")]
@@ -429,6 +432,8 @@ def load(engine, directory: str | os.PathLike, weights_only_model: bool = False,
     elif not is_local(str(directory)):
         with local_copy(directory) as local:
             return load(engine, local, weights_only_model, meta)
+    elif getattr(engine, "experts", None) is not None:
+        _load_full_into_split(engine, Path(directory), weights_only_model)
     elif engine.sharded:
         _load_full_into_sharded(engine, Path(directory), weights_only_model)
     else:
@@ -483,6 +488,40 @@ def _load_full_into_sharded(engine, directory: Path, weights_only_model: bool) -
     _set_rng_state(engine, state["rng"])
 
 
+def _load_full_into_split(engine, directory: Path, weights_only_model: bool) -> None:
+    """A full checkpoint (every expert in one tensor) resumed with split experts: every worker reads it whole and
+    keeps its block of experts (of the weights and of AdamW's moments); the rest as for DDP or FSDP."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    ex = engine.experts
+    weights = {k: (ex.block(v).clone() if k in ex.params else v)
+               for k, v in load_file(str(directory / "model.safetensors")).items()}
+    full = StateDictOptions(full_state_dict=True)
+    if engine.parallel == "fsdp":
+        _check_keys(*set_model_state_dict(engine.module, {MODEL_PREFIX + k: v for k, v in weights.items()},
+                                          options=full), directory)
+    else:
+        _check_keys(*engine.module.decoder.load_state_dict(weights, strict=False), directory)
+    if weights_only_model:
+        return
+    state = torch.load(directory / "train_state.pt", map_location="cpu", weights_only=True)
+    names, saved = engine.param_names, state["optimizer"]
+    for i, moments in saved["state"].items():
+        if names[i][len(MODEL_PREFIX):] in ex.params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments[key] = ex.block(moments[key]).clone()
+    if engine.parallel == "fsdp":
+        optim = {"state": {names[i]: s for i, s in saved["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+        set_optimizer_state_dict(engine.module, engine.optimizer, optim, options=full)
+    else:
+        engine.optimizer.load_state_dict(saved)
+    engine.scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(engine, state["rng"])
+
+
 def _dcp_load(state: dict[str, Any], reader, no_dist: bool) -> None:
     """dcp.load in place. With no_dist (one process reading a sharded checkpoint whole: eval, generate, export, or an
     unsharded run resuming one) DCP warns that torch.distributed is not initialised, which is the intent here."""
@@ -504,9 +543,12 @@ def _load_sharded(engine, directory: str, meta: dict[str, Any], weights_only_mod
 
     opts = StateDictOptions(flatten_optimizer_state_dict=True)
     reader = _safe_reader(_join(directory, SHARDED_DIR))
+    ex = getattr(engine, "experts", None)  # split experts: read as whole-shape DTensors into this rank's blocks
     if weights_only_model:
         model_sd = get_model_state_dict(engine.module)
-        _dcp_load({"model": model_sd}, reader, no_dist=not engine.sharded)
+        # the whole-shape DTensors share the tensors of model_sd, which DCP fills in place
+        _dcp_load({"model": ex.to_global(model_sd, MODEL_PREFIX) if ex is not None else model_sd}, reader,
+                  no_dist=not engine.sharded)
         _check_keys(*engine.module.load_state_dict(model_sd, strict=False), directory)
         _count_read(meta, reader)
         return
@@ -515,7 +557,11 @@ def _load_sharded(engine, directory: str, meta: dict[str, Any], weights_only_mod
     model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer, options=opts)
     state = {"model": model_sd, "optim": {k: v for k, v in optim_sd.items() if k.startswith("state.")},
              "rng": _rng_state(engine)}
-    _dcp_load(state, reader, no_dist=not engine.sharded)
+    if ex is not None:  # whole-shape DTensors sharing the tensors of `state`, which DCP fills in place
+        _dcp_load({**state, "model": ex.to_global(state["model"], MODEL_PREFIX),
+                   "optim": ex.to_global(state["optim"], MODEL_PREFIX)}, reader, no_dist=False)
+    else:
+        _dcp_load(state, reader, no_dist=not engine.sharded)
     set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
                    optim_state_dict={**optim_sd, **state["optim"]}, options=opts)
     engine.scheduler.load_state_dict(meta["scheduler"])

@@ -81,17 +81,20 @@ def at_world_size(cfg: Config, world: int) -> Config:
         return cfg
     cp = t.context_parallel_degree
     per_step = t.grad_accum * (r.num_workers // cp)  # micro-batches per step over all data ranks
-    if world % cp or per_step % (world // cp):
+    if world % (cp * t.expert_parallel_degree) or per_step % (world // cp):  # whole context and expert groups
         raise ValueError(f"{world} workers cannot keep the global batch of {t.batch_size * per_step} sequences "
                          f"(ray.num_workers={r.num_workers}, train.grad_accum={t.grad_accum}, "
-                         f"train.context_parallel_degree={cp})")
+                         f"train.context_parallel_degree={cp}, train.expert_parallel_degree="
+                         f"{t.expert_parallel_degree})")
     return cfg.replace({"ray.min_workers": 0, "ray.num_workers": world,
                         "train.grad_accum": per_step // (world // cp)})
 
 
 class WholeContextGroups(ElasticScalingPolicy):
     """Ray Train's elastic policy, starting or resizing to whole context groups only: the workers it counts room for,
-    rounded down to a multiple of the context-parallel degree (below ray.min_workers it waits, as Ray's does)."""
+    rounded down to a multiple of the context-parallel degree (below ray.min_workers it waits, as Ray's does). With
+    split experts `degree` is the context degree x the expert-parallel degree (pipeline/config.py worker_group):
+    whole expert groups, each holding every expert once."""
 
     def __init__(self, scaling_config, degree: int):
         super().__init__(scaling_config)

@@ -77,14 +77,21 @@ def resolve_parallel(cfg, vocab_size: int, device: torch.device, *, shape=None) 
     return mode, f"train.parallel=auto: {why}"
 
 
-def shard_model(module: nn.Module, mode: str, device: torch.device, amp_dtype: torch.dtype | None) -> nn.Module:
+def shard_model(module: nn.Module, mode: str, device: torch.device, amp_dtype: torch.dtype | None,
+                experts=None) -> nn.Module:
     """Apply `mode` to the engine's LossModule (decoder + fused head); returns the module to call. FSDP shards
-    `module` in place (it is also what is returned); DDP wraps it."""
+    `module` in place (it is also what is returned); DDP wraps it. `experts`: the decoder's experts split over
+    ranks (pipeline/train/distributed/expert_parallel.py ExpertParallel): DDP leaves them out (their gradients are
+    summed over the ranks holding the same experts after backward); FSDP shards each layer's experts over those
+    ranks first (ExpertParallel.shard_experts), then the blocks and the root over every rank as without experts."""
     if mode == "none":
         return module
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if experts is not None:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                module, [f"decoder.{n}" for n in experts.names])
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids, gradient_as_bucket_view=True)
     if mode != "fsdp":
@@ -98,6 +105,8 @@ def shard_model(module: nn.Module, mode: str, device: torch.device, amp_dtype: t
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     blocks = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    if experts is not None:  # the experts' own units, over the ranks that hold the same experts
+        experts.shard_experts(blocks)
     for block in module.decoder.blocks:
         mixer = getattr(block, "mixer", None)
         if mixer is not None:  # the resonance mixer: fp32 eigenvalues (module docstring)

@@ -48,6 +48,7 @@ def load_for_eval(checkpoint: str | Path, dataset_dir: str | Path | None = None)
             raise CheckpointError(f"checkpoint {checkpoint} does not name its dataset; pass the dataset directory")
         manifest = load_manifest(dataset_dir)
         check_compatible(manifest, vocab_size=meta["vocab_size"], seq_len=meta["seq_len"])
-        engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size, context=1)  # whole rows, one process
+        engine = Engine(cfg.replace({"model.compile": "off"}), manifest.vocab_size, context=1,
+                        experts=1)  # whole rows and every expert, one process
         engine.load(local, weights_only_model=True, meta=meta)
     return LoadedCheckpoint(engine, meta, cfg, dataset_dir, manifest)

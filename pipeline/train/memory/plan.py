@@ -308,9 +308,10 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
 
     expert_degree: a mixture of experts' routed experts split over that many workers (expert parallelism): a
     worker holds E / degree experts of every MoE layer; under FSDP the experts are sharded over the workers as the
-    rest is (degree x the workers left of the mesh), so the state per worker is the same, and what the degree
-    saves is FSDP's working set (a block's gathered parameters hold E / degree experts); under DDP the experts'
-    state itself is divided by the degree. Each MoE layer also holds the rows it sends and receives (k d per token
+    rest is (degree x the workers left of the mesh), so the state per worker is the same, and a block's gathered
+    parameters hold no experts, while every layer's E / degree experts stay gathered from their forward to their
+    backward (their own FSDP units: pipeline/train/distributed/expert_parallel.py); under DDP the experts' state
+    itself is divided by the degree. Each MoE layer also holds the rows it sends and receives (k d per token
     each, in the compute dtype). The load is taken as balanced.
 
     Backward is followed block by block: block i's backward holds the activations of the blocks below it, its
@@ -351,8 +352,11 @@ def estimate(cfg, vocab_size: int, *, workers: int = 1, parallel: str = "ddp", d
     grow = 0 if buckets else 1  # gradients appear during backward unless the buckets already hold them
     if fsdp:  # the root unsharded, two blocks gathered (one running, one prefetched); in a block's backward also
         p_bytes = 2 if s.bf16 else 4  # its unsharded gradients, its fp32 reduce-scatter input and a third block's
-        working = 4 * root_p + 2 * p_bytes * block_p  # parameters (the next one gathers before the last is freed)
-        block_working = (2 * p_bytes + 4) * block_p
+        gathered = block_p - (held // L if expert_degree > 1 else 0)  # split experts: not in a block's gather
+        working = 4 * root_p + 2 * p_bytes * gathered  # parameters (the next one gathers before the last is freed)
+        block_working = (2 * p_bytes + 4) * gathered
+        if expert_degree > 1:  # split experts are their own FSDP units, gathered from their forward to their
+            working += p_bytes * held  # backward: every MoE layer's block of E / degree experts at once
     else:
         working = 2 * (total_p - root_p + vocab_size * d) if s.bf16 else 0  # autocast's bf16 weight copies
         block_working = 0

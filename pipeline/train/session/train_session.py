@@ -161,14 +161,15 @@ def parse_phases(doc: Any, cfg: Config, where: str, *, one_process: bool = False
 
 def check_one_process(phases: list[Phase], cfg: Config, where: str, first: int = 0) -> None:
     """train --no-ray: every phase runs in this one process, so a phase that sets train.context_parallel_degree > 1
-    is refused before the first step of the first phase (and before a new run's directory is made), not when it
-    comes. `first`: the index of phases[0] in the run."""
+    (or train.expert_parallel_degree > 1) is refused before the first step of the first phase (and before a new
+    run's directory is made), not when it comes. `first`: the index of phases[0] in the run."""
     from pipeline.config import one_process_refusal
 
     for i, phase in enumerate(phases, start=first):
-        degree = int(phase.overrides.get("train.context_parallel_degree", cfg.train.context_parallel_degree))
-        if degree > 1:
-            raise ConfigError(f"{where}: phase {i} overrides: {one_process_refusal(degree)}")
+        for key, what in (("train.context_parallel_degree", "context"), ("train.expert_parallel_degree", "experts")):
+            degree = int(phase.overrides.get(key, getattr(cfg.train, key.split(".")[1])))
+            if degree > 1:
+                raise ConfigError(f"{where}: phase {i} overrides: {one_process_refusal(degree, what)}")
 
 
 def keep_tokens_per_step(before: Config, pcfg: Config, overrides: dict[str, Any]) -> tuple[Config, str]:

@@ -159,8 +159,9 @@ def test_the_memory_model_and_the_plan_know_the_context_parallel_degree(capsys):
 
 
 def test_the_expert_parallel_degree_in_the_memory_model_and_the_plan(capsys):
-    """Experts split over workers: under DDP their state is divided by the degree; under FSDP the state is the same
-    and the gathered blocks' working set shrinks; the plan names the smallest degree at which a MoE tier fits."""
+    """Experts split over workers: under DDP their state is divided by the degree; under FSDP the state is the same,
+    and the working set holds every layer's E / degree experts gathered (their own FSDP units, from forward to
+    backward) instead of the experts of two blocks; the plan names the smallest degree at which a MoE tier fits."""
     from model.flops import expert_params
     from pipeline.config import model_tier
     from pipeline.train.memory.plan import smallest_expert_degree
@@ -169,12 +170,15 @@ def test_the_expert_parallel_degree_in_the_memory_model_and_the_plan(capsys):
     experts = expert_params(model_tier(cfg))
     ddp = [estimate(cfg, 32000, workers=8, parallel="ddp", expert_degree=e) for e in (1, 4)]
     assert ddp[0].params - ddp[1].params == 4 * (experts - experts // 4)  # fp32 weights of the experts held elsewhere
-    fsdp = [estimate(cfg, 32000, workers=8, parallel="fsdp", expert_degree=e) for e in (1, 2)]
-    assert fsdp[1].params == pytest.approx(fsdp[0].params, rel=1e-3) and fsdp[1].working < fsdp[0].working
+    fsdp = [estimate(cfg, 32000, workers=8, parallel="fsdp", expert_degree=e) for e in (1, 2, 8)]
+    assert fsdp[1].params == pytest.approx(fsdp[0].params, rel=1e-3) == fsdp[2].params
+    L, p_bytes = model_tier(cfg).n_layers, 2  # bf16 on the GPU preset
+    for f, e in ((fsdp[1], 2), (fsdp[2], 8)):  # + every layer's E / e experts gathered, - two blocks' experts
+        assert f.working - fsdp[0].working == pytest.approx(p_bytes * (experts // e - 2 * experts // L), rel=1e-3), e
     p = smallest_expert_degree(cfg, 32000, workers=8, limit_gib=6)
-    assert p is not None and p.expert_degree == 2 and p.fits
+    assert p is not None and p.expert_degree == 8 and p.fits
     assert smallest_expert_degree(load_config("gpu", {"model.tier": "C"}), 32000, workers=8, limit_gib=6) is None
     assert max_batch_main(["--tier", "C-moe", "--seq-len", "4096", "--workers", "8", "--memory-limit-gib", "6"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("expert parallelism: the smallest degree that fits is 2") and "--train.expert_parallel_" \
-        "degree=2" in line
+    assert line.startswith("expert parallelism: the smallest degree that fits is 8") and "--train.expert_parallel_" \
+        "degree=8" in line and "does not have" not in line  # the exchange exists: no caveat

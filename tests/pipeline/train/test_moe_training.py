@@ -123,8 +123,8 @@ def test_capacity_drops_are_counted_and_taken_out_of_the_executed_flops():
     ({"model.tier": "nano-moe", "model.shared_experts": -2}, "model.shared_experts=-2 is invalid"),
     ({"model.tier": "nano-moe", "train.expert_parallel_degree": 3}, "train.expert_parallel_degree=3 does not divide "
                                                                      "model.num_experts=8"),
-    ({"model.tier": "nano-moe", "train.expert_parallel_degree": 2}, "train.expert_parallel_degree=2 needs the "
-                                                                     "distributed expert exchange"),
+    ({"model.tier": "nano-moe", "train.expert_parallel_degree": 2, "ray.num_workers": 3},
+     "ray.num_workers=3 is not a multiple of train.expert_parallel_degree=2: the workers form whole expert groups"),
     ({"model.tier": "nano", "train.expert_parallel_degree": 2}, "train.expert_parallel_degree=2 splits experts, but "
                                                                  "model.tier=nano is dense"),
 ])
