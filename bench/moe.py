@@ -56,12 +56,14 @@ MODELS = {"dense": {"model.tier": "nano"},
           "dense_total": {"model.tier": WIDE}}
 
 
-def register_wide_tier() -> None:
+def register_wide_tier(num_experts: int = 0) -> None:
+    """nano-wide: nano with the MLP parameters of nano-moe (with num_experts experts, when given) as one MLP."""
     from model.tiers import TIERS
 
     if WIDE not in TIERS:
         moe = TIERS["nano-moe"].moe
-        TIERS[WIDE] = dataclasses.replace(TIERS["nano"], name=WIDE, d_ff=moe.num_experts * moe.expert_ffn)
+        experts = num_experts or moe.num_experts
+        TIERS[WIDE] = dataclasses.replace(TIERS["nano"], name=WIDE, d_ff=experts * moe.expert_ffn)
 
 
 def corpus_rows(seq_len: int, vocab: int, work: Path) -> torch.Tensor:
@@ -122,7 +124,7 @@ def timed_steps(engines: dict, batch: torch.Tensor, rounds: int) -> dict[str, fl
 
 
 def cpu_comparison(args) -> dict:
-    register_wide_tier()
+    register_wide_tier(args.experts)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-moe-") as tmp:
         rows = corpus_rows(SEQ_LEN, VOCAB, Path(tmp))
@@ -130,7 +132,8 @@ def cpu_comparison(args) -> dict:
     print(f"built-in corpus: {rows.numel():,} tokens in {len(rows)} rows of {SEQ_LEN + 1}; {len(val)} held out; "
           f"{args.steps} steps x {BATCH} rows = {args.steps * BATCH / len(train):.2f} epochs", flush=True)
     results = {}
-    moe = {"model.moe_aux_weight": args.aux_weight, "model.moe_bias_rate": args.bias_rate}
+    moe = {"model.moe_aux_weight": args.aux_weight, "model.moe_bias_rate": args.bias_rate,
+           **({"model.num_experts": args.experts} if args.experts else {})}
     for name in MODELS:
         r = train_one(name, train, val, args.steps, args.seed, args.log_every, moe)
         results[name] = r
@@ -152,7 +155,7 @@ def cpu_comparison(args) -> dict:
         "setup": {"seq_len": SEQ_LEN, "vocab": VOCAB, "batch": BATCH, "steps": args.steps, "threads": args.threads,
                   "val_rows": len(val), "train_rows": len(train), "seed": args.seed, "log_every": args.log_every,
                   "speed_rounds": args.rounds, "moe_aux_weight": args.aux_weight,
-                  "moe_bias_rate": args.bias_rate},
+                  "moe_bias_rate": args.bias_rate, "num_experts": args.experts or None},
         "models": {n: {k: v for k, v in r.items() if k != "engine"} for n, r in results.items()},
         "quality": {n: {"val_loss": r["val_loss"], "over_dense": r["val_loss"] / dense} for n, r in results.items()},
         "quality_goal": {"moe_aux_over_dense_at_equal_active": 0.97},
@@ -218,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--aux-weight", type=float, default=0.01, help="model.moe_aux_weight of moe_aux (default 0.01)")
     p.add_argument("--bias-rate", type=float, default=0.001, help="model.moe_bias_rate of moe_bias (default 0.001)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="model.num_experts of the MoE models (default: nano-moe's 8; 2 per token, 96 wide either way, "
+                        "so the active parameters stay dense's and the total grows; dense_total follows)")
     p.add_argument("--tag", default="", help="appended to the result's name (moe_<tag>-...json)")
     p.add_argument("--smoke", action="store_true", help="a few steps each: the plumbing, not the figures")
     p.add_argument("--gpu", action="store_true", help="the one-GPU step: --tier at --seq-len beside its dense twin")
